@@ -1,0 +1,12 @@
+"""qkv: the attention mechanism of transformers, to learn and to use.
+
+Legend used in every docstring and error: B batch · H query heads · H_kv key/value heads ·
+T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
+"""
+
+from . import masks, numpy
+from .functional import Dispatch, attention, dispatch
+
+__version__ = "0.1.0"
+
+__all__ = ["Dispatch", "attention", "dispatch", "masks", "numpy"]

@@ -1,0 +1,64 @@
+"""The reference kernel: the seeds' math, materialised, in PyTorch.
+
+``softmax(Q Kᵀ · scale, masked) V`` with the full (T_q, T_k) score matrix. It is the one
+kernel that returns the attention weights for free. float16/bfloat16 inputs are computed
+in float32 and the output cast back.
+
+Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key length ·
+D head dim · D_v value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics are kept in float32 at least."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Materialised attention.
+
+    Args:
+        q: (B, H, T_q, D). k: (B, H_kv, T_k, D). v: (B, H_kv, T_k, D_v), T_k >= 1.
+        mask: bool, True = may attend, broadcastable to (B, H, T_q, T_k); or None.
+        scale: multiplies the scores.
+        dropout_p: drop probability on the weights; kept ones are scaled by 1/(1 - p).
+        generator: the source of the dropout pattern.
+
+    Returns:
+        out (B, H, T_q, D_v) in q's dtype; weights (B, H, T_q, T_k) as applied to v (after
+        dropout), in q's dtype; lse (B, H, T_q) in the accumulation dtype.
+    """
+    acc = accumulation_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    # Query head h reads key/value head h // groups.
+    k = k.repeat_interleave(groups, dim=1)  # (B, H, T_k, D)
+    v = v.repeat_interleave(groups, dim=1)  # (B, H, T_k, D_v)
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # Softmax is unchanged by subtracting any per-row constant, so the max is detached;
+    # a fully masked row has max -inf and uses 0 instead, keeping exp(-inf) = 0 (no NaN).
+    m = scores.detach().amax(dim=-1, keepdim=True)  # (B, H, T_q, 1)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    e = torch.exp(scores - m)
+    s = e.sum(dim=-1, keepdim=True)
+    weights = e / s.masked_fill(s == 0, 1.0)  # (B, H, T_q, T_k); 0 on fully masked rows
+    lse = (m + torch.log(s)).squeeze(-1)  # (B, H, T_q); -inf on fully masked rows
+    if dropout_p > 0.0:
+        keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout_p
+        weights = weights * keep / (1.0 - dropout_p)
+    out = weights @ v.to(acc)  # (B, H, T_q, D_v)
+    return out.to(q.dtype), weights.to(q.dtype), lse

@@ -1,0 +1,320 @@
+"""Masks as predicates over absolute positions: ``mask(b, h, q_idx, kv_idx) -> bool``.
+
+``True`` means *may attend*. Query ``i`` sits at absolute position ``q_offset + i`` and key
+``j`` at position ``j``; the default ``q_offset`` is ``T_k - T_q`` (bottom-right, what a KV
+cache needs), so for ``T_q == T_k`` :func:`causal` is the usual lower triangle.
+
+Masks compose with ``&``, ``|`` and ``~`` and lower to a dense bool tensor for given shapes.
+A predicate is evaluated on broadcastable index arrays (NumPy or torch), so it is written
+with operators only: ``lambda b, h, q, kv: kv <= q``.
+
+Legend: B batch · H query heads · T_q/T_k query/key length.
+
+Example:
+    >>> from qkv import masks
+    >>> m = masks.causal() & masks.sliding_window(2)
+    >>> m
+    causal() & sliding_window(2)
+    >>> print(m.picture(4))
+    █ · · ·
+    █ █ · ·
+    · █ █ ·
+    · · █ █
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ._checks import fmt_shape
+
+Predicate = Callable[[Any, Any, Any, Any], Any]
+
+
+class Mask:
+    """Base class: a predicate ``(b, h, q_idx, kv_idx) -> bool`` with an algebra."""
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        raise NotImplementedError
+
+    def __and__(self, other: Mask) -> Mask:
+        return _And(self, other) if isinstance(other, Mask) else NotImplemented
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Or(self, other) if isinstance(other, Mask) else NotImplemented
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
+        """Raise ValueError if this mask cannot apply to these sizes."""
+
+    def _evaluate(self, B: int, H: int, T_q: int, T_k: int, q_offset: int | None, xp: Any) -> Any:
+        self.validate(B, H, T_q, T_k)
+        if q_offset is None:
+            q_offset = T_k - T_q
+        b = xp.arange(B).reshape(B, 1, 1, 1)
+        h = xp.arange(H).reshape(1, H, 1, 1)
+        q = (xp.arange(T_q) + q_offset).reshape(1, 1, T_q, 1)
+        kv = xp.arange(T_k).reshape(1, 1, 1, T_k)
+        out = self(b, h, q, kv)
+        if str(getattr(out, "dtype", None)).replace("torch.", "") != "bool":
+            raise TypeError(f"mask {self!r} must return bool; got {type(out).__name__} "
+                            f"of dtype {getattr(out, 'dtype', None)}")
+        try:
+            return xp.broadcast_to(out, (B, H, T_q, T_k))
+        except (RuntimeError, ValueError):
+            raise ValueError(f"mask {self!r} returned shape {fmt_shape(out.shape)}, which does "
+                             f"not broadcast to (B, H, T_q, T_k) = {fmt_shape((B, H, T_q, T_k))}"
+                             ) from None
+
+    def dense(self, B: int, H: int, T_q: int, T_k: int, *, q_offset: int | None = None,
+              device: torch.device | str | None = None) -> torch.Tensor:
+        """Lower to a bool tensor of shape (B, H, T_q, T_k) (a broadcast view: no copy
+        along the dimensions the mask does not depend on)."""
+        return self._evaluate(B, H, T_q, T_k, q_offset, _TorchIndex(device))
+
+    def to_numpy(self, B: int, H: int, T_q: int, T_k: int, *,
+                 q_offset: int | None = None) -> np.ndarray:
+        """Lower to a NumPy bool array of shape (B, H, T_q, T_k)."""
+        return self._evaluate(B, H, T_q, T_k, q_offset, np)
+
+    def picture(self, T_q: int, T_k: int | None = None, *, q_offset: int | None = None,
+                b: int = 0, h: int = 0) -> str:
+        """A text picture for learners: one row per query, █ = may attend, · = masked."""
+        T_k = T_q if T_k is None else T_k
+        grid = self.to_numpy(b + 1, h + 1, T_q, T_k, q_offset=q_offset)[b, h]
+        return "\n".join(" ".join("█" if x else "·" for x in row) for row in grid)
+
+
+class _TorchIndex:
+    """The three array functions a lowering needs, on one torch device."""
+
+    def __init__(self, device: torch.device | str | None) -> None:
+        self.device = device
+
+    def arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, device=self.device)
+
+    def broadcast_to(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.broadcast_to(x, shape)
+
+
+def _like(data: np.ndarray, ref: Any) -> Any:
+    """``data`` as the array type (and device) of the index array ``ref``."""
+    if isinstance(ref, torch.Tensor):
+        return torch.as_tensor(data, device=ref.device)
+    return data
+
+
+def _ints(name: str, values: Any, ndims: tuple[int, ...]) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer) or arr.ndim not in ndims:
+        raise TypeError(f"{name} must be integers of {' or '.join(f'{n} dims' for n in ndims)}; "
+                        f"got {arr.dtype} of shape {fmt_shape(arr.shape)}")
+    return arr.astype(np.int64)
+
+
+def _short(arr: np.ndarray) -> str:
+    text = np.array2string(arr, separator=", ", threshold=8, edgeitems=3)
+    return text.replace("\n", "")
+
+
+def _int_arg(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}; got {value}")
+    return int(value)
+
+
+class _Full(Mask):
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx >= 0
+
+    def __repr__(self) -> str:
+        return "full()"
+
+
+class _Causal(Mask):
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class _SlidingWindow(Mask):
+    def __init__(self, window: int) -> None:
+        self.window = _int_arg("window", window, 1)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.window})"
+
+
+class _Padding(Mask):
+    def __init__(self, lengths: Any) -> None:
+        self.lengths = _ints("lengths", lengths, (1,))
+        if (self.lengths < 0).any():
+            raise ValueError(f"lengths must be >= 0; got {_short(self.lengths)}")
+
+    def validate(self, B, H, T_q, T_k):
+        if self.lengths.shape != (B,):
+            raise ValueError(f"padding lengths must have shape (B,) = ({B},); "
+                             f"got {fmt_shape(self.lengths.shape)}")
+        if (self.lengths > T_k).any():
+            raise ValueError(f"padding lengths must be <= T_k={T_k}; got {_short(self.lengths)}")
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx < _like(self.lengths, kv_idx)[b]
+
+    def __repr__(self) -> str:
+        return f"padding({_short(self.lengths)})"
+
+
+class _Document(Mask):
+    def __init__(self, ids: Any) -> None:
+        self.ids = _ints("ids", ids, (1, 2))
+
+    def validate(self, B, H, T_q, T_k):
+        want = (T_k,) if self.ids.ndim == 1 else (B, T_k)
+        if self.ids.shape != want:
+            letters = "(T_k,)" if self.ids.ndim == 1 else "(B, T_k)"
+            raise ValueError(f"document ids must have shape {letters} = {fmt_shape(want)}; "
+                             f"got {fmt_shape(self.ids.shape)}")
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        ids = _like(self.ids, kv_idx)
+        n = ids.shape[-1]
+        q_in = (q_idx >= 0) & (q_idx < n)  # a query before the first key has no document
+        q_safe = q_idx.clip(0, n - 1)
+        if ids.ndim == 1:
+            return q_in & (ids[q_safe] == ids[kv_idx])
+        return q_in & (ids[b, q_safe] == ids[b, kv_idx])
+
+    def __repr__(self) -> str:
+        return f"document({_short(self.ids)})"
+
+
+class _PrefixLM(Mask):
+    def __init__(self, prefix: int) -> None:
+        self.prefix = _int_arg("prefix", prefix, 0)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+    def __repr__(self) -> str:
+        return f"prefix_lm({self.prefix})"
+
+
+class _Predicate(Mask):
+    def __init__(self, fn: Predicate, name: str | None) -> None:
+        if not callable(fn):
+            raise TypeError(f"predicate must be callable; got {type(fn).__name__}")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "predicate")
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"predicate({self.name})"
+
+
+class _Binary(Mask):
+    def __init__(self, left: Mask, right: Mask) -> None:
+        self.left, self.right = left, right
+
+    def validate(self, B, H, T_q, T_k):
+        self.left.validate(B, H, T_q, T_k)
+        self.right.validate(B, H, T_q, T_k)
+
+
+class _And(_Binary):
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.left(b, h, q_idx, kv_idx) & self.right(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        wrap = lambda m: f"({m!r})" if isinstance(m, _Or) else repr(m)  # noqa: E731
+        return f"{wrap(self.left)} & {wrap(self.right)}"
+
+
+class _Or(_Binary):
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.left(b, h, q_idx, kv_idx) | self.right(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{self.left!r} | {self.right!r}"
+
+
+class _Not(Mask):
+    def __init__(self, inner: Mask) -> None:
+        self.inner = inner
+
+    def validate(self, B, H, T_q, T_k):
+        self.inner.validate(B, H, T_q, T_k)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return ~self.inner(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        inner = repr(self.inner)
+        return f"~({inner})" if isinstance(self.inner, (_Binary, _Not)) else f"~{inner}"
+
+
+def full() -> Mask:
+    """Every query may attend to every key (the encoder's bidirectional attention)."""
+    return _Full()
+
+
+def causal() -> Mask:
+    """Query at absolute position ``p`` may attend to keys ``0..p`` (no peeking ahead)."""
+    return _Causal()
+
+
+def sliding_window(window: int) -> Mask:
+    """Causal, limited to the last ``window`` keys: ``p - window < kv <= p``.
+
+    ``sliding_window(T)`` equals :func:`causal` for sequences of length ``T``.
+    """
+    return _SlidingWindow(window)
+
+
+def padding(lengths: Any) -> Mask:
+    """Batch row ``b`` may attend only to its first ``lengths[b]`` keys; shape (B,)."""
+    return _Padding(lengths)
+
+
+def document(ids: Any) -> Mask:
+    """Packed sequences: attend only to keys of the same document.
+
+    ``ids`` gives the document id of every key position, shape (T_k,) or (B, T_k).
+    Bidirectional within a document; combine with :func:`causal` for decoders.
+    """
+    return _Document(ids)
+
+
+def prefix_lm(prefix: int) -> Mask:
+    """Bidirectional over the first ``prefix`` positions, causal after them."""
+    return _PrefixLM(prefix)
+
+
+def predicate(fn: Predicate, name: str | None = None) -> Mask:
+    """Wrap any ``fn(b, h, q_idx, kv_idx) -> bool array`` as a composable mask.
+
+    ``fn`` receives broadcastable integer index arrays of shapes (B, 1, 1, 1), (1, H, 1, 1),
+    (1, 1, T_q, 1) and (1, 1, 1, T_k) holding absolute positions, and must use operators only.
+    """
+    return _Predicate(fn, name)
+
+
+__all__ = ["Mask", "causal", "document", "full", "padding", "predicate", "prefix_lm",
+           "sliding_window"]

@@ -1,0 +1,37 @@
+"""Shared test helpers: inputs and one mask of every kind."""
+
+import numpy as np
+import torch
+
+from qkv import masks
+
+
+def make_qkv(B, H, H_kv, T_q, T_k, D, D_v, *, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T_q, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, H_kv, T_k, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, H_kv, T_k, D_v, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def mask_zoo(B, T_k, seed=0):
+    """One of every mask kind, and combinations, for batch B and key length T_k."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, T_k + 1, size=B)
+    ids = np.sort(rng.integers(0, 3, size=(B, T_k)), axis=-1)
+    return {
+        "none": None,
+        "full": masks.full(),
+        "causal": masks.causal(),
+        "sliding_window": masks.sliding_window(3),
+        "padding": masks.padding(lengths),
+        "document": masks.document(ids),
+        "document_1d": masks.document(ids[0]),
+        "prefix_lm": masks.prefix_lm(2),
+        "causal&padding": masks.causal() & masks.padding(lengths),
+        "document&causal": masks.document(ids) & masks.causal(),
+        "window|prefix": masks.sliding_window(2) | masks.prefix_lm(1),
+        "~causal": ~masks.causal(),
+        "predicate": masks.predicate(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "mod3"),
+        "dense": torch.from_numpy(rng.random((B, 1, 1, T_k)) < 0.7),
+    }

@@ -1,0 +1,135 @@
+"""Masks: exact dense lowering, algebra laws, alignment, pictures and bad arguments."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from qkv import masks
+
+SIZES = [(1, 1), (4, 4), (3, 7), (7, 3), (17, 17)]
+
+
+def loop_lowering(fn, B, H, T_q, T_k, q_offset):
+    """The predicate evaluated one position at a time: the definition of dense()."""
+    out = np.zeros((B, H, T_q, T_k), dtype=bool)
+    for b, h, i, j in itertools.product(range(B), range(H), range(T_q), range(T_k)):
+        out[b, h, i, j] = fn(b, h, q_offset + i, j)
+    return out
+
+
+DEFINITIONS = {
+    "full": (masks.full(), lambda b, h, q, kv: True),
+    "causal": (masks.causal(), lambda b, h, q, kv: kv <= q),
+    "sliding_window": (masks.sliding_window(3), lambda b, h, q, kv: q - 3 < kv <= q),
+    "padding": (masks.padding([1, 0]), lambda b, h, q, kv: kv < [1, 0][b]),
+    "prefix_lm": (masks.prefix_lm(2), lambda b, h, q, kv: kv <= q or kv < 2),
+}
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+@pytest.mark.parametrize("T_q,T_k", SIZES)
+def test_dense_matches_definition(name, T_q, T_k):
+    mask, fn = DEFINITIONS[name]
+    B, H = 2, 3
+    want = loop_lowering(fn, B, H, T_q, T_k, T_k - T_q)
+    np.testing.assert_array_equal(mask.to_numpy(B, H, T_q, T_k), want)
+    np.testing.assert_array_equal(mask.dense(B, H, T_q, T_k).numpy(), want)
+
+
+@pytest.mark.parametrize("T_q,T_k", [(4, 4), (2, 6), (6, 6)])
+def test_document_matches_definition(T_q, T_k):
+    ids = np.array([0, 0, 1, 1, 1, 2][:T_k])
+    want = loop_lowering(lambda b, h, q, kv: 0 <= q < T_k and ids[q] == ids[kv],
+                         1, 1, T_q, T_k, T_k - T_q)
+    np.testing.assert_array_equal(masks.document(ids).to_numpy(1, 1, T_q, T_k), want)
+
+
+def test_document_queries_before_the_first_key_see_nothing():
+    # T_q > T_k with bottom-right alignment puts the first queries at negative positions.
+    dense = masks.document([0, 1]).to_numpy(1, 1, 4, 2)[0, 0]
+    np.testing.assert_array_equal(dense, [[0, 0], [0, 0], [1, 0], [0, 1]])
+
+
+def test_batched_document_ids():
+    ids = np.array([[0, 0, 1], [0, 1, 1]])
+    dense = masks.document(ids).to_numpy(2, 1, 3, 3)
+    np.testing.assert_array_equal(dense[0, 0], [[1, 1, 0], [1, 1, 0], [0, 0, 1]])
+    np.testing.assert_array_equal(dense[1, 0], [[1, 0, 0], [0, 1, 1], [0, 1, 1]])
+
+
+def test_default_alignment_is_bottom_right():
+    # T_q = 2 queries against T_k = 5 keys sit at positions 3 and 4.
+    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 2, 5)[0, 0],
+                                  [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 2, 5, q_offset=0)[0, 0],
+                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    # T_q > T_k: the first queries have no key at all.
+    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 3, 2)[0, 0],
+                                  [[0, 0], [1, 0], [1, 1]])
+
+
+def dense(m, T=9, B=2, H=2):
+    return m.to_numpy(B, H, T, T)
+
+
+@pytest.mark.parametrize("m", [masks.causal(), masks.sliding_window(2), masks.prefix_lm(3),
+                               masks.padding([4, 9]), masks.document([0, 0, 0, 1, 1, 2, 2, 2, 2])])
+def test_algebra_laws(m):
+    full, causal = masks.full(), masks.causal()
+    np.testing.assert_array_equal(dense(m & full), dense(m))
+    np.testing.assert_array_equal(dense(m | ~m), dense(full))
+    np.testing.assert_array_equal(dense(m & ~m), ~dense(full))
+    np.testing.assert_array_equal(dense(~~m), dense(m))
+    np.testing.assert_array_equal(dense(m & causal), dense(causal & m))
+    np.testing.assert_array_equal(dense(~(m & causal)), dense(~m | ~causal))  # De Morgan
+
+
+def test_named_identities():
+    np.testing.assert_array_equal(dense(masks.causal() & masks.full()), dense(masks.causal()))
+    np.testing.assert_array_equal(dense(masks.sliding_window(9)), dense(masks.causal()))
+    np.testing.assert_array_equal(dense(masks.sliding_window(1)), np.broadcast_to(np.eye(9, dtype=bool), (2, 2, 9, 9)))
+    np.testing.assert_array_equal(dense(masks.prefix_lm(0)), dense(masks.causal()))
+    np.testing.assert_array_equal(dense(masks.prefix_lm(9)), dense(masks.full()))
+    np.testing.assert_array_equal(dense(masks.padding([9, 9])), dense(masks.full()))
+    np.testing.assert_array_equal(dense(masks.document([0] * 9)), dense(masks.full()))
+
+
+def test_dense_is_a_broadcast_view():
+    d = masks.causal().dense(8, 16, 64, 64)
+    assert d.shape == (8, 16, 64, 64) and d.dtype == torch.bool
+    assert d.stride()[:2] == (0, 0)  # no copy over B and H
+
+
+def test_repr_and_picture():
+    m = (masks.causal() | masks.prefix_lm(2)) & ~masks.padding([3])
+    assert repr(m) == "(causal() | prefix_lm(2)) & ~padding([3])"
+    assert repr(~(masks.causal() & masks.full())) == "~(causal() & full())"
+    assert repr(masks.document(np.arange(100))) == "document([ 0,  1,  2, ..., 97, 98, 99])"
+    assert masks.sliding_window(2).picture(3) == "█ · ·\n█ █ ·\n· █ █"
+    assert masks.causal().picture(2, 3) == "█ █ ·\n█ █ █"
+
+
+@pytest.mark.parametrize("make,exc,words", [
+    (lambda: masks.sliding_window(-1), ValueError, "window must be >= 1; got -1"),
+    (lambda: masks.sliding_window(0), ValueError, "window must be >= 1; got 0"),
+    (lambda: masks.sliding_window(2.5), TypeError, "window must be an int; got float"),
+    (lambda: masks.prefix_lm(-2), ValueError, "prefix must be >= 0; got -2"),
+    (lambda: masks.padding([3, -1]), ValueError, "lengths must be >= 0"),
+    (lambda: masks.padding([[1, 2]]), TypeError, "lengths must be integers of 1 dims"),
+    (lambda: masks.padding([1.5]), TypeError, "lengths must be integers"),
+    (lambda: masks.document(np.zeros((1, 1, 2), int)), TypeError, "ids must be integers of 1 dims or 2 dims"),
+    (lambda: masks.predicate(3), TypeError, "predicate must be callable"),
+    (lambda: masks.padding([2, 3]).to_numpy(3, 1, 4, 4), ValueError, "padding lengths must have shape (B,) = (3,); got (2,)"),
+    (lambda: masks.padding([2, 5]).to_numpy(2, 1, 4, 4), ValueError, "padding lengths must be <= T_k=4"),
+    (lambda: masks.document([0, 1]).to_numpy(1, 1, 4, 4), ValueError, "document ids must have shape (T_k,) = (4,); got (2,)"),
+    (lambda: masks.document([[0, 1, 1, 1]]).to_numpy(2, 1, 4, 4), ValueError, "document ids must have shape (B, T_k) = (2, 4); got (1, 4)"),
+    (lambda: masks.predicate(lambda b, h, q, kv: q - kv, "diff").to_numpy(1, 1, 3, 3), TypeError, "mask predicate(diff) must return bool"),
+    (lambda: masks.predicate(lambda b, h, q, kv: (q >= 0)[..., :2, :], "cut").to_numpy(1, 1, 3, 3), ValueError, "returned shape (1, 1, 2, 1), which does not broadcast to (B, H, T_q, T_k) = (1, 1, 3, 3)"),
+    (lambda: masks.causal() & np.ones((2, 2), bool), TypeError, ""),
+])
+def test_bad_mask_arguments(make, exc, words):
+    with pytest.raises(exc) as info:
+        make()
+    assert words in str(info.value)
