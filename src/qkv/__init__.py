@@ -4,9 +4,26 @@ Legend used in every docstring and error: B batch · H query heads · H_kv key/v
 T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
-from . import masks, numpy
+from . import masks, numpy, tutorial
+from .explain import Trace, explain
 from .functional import Dispatch, attention, dispatch
+from .modules import (CausalAttention, CrossAttention, MultiHeadAttention,
+                      MultiHeadAttentionWrapper, SelfAttention)
 
 __version__ = "0.1.0"
 
-__all__ = ["Dispatch", "attention", "dispatch", "masks", "numpy"]
+__all__ = [
+    "CausalAttention",
+    "CrossAttention",
+    "Dispatch",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention",
+    "Trace",
+    "attention",
+    "dispatch",
+    "explain",
+    "masks",
+    "numpy",
+    "tutorial",
+]

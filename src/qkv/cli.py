@@ -1,0 +1,163 @@
+"""The ``qkv`` command (also ``python -m qkv``).
+
+``qkv explain`` — the project's main job — traces attention over the seeds' sentence "Your
+journey starts with one step" step by step and writes a heatmap of the weights.
+``qkv mask causal --size 8`` prints a mask's picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from . import masks, tutorial
+from .explain import explain
+from .modules import MultiHeadAttention, SelfAttention
+
+
+def _embeddings(text: str) -> list[list[float]]:
+    try:
+        return [[float(v) for v in row.split(",")] for row in text.split(";") if row.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"embeddings must be rows of comma-separated numbers split by ';', "
+            f"e.g. '0.1,0.2;0.3,0.4'; got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+    return int(text)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ids must be comma-separated integers; got {text!r}"
+                                         ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention, step by step.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("explain", help="trace one attention computation step by step",
+                        description="Trace attention over a sentence step by step and draw "
+                        "its weights. With no options: the seeds' six tokens and 3-d "
+                        "embeddings through SelfAttention(3, 2) seeded with 789.")
+    ex.add_argument("--causal", action="store_true", help="mask out the future")
+    ex.add_argument("--heads", type=_positive, default=1,
+                    help="number of heads (>1 uses MultiHeadAttention; d-out must divide)")
+    ex.add_argument("--d-out", type=_positive, default=2, help="width of Q, K, V (default 2)")
+    ex.add_argument("--seed", type=int, default=789, help="torch seed for the weights (789)")
+    ex.add_argument("--simplified", action="store_true",
+                    help="no trainable weights: Q = K = V = the embeddings, no scaling")
+    ex.add_argument("--tokens", help="token labels, space-separated")
+    ex.add_argument("--embeddings", type=_embeddings,
+                    help="one row per token: '0.1,0.2,0.3;0.4,0.5,0.6'")
+    ex.add_argument("--input", type=Path,
+                    help='a JSON file {"tokens": [...], "embeddings": [[...], ...]}')
+    ex.add_argument("--json", action="store_true", help="print the trace as JSON")
+    ex.add_argument("--png", type=Path, default=Path("attention.png"),
+                    help="where to write the heatmap (default attention.png)")
+    ex.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
+    ex.add_argument("--precision", type=int, default=4, help="decimals in the tables (4)")
+
+    mk = sub.add_parser("mask", help="print a mask's picture",
+                        description="Print a mask as a picture: █ may attend, · masked.")
+    mk.add_argument("kind", choices=["full", "causal", "sliding_window", "prefix_lm",
+                                     "document", "padding"])
+    mk.add_argument("--size", type=_positive, default=8, help="number of queries T_q (8)")
+    mk.add_argument("--keys", type=_positive, help="number of keys T_k (default: --size)")
+    mk.add_argument("--window", type=_positive, default=3, help="for sliding_window (3)")
+    mk.add_argument("--prefix", type=int, default=2, help="for prefix_lm (2)")
+    mk.add_argument("--ids", type=_ids, help="for document: one id per key, '0,0,1,1'")
+    mk.add_argument("--length", type=int, help="for padding: number of valid keys")
+    return parser
+
+
+def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
+    tokens: list[str] | None = args.tokens.split() if args.tokens else None
+    rows = args.embeddings
+    if args.input is not None:
+        try:
+            data = json.loads(args.input.read_text())
+            rows, tokens = data["embeddings"], tokens or data.get("tokens")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"--input {args.input}: cannot read tokens and embeddings "
+                             f"({err})") from None
+    if rows is None:
+        rows = tutorial.EMBEDDINGS
+        tokens = tokens or list(tutorial.SENTENCE)
+    x = torch.tensor(rows, dtype=torch.float32)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError("embeddings must be a non-empty table, one row per token")
+    tokens = tokens or [str(i) for i in range(x.shape[0])]
+    if len(tokens) != x.shape[0]:
+        raise ValueError(f"{len(tokens)} tokens but {x.shape[0]} embedding rows: give one "
+                         "row per token (--embeddings or --input)")
+    return tokens, x
+
+
+def _explain(args: argparse.Namespace) -> None:
+    tokens, x = _sequence(args)
+    torch.manual_seed(args.seed)
+    E = x.shape[1]
+    if args.simplified:
+        module, mask = None, masks.causal() if args.causal else None
+        title = "simplified attention" + (", causal" if args.causal else "")
+    else:
+        mask = None
+        if args.heads == 1:
+            module = SelfAttention(E, args.d_out, causal=args.causal)
+        else:
+            module = MultiHeadAttention(E, args.d_out, args.heads, causal=args.causal)
+        title = (f"{type(module).__name__}(d_in={E}, d_out={args.d_out}"
+                 + (f", heads={args.heads}" if args.heads > 1 else "")
+                 + (", causal" if args.causal else "") + f"), seed {args.seed}")
+    trace = explain(x, tokens=tokens, module=module, mask=mask, title=title)
+    print(json.dumps(trace.to_dict()) if args.json else trace.to_text(args.precision), end="")
+    if not args.no_png:
+        try:
+            trace.heatmap(args.png)
+            print(f"heatmap written to {args.png}", file=sys.stderr)
+        except ImportError as err:
+            print(f"no heatmap: {err}", file=sys.stderr)
+
+
+def _mask(args: argparse.Namespace) -> None:
+    T_q = args.size
+    T_k = args.keys or T_q
+    make = {
+        "full": lambda: masks.full(),
+        "causal": lambda: masks.causal(),
+        "sliding_window": lambda: masks.sliding_window(args.window),
+        "prefix_lm": lambda: masks.prefix_lm(args.prefix),
+        "document": lambda: masks.document(args.ids if args.ids else
+                                           [2 * j // T_k for j in range(T_k)]),
+        "padding": lambda: masks.padding([T_k // 2 if args.length is None else args.length]),
+    }
+    mask = make[args.kind]()
+    print(f"{mask!r}   T_q={T_q}, T_k={T_k}   (█ may attend · masked)")
+    print(mask.picture(T_q, T_k))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        {"explain": _explain, "mask": _mask}[args.command](args)
+    except (ValueError, TypeError) as err:
+        parser.exit(2, f"qkv {args.command}: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
