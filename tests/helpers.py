@@ -35,3 +35,11 @@ def mask_zoo(B, T_k, seed=0):
         "predicate": masks.predicate(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "mod3"),
         "dense": torch.from_numpy(rng.random((B, 1, 1, T_k)) < 0.7),
     }
+
+
+def use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=16):
+    """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks."""
+    import qkv._dispatch as d
+    monkeypatch.setattr(d, "BLOCK_Q", block_q)
+    monkeypatch.setattr(d, "BLOCK_K", block_k)
+    monkeypatch.setattr(d, "CHUNK_K", chunk_k)

@@ -13,10 +13,15 @@ from torch.nn.attention.bias import causal_lower_right
 import qkv
 from qkv import masks
 
-from helpers import make_qkv, mask_zoo
+from helpers import make_qkv, mask_zoo, use_small_tiles
 from tolerances import FLOAT64
 
-BACKENDS = ["reference", "sdpa", "auto"]
+BACKENDS = ["reference", "sdpa", "tiled", "auto"]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    use_small_tiles(monkeypatch)
 # (B, H, H_kv, T_q, T_k, D, D_v): odd sizes, T_q < T_k, T_q > T_k, odd D, D_v != D, GQA, MQA.
 FAST_SHAPES = [
     (1, 1, 1, 1, 1, 1, 1),
@@ -44,12 +49,15 @@ def check_against_oracle(shape, mask_name, backend):
     mask = mask_zoo(B, T_k)[mask_name]
     out = qkv.attention(q, k, v, mask=mask, backend=backend)
     np.testing.assert_allclose(out.numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64, rtol=0)
-    if backend == "reference":
-        out, w, lse = qkv.attention(q, k, v, mask=mask, backend=backend,
-                                    return_weights=True, return_lse=True)
-        _, w_ref, lse_ref = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
-        np.testing.assert_allclose(w.numpy(), w_ref, atol=FLOAT64, rtol=0)
+    _, w_ref, lse_ref = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
+    if backend in ("reference", "tiled", "auto"):
+        _, lse = qkv.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
         np.testing.assert_allclose(lse.numpy(), lse_ref, atol=FLOAT64, rtol=0)
+        w = qkv.attention_weights(q, k, lse, mask=mask)  # weights recomputed from the lse
+        np.testing.assert_allclose(w.numpy(), w_ref, atol=FLOAT64, rtol=0)
+    if backend == "reference":
+        _, w = qkv.attention(q, k, v, mask=mask, backend=backend, return_weights=True)
+        np.testing.assert_allclose(w.numpy(), w_ref, atol=FLOAT64, rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,8 +127,8 @@ def test_gqa_equals_repeated_heads():
     torch.testing.assert_close(gqa, mha, atol=FLOAT64, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
-def test_gradients_match_oracle_path(backend):
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
+def test_gradcheck(backend):
     q, k, v = (x.requires_grad_() for x in make_qkv(2, 4, 2, 5, 7, 3, 4))
     mask = masks.sliding_window(3) | masks.prefix_lm(1)
     torch.autograd.gradcheck(
@@ -134,14 +142,50 @@ def test_gradcheck_weights_and_lse():
                                       return_lse=True), (q, k, v))
 
 
+@pytest.mark.parametrize("mask_name", list(mask_zoo(1, 1)))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 19, 37, 5, 3), (1, 3, 1, 37, 19, 4, 6)], ids=str)
+def test_tiled_gradients_equal_reference(shape, mask_name):
+    q, k, v = make_qkv(*shape)
+    mask = mask_zoo(shape[0], shape[4])[mask_name]
+    dout = torch.randn(*shape[:2], shape[3], shape[6], dtype=torch.float64)
+    grads = {}
+    for backend in ("reference", "tiled"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        qkv.attention(*leaves, mask=mask, backend=backend).backward(dout)
+        grads[backend] = [x.grad for x in leaves]
+    for ref, til in zip(grads["reference"], grads["tiled"]):
+        torch.testing.assert_close(til, ref, atol=FLOAT64, rtol=0)
+
+
 def test_dispatch_reasons():
     q, k, v = make_qkv(1, 2, 2, 8, 8, 4, 4)
     assert qkv.dispatch(q, k, v).backend == "sdpa"
     assert "is_causal" in qkv.dispatch(q, k, v, mask=masks.causal()).reason
-    assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.sliding_window(2)).reason
+    assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.padding([5])).reason
     d = qkv.dispatch(q, k, v, return_lse=True)
-    assert d.backend == "reference" and "log-sum-exp" in d.reason
+    assert d.backend == "tiled" and "log-sum-exp" in d.reason
+    d = qkv.dispatch(q, k, v, return_weights=True, return_lse=True)
+    assert d.backend == "reference" and "weights" in d.reason
     d = qkv.dispatch(q, k, v, dropout_p=0.1, generator=torch.Generator())
     assert d.backend == "reference" and "Generator" in d.reason
+    assert qkv.dispatch(q, k, v, dropout_p=0.1).backend == "sdpa"
     assert qkv.dispatch(q, k, v, backend="reference").reason == "requested with backend='reference'"
     assert str(qkv.dispatch(q, k, v)).startswith("sdpa: ")
+
+
+def test_dispatch_prefers_tiled_for_sparse_and_long_masks():
+    q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)  # 8 x 8 tiles of 8 (small_tiles fixture)
+    d = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
+    assert d.backend == "tiled" and "of the scores to compute" in d.reason
+    assert qkv.dispatch(q, k, v, mask=masks.padding([60])).backend == "sdpa"
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(backend="tiled", return_weights=True), "backend='tiled' cannot give the attention weights"),
+    (dict(backend="tiled", dropout_p=0.1), "backend='tiled' cannot give dropout"),
+    (dict(backend="sdpa", return_lse=True), "backend='sdpa' cannot give the log-sum-exp"),
+])
+def test_backends_refuse_what_they_cannot_give(options, words):
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 4, 4)
+    with pytest.raises(ValueError, match=words):
+        qkv.attention(q, k, v, **options)

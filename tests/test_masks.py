@@ -133,3 +133,39 @@ def test_bad_mask_arguments(make, exc, words):
     with pytest.raises(exc) as info:
         make()
     assert words in str(info.value)
+
+
+def zoo_for(B, T_k):
+    from helpers import mask_zoo
+    return {k: m for k, m in mask_zoo(B, T_k).items() if isinstance(m, masks.Mask)}
+
+
+@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
+                                              (20, 41, 7), (64, 64, None)])
+@pytest.mark.parametrize("bq,bk", [(4, 4), (8, 5), (16, 16)])
+def test_block_map_agrees_with_dense(T_q, T_k, q_offset, bq, bk):
+    B, H = 2, 3
+    for name, m in zoo_for(B, T_k).items():
+        dense = m.to_numpy(B, H, T_q, T_k, q_offset=q_offset)
+        codes = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
+        assert codes.shape == (-(-T_q // bq), -(-T_k // bk))
+        for i, j in np.ndindex(codes.shape):
+            tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            if codes[i, j] == masks.FULL:
+                assert tile.all(), (name, i, j)
+            elif codes[i, j] == masks.EMPTY:
+                assert not tile.any(), (name, i, j)
+
+
+def test_block_map_is_tight_for_structured_masks():
+    # Exactly the diagonal tiles are partial for causal; a window of 8 over 8-wide tiles
+    # touches two tiles per row; documents aligned to tiles leave nothing partial.
+    codes = masks.causal().blocks(1, 1, 64, 64, block_q=8, block_k=8)
+    assert (codes == np.tril(np.full((8, 8), masks.FULL), -1) + np.eye(8, dtype=int)).all()
+    codes = masks.sliding_window(8).blocks(1, 1, 64, 64, block_q=8, block_k=8)
+    assert ((codes != masks.EMPTY).sum(1) <= 2).all()
+    ids = np.repeat(np.arange(4), 16)
+    codes = (masks.document(ids)).blocks(1, 1, 64, 64, block_q=8, block_k=8)
+    assert set(np.unique(codes)) == {masks.EMPTY, masks.FULL}
+    assert (masks.predicate(lambda b, h, q, kv: q >= kv).blocks(1, 1, 9, 9, block_q=4,
+                                                                 block_k=4) == masks.PARTIAL).all()

@@ -6,7 +6,7 @@ T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 
 from . import masks, numpy, tutorial
 from .explain import Trace, explain
-from .functional import Dispatch, attention, dispatch
+from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
 from .modules import (CausalAttention, CrossAttention, MultiHeadAttention,
                       MultiHeadAttentionWrapper, SelfAttention)
 
@@ -21,9 +21,11 @@ __all__ = [
     "SelfAttention",
     "Trace",
     "attention",
+    "attention_weights",
     "dispatch",
     "explain",
     "masks",
+    "merge_attention",
     "numpy",
     "tutorial",
 ]

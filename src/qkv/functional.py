@@ -1,5 +1,7 @@
 """The functional core: :func:`attention` validates, dispatches to a kernel and restores
-the caller's layout. :func:`dispatch` says which kernel would run, and why.
+the caller's layout; :func:`dispatch` says which kernel would run, and why.
+:func:`attention_weights` recomputes exact weights from a log-sum-exp, and
+:func:`merge_attention` combines attention over disjoint key sets.
 
 Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key length ·
 D head dim · D_v value head dim.
@@ -7,70 +9,22 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch
 
 from ._checks import Problem, check_attention
+from ._dispatch import Dispatch, MaskLike, choose, is_top_left_causal
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
-from .masks import Mask, _Causal
+from .kernels.tiled import MaskTile, tiled
+from .masks import Mask
 
-Backend = Literal["auto", "reference", "sdpa"]
-MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa")
+Backend = Literal["auto", "reference", "sdpa", "tiled"]
 
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Which kernel runs an attention call, and why, in words."""
-
-    backend: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.backend}: {self.reason}"
-
-
-def _choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float, generator: Any,
-            return_weights: bool, return_lse: bool, backend: str) -> Dispatch:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
-                         f"got {backend!r}")
-    needs = [what for what, asked in (
-        ("the attention weights", return_weights),
-        ("the log-sum-exp", return_lse),
-        ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
-    ) if asked]
-    if backend == "reference":
-        return Dispatch("reference", "requested with backend='reference'")
-    if backend == "sdpa":
-        if needs:
-            raise ValueError(f"backend='sdpa' cannot give {' and '.join(needs)}; "
-                             "use backend='reference' or 'auto'")
-        return Dispatch("sdpa", "requested with backend='sdpa'")
-    if needs:
-        return Dispatch("reference", f"{' and '.join(needs)} asked for: only the "
-                        "materialised reference kernel provides them")
-    if mask is None:
-        return Dispatch("sdpa", "no mask: torch's fused kernel is the fastest dense path")
-    if not torch.isfinite(key).all():
-        return Dispatch("reference", "key holds NaN or inf and a mask is given: torch's fused "
-                        "kernel would spread it into rows that mask that key out")
-    if _is_top_left_causal(p, mask):
-        return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal")
-    return Dispatch("sdpa", f"mask {_describe(mask)} passed to torch's fused kernel as a "
-                    f"dense bool mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})")
-
-
-def _describe(mask: MaskLike) -> str:
-    return repr(mask) if isinstance(mask, Mask) else f"tensor{tuple(mask.shape)}"
-
-
-def _is_top_left_causal(p: Problem, mask: MaskLike) -> bool:
-    return isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k
+__all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch",
+           "merge_attention"]
 
 
 def _dense(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
@@ -80,6 +34,18 @@ def _dense(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | N
     if isinstance(mask, Mask):
         return mask.dense(p.B, p.H, p.T_q, p.T_k, q_offset=p.q_offset, device=device)
     return p.to4d(mask.expand(p.mask_shape))
+
+
+def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | None:
+    """Evaluate the mask on one tile only: the tiled kernel's view of a mask."""
+    if mask is None:
+        return None
+    if isinstance(mask, Mask):
+        o = p.q_offset
+        return lambda q0, q1, k0, k1: mask.block(p.B, p.H, o + q0, o + q1, k0, k1,
+                                                 device=device)
+    dense = _dense(mask, p, device)
+    return lambda q0, q1, k0, k1: dense[..., q0:q1, k0:k1]
 
 
 def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
@@ -96,7 +62,7 @@ def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None
         raise TypeError(f"mask must be a qkv mask or a bool tensor; got {type(mask).__name__}")
     p = check_attention(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
                         dropout_p=dropout_p)
-    return p, mask, _choose(p, mask, key, dropout_p=dropout_p, **choice)
+    return p, mask, choose(p, mask, key, dropout_p=dropout_p, **choice)
 
 
 def dispatch(
@@ -115,7 +81,8 @@ def dispatch(
 ) -> Dispatch:
     """Which kernel :func:`attention` would run on these arguments, and why.
 
-    Takes the same arguments as :func:`attention` and validates them the same way.
+    Takes the same arguments as :func:`attention` and validates them the same way. The
+    rules are in ``qkv._dispatch``'s docstring and ``docs/kernels.md``.
 
     Example:
         >>> import torch, qkv
@@ -151,9 +118,9 @@ def attention(
         key: (T_k, D), (B, T_k, D) or (B, H_kv, T_k, D); H % H_kv == 0 and query head h
             reads key/value head h // (H // H_kv) (GQA; H_kv = 1 is MQA).
         value: the layout of key, with last dim D_v (may differ from D).
-        mask: a :mod:`qkv.masks` mask, or a bool tensor/array (True = may attend)
-            broadcastable to (T_q, T_k), (B, T_q, T_k) or (B, H, T_q, T_k) as the inputs'
-            layout. None attends everywhere.
+        mask: a :mod:`qkv.masks` mask, or a bool tensor/array (True = may attend) of shape
+            (T_q, T_k) or the full rank of the layout, size-1 dims broadcasting. None
+            attends everywhere.
         scale: multiplies the scores; default 1/sqrt(D).
         q_offset: absolute position of query 0 for position-based masks; default
             T_k - T_q (bottom-right, as a KV cache needs).
@@ -163,8 +130,8 @@ def attention(
         return_weights: also return the (…, T_q, T_k) weights applied to value (after
             dropout, so ``out == weights @ value``).
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores
-            (float32 for half-precision inputs).
-        backend: "auto" (see :func:`dispatch`), "reference" or "sdpa".
+            (float32 for half-precision inputs; no gradient flows through it on ``tiled``).
+        backend: "auto" (see :func:`dispatch`), "reference", "sdpa" or "tiled".
 
     Returns:
         ``out`` of shape (…, T_q, D_v), or ``(out, weights?, lse?)`` in that order when
@@ -191,9 +158,12 @@ def attention(
         weights = q.new_zeros(p.B, p.H, p.T_q, 0)
         lse = torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device)
     elif choice.backend == "sdpa":
-        causal = _is_top_left_causal(p, mask)
+        causal = is_top_left_causal(p, mask)
         out = sdpa(q, k, v, mask=None if causal else _dense(mask, p, q.device),
                    is_causal=causal, scale=p.scale, dropout_p=dropout_p)
+    elif choice.backend == "tiled":
+        out, lse = tiled(q, k, v, plan=choice.plan, mask_tile=_mask_tile(mask, p, q.device),
+                         scale=p.scale)
     else:
         out, weights, lse = reference(q, k, v, mask=_dense(mask, p, q.device), scale=p.scale,
                                       dropout_p=dropout_p, generator=generator)
@@ -201,3 +171,94 @@ def attention(
     if not extras:
         return p.restore(out)
     return tuple(p.restore(x) for x in [out, *extras])
+
+
+def attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    mask: MaskLike = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    heads: Sequence[int] | None = None,
+    rows: Sequence[int] | slice | None = None,
+) -> torch.Tensor:
+    """The exact attention weights of chosen heads and query rows, recomputed from the
+    log-sum-exp of a fast pass: ``exp(Q Kᵀ · scale - lse)``, masked. Memory is
+    O(len(heads) · len(rows) · T_k), so weights stay inspectable at any length.
+
+    Args:
+        query, key: as given to :func:`attention`.
+        lse: the (…, T_q) log-sum-exp it returned (``return_lse=True``).
+        mask, scale, q_offset: as given to :func:`attention`.
+        heads: query heads to keep (4-d layout only); None keeps all.
+        rows: query rows to keep; None keeps all.
+
+    Returns:
+        Weights of shape (…, len(heads), len(rows), T_k) in the inputs' layout.
+
+    Example:
+        >>> import torch, qkv
+        >>> q = k = v = torch.randn(1, 4, 4096, 16)
+        >>> out, lse = qkv.attention(q, k, v, mask=qkv.masks.sliding_window(64), return_lse=True)
+        >>> w = qkv.attention_weights(q, k, lse, mask=qkv.masks.sliding_window(64),
+        ...                           heads=[2], rows=[4000])
+        >>> w.shape, round(w.sum().item(), 4)
+        (torch.Size([1, 1, 1, 4096]), 1.0)
+    """
+    p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
+    if tuple(lse.shape) != p.mask_shape[:-1]:
+        letters = ", ".join(p.mask_letters[:-1])
+        raise ValueError(f"lse must have shape ({letters}) = {tuple(p.mask_shape[:-1])}; "
+                         f"got {tuple(lse.shape)}")
+    if heads is not None and p.rank != 4:
+        raise ValueError("heads can be chosen only for (B, H, T_q, D) inputs")
+    q, k, lse4 = p.to4d(query), p.to4d(key), p.to4d(lse)
+    hs = torch.arange(p.H) if heads is None else torch.as_tensor(list(heads))
+    rs = torch.arange(p.T_q)[rows if rows is not None else slice(None)]
+    rs = torch.as_tensor(rs).reshape(-1)
+    q = q[:, hs][:, :, rs]  # (B, h, r, D)
+    k = k[:, hs // (p.H // p.H_kv)]  # (B, h, T_k, D)
+    s = (q @ k.transpose(-2, -1)).to(lse4.dtype) * p.scale  # (B, h, r, T_k)
+    if mask is not None:
+        dense = _dense(mask, p, query.device)
+        dense = dense.expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
+        s = s.masked_fill(~dense, float("-inf"))
+    l_ = lse4[:, hs][:, :, rs, None]
+    w = torch.exp(s - l_.masked_fill(l_ == float("-inf"), float("inf")))
+    return p.restore(w.to(query.dtype))
+
+
+def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention computed over disjoint sets of keys into attention over their union.
+
+    If ``out_i, lse_i = attention(q, k_i, v_i, return_lse=True)`` for key sets ``k_i``, the
+    exact result over all keys is ``sum_i exp(lse_i - lse) · out_i`` with
+    ``lse = logsumexp_i(lse_i)``. The building block of split-K decoding and of attention
+    distributed over devices. Computed in float32 (float64 for float64 inputs). A row that
+    saw no key in any part stays 0 with lse -inf.
+
+    Args:
+        outs: partial outputs, each (…, T_q, D_v), same shape.
+        lses: their log-sum-exps, each (…, T_q).
+
+    Returns:
+        ``(out, lse)``: out in the dtype of ``outs[0]``, lse in float32 (or float64).
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"outs and lses must be non-empty and of equal length; got "
+                         f"{len(outs)} and {len(lses)}")
+    for i, (o, l_) in enumerate(zip(outs, lses)):
+        if o.shape != outs[0].shape or tuple(l_.shape) != tuple(o.shape[:-1]):
+            raise ValueError(f"outs[{i}] must have shape {tuple(outs[0].shape)} and lses[{i}] "
+                             f"shape {tuple(outs[0].shape[:-1])}; got {tuple(o.shape)} and "
+                             f"{tuple(l_.shape)}")
+    acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
+    lse_all = torch.stack([x.to(acc) for x in lses])  # (parts, …, T_q)
+    lse = torch.logsumexp(lse_all, dim=0)  # -inf where no part saw a key
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    weights = torch.exp(lse_all - safe)  # (parts, …, T_q): 0 for parts that saw no key
+    out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
+    return out.to(outs[0].dtype), lse

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -52,24 +53,53 @@ class Mask:
     def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         """Raise ValueError if this mask cannot apply to these sizes."""
 
-    def _evaluate(self, B: int, H: int, T_q: int, T_k: int, q_offset: int | None, xp: Any) -> Any:
-        self.validate(B, H, T_q, T_k)
-        if q_offset is None:
-            q_offset = T_k - T_q
-        b = xp.arange(B).reshape(B, 1, 1, 1)
-        h = xp.arange(H).reshape(1, H, 1, 1)
-        q = (xp.arange(T_q) + q_offset).reshape(1, 1, T_q, 1)
-        kv = xp.arange(T_k).reshape(1, 1, 1, T_k)
+    def block(self, B: int, H: int, q_start: int, q_stop: int, kv_start: int, kv_stop: int,
+              *, device: torch.device | str | None = None) -> torch.Tensor:
+        """Evaluate the predicate on queries at absolute positions ``q_start..q_stop-1`` and
+        keys ``kv_start..kv_stop-1``: a bool tensor that broadcasts to
+        (B, H, q_stop - q_start, kv_stop - kv_start), of only the dims the mask uses."""
+        return self._grid(_TorchIndex(device), B, H, q_start, q_stop, kv_start, kv_stop)
+
+    def _grid(self, xp: Any, B: int, H: int, q_start: int, q_stop: int, kv_start: int,
+              kv_stop: int) -> Any:
+        b = xp.arange(0, B).reshape(B, 1, 1, 1)
+        h = xp.arange(0, H).reshape(1, H, 1, 1)
+        q = xp.arange(q_start, q_stop).reshape(1, 1, -1, 1)
+        kv = xp.arange(kv_start, kv_stop).reshape(1, 1, 1, -1)
         out = self(b, h, q, kv)
+        shape = (B, H, q_stop - q_start, kv_stop - kv_start)
         if str(getattr(out, "dtype", None)).replace("torch.", "") != "bool":
             raise TypeError(f"mask {self!r} must return bool; got {type(out).__name__} "
                             f"of dtype {getattr(out, 'dtype', None)}")
-        try:
-            return xp.broadcast_to(out, (B, H, T_q, T_k))
-        except (RuntimeError, ValueError):
+        if out.ndim > 4 or any(o not in (1, n) for o, n in zip(out.shape[::-1], shape[::-1])):
             raise ValueError(f"mask {self!r} returned shape {fmt_shape(out.shape)}, which does "
-                             f"not broadcast to (B, H, T_q, T_k) = {fmt_shape((B, H, T_q, T_k))}"
-                             ) from None
+                             f"not broadcast to (B, H, T_q, T_k) = {fmt_shape(shape)}")
+        return out
+
+    def _evaluate(self, B: int, H: int, T_q: int, T_k: int, q_offset: int | None, xp: Any) -> Any:
+        self.validate(B, H, T_q, T_k)
+        q_offset = T_k - T_q if q_offset is None else q_offset
+        out = self._grid(xp, B, H, q_offset, q_offset + T_q, 0, T_k)
+        return xp.broadcast_to(out, (B, H, T_q, T_k))
+
+    def blocks(self, B: int, H: int, T_q: int, T_k: int, *, block_q: int, block_k: int,
+               q_offset: int | None = None) -> np.ndarray:
+        """Classify every (block_q × block_k) tile from the mask's structure alone, without
+        evaluating it position by position: EMPTY (0, skip), PARTIAL (1, evaluate the
+        predicate there) or FULL (2, attend everywhere). Shape (ceil(T_q / block_q),
+        ceil(T_k / block_k)), int8. A mask of unknown structure (predicate) is PARTIAL."""
+        self.validate(B, H, T_q, T_k)
+        q_offset = T_k - T_q if q_offset is None else q_offset
+        q_first = np.arange(0, T_q, block_q) + q_offset
+        k_first = np.arange(0, T_k, block_k)
+        tiles = _Tiles(
+            q_first[:, None], np.minimum(q_first + block_q, q_offset + T_q)[:, None] - 1,
+            k_first[None, :], np.minimum(k_first + block_k, T_k)[None, :] - 1,
+        )
+        return np.broadcast_to(self._classify(tiles), (len(q_first), len(k_first))).copy()
+
+    def _classify(self, t: _Tiles) -> np.ndarray:
+        return np.full((1, 1), PARTIAL, dtype=np.int8)
 
     def dense(self, B: int, H: int, T_q: int, T_k: int, *, q_offset: int | None = None,
               device: torch.device | str | None = None) -> torch.Tensor:
@@ -90,14 +120,32 @@ class Mask:
         return "\n".join(" ".join("█" if x else "·" for x in row) for row in grid)
 
 
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Absolute positions bounding each tile: first/last query of each query block
+    (column vectors) and first/last key of each key block (row vectors)."""
+
+    q_first: np.ndarray
+    q_last: np.ndarray
+    k_first: np.ndarray
+    k_last: np.ndarray
+
+
+def _codes(full: Any, empty: Any) -> np.ndarray:
+    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+
+
 class _TorchIndex:
     """The three array functions a lowering needs, on one torch device."""
 
     def __init__(self, device: torch.device | str | None) -> None:
         self.device = device
 
-    def arange(self, n: int) -> torch.Tensor:
-        return torch.arange(n, device=self.device)
+    def arange(self, start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, device=self.device)
 
     def broadcast_to(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.broadcast_to(x, shape)
@@ -137,6 +185,9 @@ class _Full(Mask):
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx >= 0
 
+    def _classify(self, t):
+        return np.full((1, 1), FULL, dtype=np.int8)
+
     def __repr__(self) -> str:
         return "full()"
 
@@ -144,6 +195,9 @@ class _Full(Mask):
 class _Causal(Mask):
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
+
+    def _classify(self, t):
+        return _codes(t.k_last <= t.q_first, t.k_first > t.q_last)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -155,6 +209,11 @@ class _SlidingWindow(Mask):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
+
+    def _classify(self, t):
+        w = self.window
+        return _codes((t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
+                      (t.k_first > t.q_last) | (t.k_last <= t.q_first - w))
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window})"
@@ -175,6 +234,9 @@ class _Padding(Mask):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx < _like(self.lengths, kv_idx)[b]
+
+    def _classify(self, t):
+        return _codes(t.k_last < self.lengths.min(), t.k_first >= self.lengths.max())
 
     def __repr__(self) -> str:
         return f"padding({_short(self.lengths)})"
@@ -200,6 +262,26 @@ class _Document(Mask):
             return q_in & (ids[q_safe] == ids[kv_idx])
         return q_in & (ids[b, q_safe] == ids[b, kv_idx])
 
+    def _classify(self, t):
+        ids = self.ids if self.ids.ndim == 2 else self.ids[None]  # (B or 1, T_k)
+        n = ids.shape[-1]
+
+        def span(first, last):  # min and max document id over each block, per batch row
+            lo, hi = np.clip(first, 0, n - 1).ravel(), np.clip(last, 0, n - 1).ravel()
+            mins = np.stack([ids[:, a:b + 1].min(-1) for a, b in zip(lo, hi)], -1)
+            maxs = np.stack([ids[:, a:b + 1].max(-1) for a, b in zip(lo, hi)], -1)
+            return mins, maxs  # (B, blocks)
+
+        q_min, q_max = span(t.q_first, t.q_last)
+        k_min, k_max = span(t.k_first, t.k_last)
+        q_min, q_max = q_min[:, :, None], q_max[:, :, None]  # (B, nq, 1)
+        k_min, k_max = k_min[:, None, :], k_max[:, None, :]  # (B, 1, nk)
+        inside = ((t.q_first >= 0) & (t.q_last < n))  # every query of the block has an id
+        full = inside & ((q_min == q_max) & (k_min == k_max) & (q_min == k_min)).all(0)
+        q_out = (t.q_last < 0) | (t.q_first >= n)  # no query of the block has an id
+        empty = q_out | ((q_max < k_min) | (k_max < q_min)).all(0)
+        return _codes(full, empty)
+
     def __repr__(self) -> str:
         return f"document({_short(self.ids)})"
 
@@ -210,6 +292,10 @@ class _PrefixLM(Mask):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+    def _classify(self, t):
+        n = self.prefix
+        return _codes((t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last))
 
     def __repr__(self) -> str:
         return f"prefix_lm({self.prefix})"
@@ -239,6 +325,9 @@ class _Binary(Mask):
 
 
 class _And(_Binary):
+    def _classify(self, t):
+        return np.minimum(self.left._classify(t), self.right._classify(t))
+
     def __call__(self, b, h, q_idx, kv_idx):
         return self.left(b, h, q_idx, kv_idx) & self.right(b, h, q_idx, kv_idx)
 
@@ -248,6 +337,9 @@ class _And(_Binary):
 
 
 class _Or(_Binary):
+    def _classify(self, t):
+        return np.maximum(self.left._classify(t), self.right._classify(t))
+
     def __call__(self, b, h, q_idx, kv_idx):
         return self.left(b, h, q_idx, kv_idx) | self.right(b, h, q_idx, kv_idx)
 
@@ -261,6 +353,9 @@ class _Not(Mask):
 
     def validate(self, B, H, T_q, T_k):
         self.inner.validate(B, H, T_q, T_k)
+
+    def _classify(self, t):
+        return (FULL - self.inner._classify(t)).astype(np.int8)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return ~self.inner(b, h, q_idx, kv_idx)
@@ -316,5 +411,5 @@ def predicate(fn: Predicate, name: str | None = None) -> Mask:
     return _Predicate(fn, name)
 
 
-__all__ = ["Mask", "causal", "document", "full", "padding", "predicate", "prefix_lm",
+__all__ = ["EMPTY", "FULL", "Mask", "PARTIAL", "causal", "document", "full", "padding", "predicate", "prefix_lm",
            "sliding_window"]

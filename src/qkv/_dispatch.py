@@ -1,0 +1,127 @@
+"""Dispatch: which kernel runs an attention call, and why, in words.
+
+Rules for ``backend="auto"``, first match wins:
+
+1. weights, or dropout from a ``torch.Generator``, asked for → ``reference`` (the only kernel
+   that materialises them);
+2. the log-sum-exp asked for → ``tiled`` (it returns it without materialising T_q × T_k);
+3. dropout without a generator, or no mask → ``sdpa``;
+4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask it);
+5. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
+6. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
+   or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
+7. otherwise → ``sdpa`` with the mask lowered densely.
+
+The thresholds were measured with ``benchmarks/bench_attention.py`` on the project's CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ._checks import Problem
+from .kernels.tiled import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, make_plan
+from .masks import FULL, Mask, _Causal
+
+MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
+BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled")
+# Below this fraction of scores, skipping blocks beats SDPA over a dense mask.
+SPARSE_DENSITY = 0.5
+# From this many scores per (batch, head) on, a dense mask costs more than tiling saves.
+LONG_SCORES = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which kernel runs an attention call, and why, in words."""
+
+    backend: str
+    reason: str
+    plan: Plan | None = field(default=None, repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.backend}: {self.reason}"
+
+
+def block_codes(mask: MaskLike, p: Problem) -> np.ndarray:
+    """The (ceil(T_q / BLOCK_Q), ceil(T_k / BLOCK_K)) block map of any mask."""
+    nq, nk = -(-p.T_q // BLOCK_Q), -(-p.T_k // BLOCK_K)
+    if mask is None:
+        return np.full((nq, nk), FULL, dtype=np.int8)
+    if isinstance(mask, Mask):
+        return mask.blocks(p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
+                           q_offset=p.q_offset)
+    # A dense mask is already materialised: reduce it tile by tile.
+    m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)).flatten(0, 1)  # (·, T_q|1, T_k|1)
+    m = m.expand(m.shape[0], p.T_q, p.T_k)
+    pad = torch.nn.functional.pad
+    pad_q, pad_k = nq * BLOCK_Q - p.T_q, nk * BLOCK_K - p.T_k
+    tiles = lambda x: x.view(-1, nq, BLOCK_Q, nk, BLOCK_K)  # noqa: E731
+    any_ = tiles(pad(m, (0, pad_k, 0, pad_q), value=False)).any(4).any(2).any(0)
+    all_ = tiles(pad(m, (0, pad_k, 0, pad_q), value=True)).all(4).all(2).all(0)
+    codes = any_.to(torch.int8) + all_.to(torch.int8)  # 0 empty, 1 partial, 2 full
+    return codes.cpu().numpy()
+
+
+def is_top_left_causal(p: Problem, mask: MaskLike) -> bool:
+    return isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k
+
+
+def _describe(mask: MaskLike) -> str:
+    return repr(mask) if isinstance(mask, Mask) else f"tensor{tuple(mask.shape)}"
+
+
+def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
+           generator: Any, return_weights: bool, return_lse: bool, backend: str) -> Dispatch:
+    """Apply the rules of this module's docstring; explicit backends are checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
+                         f"got {backend!r}")
+    materialised = [what for what, asked in (
+        ("the attention weights", return_weights),
+        ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
+    ) if asked]
+    cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else []),
+              "tiled": materialised + (["dropout"] if dropout_p > 0 else [])}
+    if backend in cannot and cannot[backend]:
+        raise ValueError(f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
+                         "use backend='reference' or 'auto'")
+    if backend != "auto":
+        plan = _plan(mask, p) if backend == "tiled" else None
+        return Dispatch(backend, f"requested with backend={backend!r}", plan)
+    if materialised:
+        return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
+                        "materialised reference kernel provides them")
+    if return_lse:
+        return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
+                        "without materialising T_q × T_k", _plan(mask, p))
+    if dropout_p > 0:
+        return Dispatch("sdpa", "dropout without a generator: torch's fused kernel, drawing "
+                        "from torch's global generator")
+    if mask is None:
+        return Dispatch("sdpa", "no mask: torch's fused kernel is the fastest dense path")
+    if not torch.isfinite(key).all():
+        return Dispatch("tiled", "key holds NaN or inf and a mask is given: torch's fused "
+                        "kernel would spread it into rows that mask that key out",
+                        _plan(mask, p))
+    if is_top_left_causal(p, mask):
+        return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal")
+    if isinstance(mask, Mask):
+        plan = _plan(mask, p)
+        if plan.density < SPARSE_DENSITY:
+            return Dispatch("tiled", f"mask {mask!r} leaves {plan.density:.1%} of the scores "
+                            "to compute: the tiled kernel skips the empty blocks", plan)
+        if p.T_q * p.T_k >= LONG_SCORES:
+            return Dispatch("tiled", f"T_q × T_k = {p.T_q} × {p.T_k}: torch's fused kernel "
+                            f"could take {mask!r} only as a dense mask", plan)
+    return Dispatch("sdpa", f"mask {_describe(mask)} passed to torch's fused kernel as a "
+                    f"dense bool mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})")
+
+
+def _plan(mask: MaskLike, p: Problem) -> Plan:
+    return make_plan(block_codes(mask, p), p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
+                     chunk_k=CHUNK_K)

@@ -1,0 +1,216 @@
+"""The tiled kernel: online softmax over query blocks × key blocks, in pure PyTorch.
+
+A mask is first lowered to a block map (``Mask.blocks``): EMPTY tiles are skipped, FULL
+tiles run with no mask at all, and the predicate is evaluated only on PARTIAL tiles. So a
+sliding window or packed documents cost what they attend to, and memory is O(T·D) plus one
+(block_q × chunk_k) score tile, never O(T_q·T_k).
+
+For each query block, consecutive non-empty key blocks are fused into chunks of up to
+``chunk_k`` keys, one matmul each (fewer, larger matmuls run closer to the CPU's peak). The
+running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
+
+The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
+style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O))``,
+``dQ += dS K · scale``, ``dK += dSᵀ Q · scale``; nothing of size T_q × T_k is stored.
+
+Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
+length · D head dim · D_v value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..masks import EMPTY, PARTIAL
+from .reference import accumulation_dtype
+
+# Measured on the 2-core CPU this project targets (see docs/benchmarks.md): 128-query
+# blocks keep the wasted work at a window's ragged edge small, and chunks of up to 1024
+# keys make each matmul large enough to run near peak.
+BLOCK_Q = 128
+BLOCK_K = 128
+CHUNK_K = 1024
+
+# mask_tile(q0, q1, k0, k1) -> bool tensor broadcastable to (B, H, q1 - q0, k1 - k0),
+# positions relative to the start of the query and key sequences.
+MaskTile = Callable[[int, int, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Keys k0..k1-1 for one query block, and the key ranges inside it that need the mask."""
+
+    k0: int
+    k1: int
+    partial: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to compute: for each query block (q0, q1), its chunks of keys."""
+
+    T_q: int
+    T_k: int
+    rows: tuple[tuple[int, int, tuple[Chunk, ...]], ...]
+
+    @property
+    def density(self) -> float:
+        """Fraction of the T_q × T_k scores the plan computes (1.0 = dense)."""
+        done = sum((q1 - q0) * (c.k1 - c.k0) for q0, q1, chunks in self.rows for c in chunks)
+        return done / (self.T_q * self.T_k) if self.T_q * self.T_k else 0.0
+
+
+def make_plan(codes: np.ndarray, T_q: int, T_k: int, *, block_q: int = BLOCK_Q,
+              block_k: int = BLOCK_K, chunk_k: int = CHUNK_K) -> Plan:
+    """Turn a block map (codes from ``Mask.blocks``) into chunks of consecutive
+    non-empty key blocks, at most ``chunk_k`` keys each."""
+    per_chunk = max(1, chunk_k // block_k)
+    rows = []
+    for i, row in enumerate(codes):
+        chunks: list[Chunk] = []
+        run: list[int] = []
+        for j in [*np.flatnonzero(row != EMPTY).tolist(), -1]:  # -1 closes the last run
+            if run and (j != run[-1] + 1 or len(run) == per_chunk):
+                partial = tuple((b * block_k, min((b + 1) * block_k, T_k))
+                                for b in run if row[b] == PARTIAL)
+                chunks.append(Chunk(run[0] * block_k, min((run[-1] + 1) * block_k, T_k),
+                                    partial))
+                run = []
+            if j >= 0:
+                run.append(j)
+        rows.append((i * block_q, min((i + 1) * block_q, T_q), tuple(chunks)))
+    return Plan(T_q, T_k, tuple(rows))
+
+
+def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:
+    """A (B|1, H|1, r, c) mask tile in the kernel's (B|1, H_kv|1, G·r, c) layout."""
+    b, h, r, c = m.shape
+    m = m.view(b, H_kv, G, r, c) if h != 1 else m[:, :, None].expand(b, 1, G, r, c)
+    return m.reshape(b, m.shape[1], G * r, c)
+
+
+def _scores(qb: torch.Tensor, k: torch.Tensor, chunk: Chunk, q0: int, q1: int,
+            mask_tile: MaskTile | None, scale: float, H_kv: int, G: int) -> torch.Tensor:
+    """Scaled scores of one query block against one chunk, -inf where masked."""
+    s = qb @ k[:, :, chunk.k0:chunk.k1].transpose(-2, -1)  # (B, H_kv, G·bq, L)
+    s.mul_(scale)
+    for c0, c1 in chunk.partial:
+        m = mask_tile(q0, q1, c0, c1)
+        m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))  # (B|1, H|1, ·, ·)
+        m = _fit(m.expand(m.shape[0], m.shape[1], q1 - q0, c1 - c0), H_kv, G)
+        s[..., c0 - chunk.k0:c1 - chunk.k0].masked_fill_(~m, float("-inf"))
+    return s
+
+
+def _blocked(x: torch.Tensor, H_kv: int) -> torch.Tensor:
+    """(B, H, T, ·) -> (B, H_kv, G, T, ·): query head h = kv_head * G + g."""
+    B, H, T, D = x.shape
+    return x.view(B, H_kv, H // H_kv, T, D)
+
+
+def _rows(x5: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    """Rows q0..q1-1 of a (B, H_kv, G, T, ·) tensor as (B, H_kv, G·bq, ·)."""
+    B, H_kv, G, _, D = x5.shape
+    return x5[:, :, :, q0:q1].reshape(B, H_kv, G * (q1 - q0), D)
+
+
+def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
+                  mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, H, T_q, D_v) in the accumulation dtype and lse (B, H, T_q)."""
+    acc = accumulation_dtype(q.dtype)
+    B, H, T_q, _ = q.shape
+    H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
+    q5, k, v = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
+    out = torch.zeros(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
+    lse = torch.full((B, H_kv, G, T_q), float("-inf"), dtype=acc, device=q.device)
+    for q0, q1, chunks in plan.rows:
+        if not chunks:
+            continue  # every key masked: out 0, lse -inf
+        qb = _rows(q5, q0, q1)  # (B, H_kv, G·bq, D)
+        m = torch.full((*qb.shape[:-1], 1), float("-inf"), dtype=acc, device=q.device)
+        m_safe = torch.zeros_like(m)
+        l = torch.zeros_like(m)  # noqa: E741
+        o = torch.zeros(*qb.shape[:-1], D_v, dtype=acc, device=q.device)
+        for chunk in chunks:
+            s = _scores(qb, k, chunk, q0, q1, mask_tile, scale, H_kv, G)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            # A row with every score -inf so far keeps max 0: exp(-inf - 0) = 0, not NaN.
+            m_new_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            alpha = torch.exp(m - m_new_safe)  # 0 while the row has seen no key (m = -inf)
+            p = s.sub_(m_new_safe).exp_()  # (B, H_kv, G·bq, L), in place of s
+            l = l * alpha + p.sum(dim=-1, keepdim=True)  # noqa: E741
+            o = o * alpha + p @ v[:, :, chunk.k0:chunk.k1]
+            m, m_safe = m_new, m_new_safe
+        bq = q1 - q0
+        out[:, :, :, q0:q1] = (o / l.masked_fill(l == 0, 1.0)).view(B, H_kv, G, bq, D_v)
+        lse[:, :, :, q0:q1] = (m_safe + torch.log(l)).view(B, H_kv, G, bq)
+    return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
+
+
+def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
+                   mask_tile: MaskTile | None, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the loss w.r.t. q, k, v, recomputing each score tile once."""
+    acc = accumulation_dtype(q.dtype)
+    H_kv = k.shape[1]
+    q5, k_, v_ = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
+    do5 = _blocked(dout.to(acc), H_kv)
+    delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)
+    # Rows that saw no key have lse -inf; +inf makes their probabilities exp(-inf) = 0.
+    lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), float("inf"))[..., None], H_kv)
+    dq5, dk, dv = torch.zeros_like(q5), torch.zeros_like(k_), torch.zeros_like(v_)
+    G = q5.shape[2]
+    for q0, q1, chunks in plan.rows:
+        if not chunks:
+            continue
+        qb, dob = _rows(q5, q0, q1), _rows(do5, q0, q1)
+        lse_b, delta_b = _rows(lse5, q0, q1), _rows(delta5, q0, q1)
+        dqb = torch.zeros_like(qb)
+        for chunk in chunks:
+            ks = slice(chunk.k0, chunk.k1)
+            p = _scores(qb, k_, chunk, q0, q1, mask_tile, scale, H_kv, G).sub_(lse_b).exp_()
+            dv[:, :, ks] += p.transpose(-2, -1) @ dob
+            ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
+            dqb += ds @ k_[:, :, ks]
+            dk[:, :, ks] += ds.transpose(-2, -1) @ qb
+        dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
+    dq = dq5.view(q.shape) * scale
+    return dq.to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
+
+
+class _TiledAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, mask_tile, scale):  # type: ignore[override]
+        out, lse = tiled_forward(q, k, v, plan, mask_tile, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.mask_tile, ctx.scale = plan, mask_tile, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = tiled_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile, ctx.scale)
+        return (*grads, None, None, None)
+
+
+def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan,
+          mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention with its own backward.
+
+    Args:
+        q: (B, H, T_q, D). k: (B, H_kv, T_k, D). v: (B, H_kv, T_k, D_v), T_k >= 1.
+        plan: from :func:`make_plan`. mask_tile: evaluates the mask on a PARTIAL tile.
+        scale: multiplies the scores.
+
+    Returns:
+        out (B, H, T_q, D_v) in q's dtype and lse (B, H, T_q) in the accumulation dtype
+        (no gradient flows through lse).
+    """
+    return _TiledAttention.apply(q, k, v, plan, mask_tile, scale)
