@@ -38,8 +38,10 @@ def mask_zoo(B, T_k, seed=0):
 
 
 def use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=16):
-    """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks."""
+    """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks,
+    and let auto consider it for small inputs too."""
     import qkv._dispatch as d
+    monkeypatch.setattr(d, "SMALL_SCORES", 0)
     monkeypatch.setattr(d, "BLOCK_Q", block_q)
     monkeypatch.setattr(d, "BLOCK_K", block_k)
     monkeypatch.setattr(d, "CHUNK_K", chunk_k)

@@ -162,6 +162,14 @@ def test_dispatch_reasons():
     assert qkv.dispatch(q, k, v).backend == "sdpa"
     assert "is_causal" in qkv.dispatch(q, k, v, mask=masks.causal()).reason
     assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.padding([5])).reason
+
+
+def test_dispatch_small_inputs_skip_planning(monkeypatch):
+    import qkv._dispatch as d
+    monkeypatch.setattr(d, "SMALL_SCORES", 512 * 512)
+    q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
+    d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
+    assert d_.backend == "sdpa" and "is small" in d_.reason
     d = qkv.dispatch(q, k, v, return_lse=True)
     assert d.backend == "tiled" and "log-sum-exp" in d.reason
     d = qkv.dispatch(q, k, v, return_weights=True, return_lse=True)

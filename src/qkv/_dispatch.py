@@ -8,9 +8,11 @@ Rules for ``backend="auto"``, first match wins:
 3. dropout without a generator, or no mask → ``sdpa``;
 4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask it);
 5. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
-6. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
+6. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
+   (planning blocks would cost more than it saves);
+7. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
    or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
-7. otherwise → ``sdpa`` with the mask lowered densely.
+8. otherwise → ``sdpa`` with the mask lowered densely.
 
 The thresholds were measured with ``benchmarks/bench_attention.py`` on the project's CPU.
 """
@@ -29,6 +31,8 @@ from .masks import FULL, Mask, _Causal
 
 MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled")
+# Below this many scores per (batch, head), planning blocks costs more than it saves.
+SMALL_SCORES = 512 * 512
 # Below this fraction of scores, skipping blocks beats SDPA over a dense mask.
 SPARSE_DENSITY = 0.5
 # From this many scores per (batch, head) on, a dense mask costs more than tiling saves.
@@ -110,6 +114,9 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
                         _plan(mask, p))
     if is_top_left_causal(p, mask):
         return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal")
+    if p.T_q * p.T_k < SMALL_SCORES:
+        return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: mask "
+                        f"{_describe(mask)} passed to torch's fused kernel as a dense bool mask")
     if isinstance(mask, Mask):
         plan = _plan(mask, p)
         if plan.density < SPARSE_DENSITY:

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
     ex.add_argument("--precision", type=int, default=4, help="decimals in the tables (4)")
 
+    sub.add_parser("bench", help="benchmark qkv against torch SDPA (qkv bench --help)",
+                   add_help=False)
+
     mk = sub.add_parser("mask", help="print a mask's picture",
                         description="Print a mask as a picture: █ may attend, · masked.")
     mk.add_argument("kind", choices=["full", "causal", "sliding_window", "prefix_lm",
@@ -150,6 +153,12 @@ def _mask(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own options: see qkv.bench
+        from .bench import main as bench
+
+        bench(argv[1:])
+        return 0
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -41,9 +41,18 @@ def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | N
     if mask is None:
         return None
     if isinstance(mask, Mask):
-        o = p.q_offset
-        return lambda q0, q1, k0, k1: mask.block(p.B, p.H, o + q0, o + q1, k0, k1,
-                                                 device=device)
+        o, cache = p.q_offset, {}
+
+        def tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+            if not mask.shift_invariant:
+                return mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
+            # The same pattern recurs along each diagonal: evaluate it once per call.
+            key = (q1 - q0, k1 - k0, o + q0 - k0)
+            if key not in cache:
+                cache[key] = mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
+            return cache[key]
+
+        return tile
     dense = _dense(mask, p, device)
     return lambda q0, q1, k0, k1: dense[..., q0:q1, k0:k1]
 

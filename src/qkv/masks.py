@@ -38,6 +38,10 @@ Predicate = Callable[[Any, Any, Any, Any], Any]
 class Mask:
     """Base class: a predicate ``(b, h, q_idx, kv_idx) -> bool`` with an algebra."""
 
+    #: True if the mask depends only on ``q_idx - kv_idx`` (and b, h): a tile's pattern
+    #: then depends only on its offset from the diagonal, and kernels may reuse it.
+    shift_invariant = False
+
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         raise NotImplementedError
 
@@ -182,6 +186,8 @@ def _int_arg(name: str, value: Any, low: int) -> int:
 
 
 class _Full(Mask):
+    shift_invariant = True
+
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx >= 0
 
@@ -193,6 +199,8 @@ class _Full(Mask):
 
 
 class _Causal(Mask):
+    shift_invariant = True
+
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
@@ -204,6 +212,8 @@ class _Causal(Mask):
 
 
 class _SlidingWindow(Mask):
+    shift_invariant = True
+
     def __init__(self, window: int) -> None:
         self.window = _int_arg("window", window, 1)
 
@@ -318,6 +328,7 @@ class _Predicate(Mask):
 class _Binary(Mask):
     def __init__(self, left: Mask, right: Mask) -> None:
         self.left, self.right = left, right
+        self.shift_invariant = left.shift_invariant and right.shift_invariant
 
     def validate(self, B, H, T_q, T_k):
         self.left.validate(B, H, T_q, T_k)
@@ -350,6 +361,7 @@ class _Or(_Binary):
 class _Not(Mask):
     def __init__(self, inner: Mask) -> None:
         self.inner = inner
+        self.shift_invariant = inner.shift_invariant
 
     def validate(self, B, H, T_q, T_k):
         self.inner.validate(B, H, T_q, T_k)

@@ -28,11 +28,11 @@ import torch
 from ..masks import EMPTY, PARTIAL
 from .reference import accumulation_dtype
 
-# Measured on the 2-core CPU this project targets (see docs/benchmarks.md): 128-query
+# Measured on the 2-core CPU this project targets (see docs/benchmarks.md): 64-query
 # blocks keep the wasted work at a window's ragged edge small, and chunks of up to 1024
 # keys make each matmul large enough to run near peak.
-BLOCK_Q = 128
-BLOCK_K = 128
+BLOCK_Q = 64
+BLOCK_K = 64
 CHUNK_K = 1024
 
 # mask_tile(q0, q1, k0, k1) -> bool tensor broadcastable to (B, H, q1 - q0, k1 - k0),
@@ -42,11 +42,12 @@ MaskTile = Callable[[int, int, int, int], torch.Tensor]
 
 @dataclass(frozen=True)
 class Chunk:
-    """Keys k0..k1-1 for one query block, and the key ranges inside it that need the mask."""
+    """Keys k0..k1-1 for one query block, and the key range (from the first PARTIAL block
+    to the last) where the mask must be evaluated, or None if every block is FULL."""
 
     k0: int
     k1: int
-    partial: tuple[tuple[int, int], ...]
+    masked: tuple[int, int] | None
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,16 @@ def make_plan(codes: np.ndarray, T_q: int, T_k: int, *, block_q: int = BLOCK_Q,
     per_chunk = max(1, chunk_k // block_k)
     rows = []
     for i, row in enumerate(codes):
-        chunks: list[Chunk] = []
-        run: list[int] = []
-        for j in [*np.flatnonzero(row != EMPTY).tolist(), -1]:  # -1 closes the last run
-            if run and (j != run[-1] + 1 or len(run) == per_chunk):
-                partial = tuple((b * block_k, min((b + 1) * block_k, T_k))
-                                for b in run if row[b] == PARTIAL)
-                chunks.append(Chunk(run[0] * block_k, min((run[-1] + 1) * block_k, T_k),
-                                    partial))
-                run = []
-            if j >= 0:
-                run.append(j)
+        blocks = np.flatnonzero(row != EMPTY)
+        runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1) if len(blocks) else []
+        chunks = []
+        for run in runs:
+            for piece in np.array_split(run, -(-len(run) // per_chunk)):
+                partial = piece[row[piece] == PARTIAL]
+                masked = (int(partial[0]) * block_k, min((int(partial[-1]) + 1) * block_k, T_k)
+                          ) if len(partial) else None
+                chunks.append(Chunk(int(piece[0]) * block_k,
+                                    min((int(piece[-1]) + 1) * block_k, T_k), masked))
         rows.append((i * block_q, min((i + 1) * block_q, T_q), tuple(chunks)))
     return Plan(T_q, T_k, tuple(rows))
 
@@ -94,11 +94,11 @@ def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:
 
 
 def _scores(qb: torch.Tensor, k: torch.Tensor, chunk: Chunk, q0: int, q1: int,
-            mask_tile: MaskTile | None, scale: float, H_kv: int, G: int) -> torch.Tensor:
-    """Scaled scores of one query block against one chunk, -inf where masked."""
+            mask_tile: MaskTile | None, H_kv: int, G: int) -> torch.Tensor:
+    """Scores of one (pre-scaled) query block against one chunk, -inf where masked."""
     s = qb @ k[:, :, chunk.k0:chunk.k1].transpose(-2, -1)  # (B, H_kv, G·bq, L)
-    s.mul_(scale)
-    for c0, c1 in chunk.partial:
+    if chunk.masked is not None:
+        c0, c1 = chunk.masked
         m = mask_tile(q0, q1, c0, c1)
         m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))  # (B|1, H|1, ·, ·)
         m = _fit(m.expand(m.shape[0], m.shape[1], q1 - q0, c1 - c0), H_kv, G)
@@ -125,26 +125,30 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     B, H, T_q, _ = q.shape
     H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
     q5, k, v = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
-    out = torch.zeros(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
-    lse = torch.full((B, H_kv, G, T_q), float("-inf"), dtype=acc, device=q.device)
+    out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
+    lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     for q0, q1, chunks in plan.rows:
-        if not chunks:
-            continue  # every key masked: out 0, lse -inf
-        qb = _rows(q5, q0, q1)  # (B, H_kv, G·bq, D)
-        m = torch.full((*qb.shape[:-1], 1), float("-inf"), dtype=acc, device=q.device)
-        m_safe = torch.zeros_like(m)
-        l = torch.zeros_like(m)  # noqa: E741
-        o = torch.zeros(*qb.shape[:-1], D_v, dtype=acc, device=q.device)
-        for chunk in chunks:
-            s = _scores(qb, k, chunk, q0, q1, mask_tile, scale, H_kv, G)
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        if not chunks:  # every key masked: out 0, lse -inf
+            out[:, :, :, q0:q1] = 0.0
+            lse[:, :, :, q0:q1] = float("-inf")
+            continue
+        # The scale is folded into the query block, not applied to every score tile.
+        qb = _rows(q5, q0, q1) * scale  # (B, H_kv, G·bq, D)
+        for n, chunk in enumerate(chunks):
+            s = _scores(qb, k, chunk, q0, q1, mask_tile, H_kv, G)  # (B, H_kv, G·bq, L)
+            row_max = s.amax(dim=-1, keepdim=True)
+            m_new = row_max if n == 0 else torch.maximum(m, row_max)
             # A row with every score -inf so far keeps max 0: exp(-inf - 0) = 0, not NaN.
-            m_new_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            alpha = torch.exp(m - m_new_safe)  # 0 while the row has seen no key (m = -inf)
-            p = s.sub_(m_new_safe).exp_()  # (B, H_kv, G·bq, L), in place of s
-            l = l * alpha + p.sum(dim=-1, keepdim=True)  # noqa: E741
-            o = o * alpha + p @ v[:, :, chunk.k0:chunk.k1]
-            m, m_safe = m_new, m_new_safe
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = s.sub_(m_safe).exp_()  # in place of s
+            pv = p @ v[:, :, chunk.k0:chunk.k1]  # (B, H_kv, G·bq, D_v)
+            if n == 0:
+                l, o = p.sum(dim=-1, keepdim=True), pv  # noqa: E741
+            else:  # rescale what was summed under the old max; 0 while m was -inf
+                alpha = torch.exp(m - m_safe)
+                l = l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # noqa: E741
+                o = o.mul_(alpha).add_(pv)
+            m = m_new
         bq = q1 - q0
         out[:, :, :, q0:q1] = (o / l.masked_fill(l == 0, 1.0)).view(B, H_kv, G, bq, D_v)
         lse[:, :, :, q0:q1] = (m_safe + torch.log(l)).view(B, H_kv, G, bq)
@@ -168,19 +172,19 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     for q0, q1, chunks in plan.rows:
         if not chunks:
             continue
-        qb, dob = _rows(q5, q0, q1), _rows(do5, q0, q1)
+        qb, dob = _rows(q5, q0, q1) * scale, _rows(do5, q0, q1)
         lse_b, delta_b = _rows(lse5, q0, q1), _rows(delta5, q0, q1)
         dqb = torch.zeros_like(qb)
         for chunk in chunks:
             ks = slice(chunk.k0, chunk.k1)
-            p = _scores(qb, k_, chunk, q0, q1, mask_tile, scale, H_kv, G).sub_(lse_b).exp_()
+            p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
             dv[:, :, ks] += p.transpose(-2, -1) @ dob
             ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
             dqb += ds @ k_[:, :, ks]
-            dk[:, :, ks] += ds.transpose(-2, -1) @ qb
+            dk[:, :, ks] += ds.transpose(-2, -1) @ qb  # qb carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
     dq = dq5.view(q.shape) * scale
-    return dq.to(q.dtype), (dk * scale).to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TiledAttention(torch.autograd.Function):

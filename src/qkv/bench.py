@@ -1,0 +1,248 @@
+"""Benchmark qkv's attention against torch SDPA, naive PyTorch and (optionally) Flex
+(``qkv bench``, or ``python benchmarks/bench_attention.py``).
+
+Every number is measured in the same run: the median of ``--repeats`` timed calls after one
+warm-up call, and the peak resident memory above what was resident just before the call
+(sampled every millisecond by a background thread). Ratios compare candidates of one run.
+
+    qkv bench --flex                     # the docs/benchmarks.md table
+    qkv bench --T 1024 4096 --masks causal --repeats 5
+    qkv bench --long                     # causal T=65536, H=2, fwd+bwd through tiled
+
+Legend: B batch · H heads · T sequence length · D head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from math import nan
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv import masks
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every millisecond."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def above(self) -> int:
+        return self.peak - self.base
+
+
+@dataclass
+class Result:
+    dtype: str
+    T: int
+    mask: str
+    pass_: str  # "fwd" or "fwd+bwd"
+    candidate: str
+    first_s: float
+    median_s: float
+    peak_mb: float  # resident memory above inputs, during the call
+    error: str = ""  # why the candidate could not run, if it could not
+
+
+def make_mask(name: str, T: int) -> masks.Mask | None:
+    return {
+        "none": lambda: None,
+        "causal": masks.causal,
+        "sliding_window": lambda: masks.sliding_window(256),
+        "document": lambda: masks.document(torch.arange(T) * 8 // T),
+        "prefix_lm": lambda: masks.prefix_lm(T // 4),
+    }[name]()
+
+
+def candidates(name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int,
+               dense_max_T: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """What to time for one mask: qkv (auto and tiled) and the baselines that apply."""
+    mask = make_mask(name, T)
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        "qkv auto": lambda: qkv.attention(q, k, v, mask=mask),
+    }
+    if mask is not None:
+        out["qkv tiled"] = lambda: qkv.attention(q, k, v, mask=mask, backend="tiled")
+    if mask is None:
+        out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
+    if name == "causal":
+        out["sdpa is_causal"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if mask is not None and T <= dense_max_T:
+        # The dense mask is built inside the call, as a user without qkv must do.
+        out["sdpa dense mask"] = lambda: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.dense(1, 1, T, T)[0, 0])
+    if T <= naive_max_T:
+        def naive() -> torch.Tensor:
+            s = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+            if mask is not None:
+                s = s.masked_fill(~mask.dense(1, 1, T, T), float("-inf"))
+            return torch.softmax(s, dim=-1) @ v
+        out["naive torch"] = naive
+    if flex and mask is not None and not q.requires_grad:  # Flex has no backward on CPU
+        out["flex (compiled)"] = flex_candidate(mask, T, q, k, v)
+    return out
+
+
+def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tensor]:
+    """Compiled FlexAttention; its first call includes building the block mask and
+    compiling, as a user meets them."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    state: dict[str, object] = {}
+
+    def call() -> torch.Tensor:
+        if "block_mask" not in state:
+            state["block_mask"] = create_block_mask(lambda b, h, qi, ki: mask(b, h, qi, ki),
+                                                    1, 1, T, T, device="cpu")
+        return compiled(q, k, v, block_mask=state["block_mask"])
+
+    return call
+
+
+def measure(fn: Callable[[], torch.Tensor], backward: bool, repeats: int,
+            leaves: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(first call s, median of repeats s, peak MB above entry)."""
+    def call() -> None:
+        out = fn()
+        if backward:
+            out.backward(torch.ones_like(out))
+            for x in leaves:
+                x.grad = None
+        del out
+
+    times, peak = [], 0
+    for i in range(repeats + 1):
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        peak = max(peak, mem.above)
+    return times[0], statistics.median(times[1:]), peak / 2**20
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    results = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for T in args.T:
+            for pass_ in args.passes:
+                backward = pass_ == "fwd+bwd"
+                g = torch.Generator().manual_seed(0)
+                leaves = [torch.randn(1, args.H, T, args.D, generator=g).to(dtype)
+                          .requires_grad_(backward) for _ in range(3)]
+                for name in args.masks:
+                    for cand, fn in candidates(name, T, *leaves, flex=args.flex,
+                                               naive_max_T=args.naive_max_T,
+                                               dense_max_T=args.dense_max_T).items():
+                        try:
+                            first, med, peak = measure(fn, backward, args.repeats, leaves)
+                            r = Result(dtype_name, T, name, pass_, cand, first, med, peak)
+                        except Exception as err:  # e.g. a Flex compile error: report, go on
+                            msg = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                            r = Result(dtype_name, T, name, pass_, cand, nan, nan, nan, msg)
+                        results.append(r)
+                        print(json.dumps(asdict(r)), flush=True)
+    return results
+
+
+def table(results: list[Result]) -> str:
+    """Markdown: one row per (dtype, pass, T, mask), ratios against SDPA of the same run."""
+    rows = {}
+    for r in results:
+        rows.setdefault((r.dtype, r.pass_, r.T, r.mask), {})[r.candidate] = r
+    lines = ["| dtype | pass | T | mask | qkv auto | qkv tiled | sdpa (fastest valid) | "
+             "sdpa dense mask | naive | flex | tiled speed-up vs sdpa dense | tiled / flex | "
+             "auto / best sdpa | tiled first call | peak MB tiled / sdpa dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r: ("failed" if r.error else f"{r.median_s * 1e3:.0f} ms") if r else "—"  # noqa: E731
+    for (dtype, pass_, T, mask), c in rows.items():
+        ok = {name: r for name, r in c.items() if not r.error}  # ratios only of what ran
+        sdpa = ok.get("sdpa is_causal") or ok.get("sdpa") or ok.get("sdpa dense mask")
+        tiled, dense, auto = ok.get("qkv tiled"), ok.get("sdpa dense mask"), ok.get("qkv auto")
+        speedup = f"{dense.median_s / tiled.median_s:.1f}×" if tiled and dense else "—"
+        vs_sdpa = f"{auto.median_s / sdpa.median_s:.2f}" if auto and sdpa else "—"
+        flex = ok.get("flex (compiled)")
+        vs_flex = f"{tiled.median_s / flex.median_s:.2f}" if tiled and flex else "—"
+        first = f"{tiled.first_s:.2f} s" if tiled else "—"
+        mem = (f"{tiled.peak_mb:.0f} / {dense.peak_mb:.0f}" if tiled and dense
+               else f"{tiled.peak_mb:.0f} / —" if tiled else "—")
+        lines.append(f"| {dtype} | {pass_} | {T} | {mask} | {fmt(auto)} | {fmt(tiled)} | "
+                     f"{fmt(sdpa)} | {fmt(dense)} | {fmt(c.get('naive torch'))} | "
+                     f"{fmt(c.get('flex (compiled)'))} | {speedup} | {vs_flex} | {vs_sdpa} | {first} | "
+                     f"{mem} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="qkv bench", description="Time qkv against torch "
+                                     "SDPA, naive PyTorch and Flex; ratios within one run.")
+    parser.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--H", type=int, default=8)
+    parser.add_argument("--D", type=int, default=64)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--masks", nargs="+",
+                        default=["none", "causal", "sliding_window", "document", "prefix_lm"])
+    parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--naive-max-T", type=int, default=4096)
+    parser.add_argument("--dense-max-T", type=int, default=16384)
+    parser.add_argument("--flex", action="store_true", help="also time compiled Flex")
+    parser.add_argument("--long", action="store_true",
+                        help="only causal T=65536, H=2, fwd+bwd through tiled")
+    parser.add_argument("--json", type=Path, help="append results as JSON lines here")
+    parser.add_argument("--from-json", type=Path, nargs="+",
+                        help="print the table of earlier runs' JSON lines; run nothing")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        lines = [line for path in args.from_json for line in path.read_text().splitlines()]
+        print(table([Result(**json.loads(line)) for line in lines if line.startswith("{")]))
+        return
+    if args.long:
+        args.T, args.H, args.dtypes, args.masks, args.passes = [65536], 2, ["float32"], \
+            ["causal"], ["fwd+bwd"]
+        args.dense_max_T = args.naive_max_T = 0
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    results = run(args)
+    if args.json:
+        with args.json.open("a") as f:
+            f.writelines(json.dumps(asdict(r)) + "\n" for r in results)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
