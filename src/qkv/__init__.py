@@ -5,10 +5,12 @@ T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
 from . import masks, numpy, tutorial
+from .cache import KVCache
 from .explain import Trace, explain
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
-from .modules import (CausalAttention, CrossAttention, MultiHeadAttention,
-                      MultiHeadAttentionWrapper, SelfAttention)
+from .mha import MultiHeadAttention
+from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
+from .rope import RoPE
 
 __version__ = "0.1.0"
 
@@ -16,8 +18,10 @@ __all__ = [
     "CausalAttention",
     "CrossAttention",
     "Dispatch",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "RoPE",
     "SelfAttention",
     "Trace",
     "attention",

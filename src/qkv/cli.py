@@ -17,7 +17,8 @@ import torch
 
 from . import masks, tutorial
 from .explain import explain
-from .modules import MultiHeadAttention, SelfAttention
+from .mha import MultiHeadAttention
+from .modules import SelfAttention
 
 
 def _embeddings(text: str) -> list[list[float]]:

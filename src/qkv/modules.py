@@ -7,7 +7,8 @@ notebooks.
 
 Every module has ``project(x) -> (q, k, v)`` in the (B, H, T, d_head) layout and
 ``merge(context) -> out``; ``forward`` is ``merge(attention(*project(x)))``. The two halves
-are public so that :func:`qkv.explain` can show each step of the same computation.
+are public so that :func:`qkv.explain` can show each step of the same computation. The
+production :class:`qkv.MultiHeadAttention` lives in ``qkv.mha``.
 
 Legend: B batch · H heads · T sequence length · E = d_in model dim · d_head = d_out / H.
 """
@@ -21,7 +22,8 @@ from .functional import MaskLike, attention
 from .masks import Mask, causal
 
 
-def _check_input(name: str, x: torch.Tensor, d_in: int) -> None:
+def check_input(name: str, x: torch.Tensor, d_in: int) -> None:
+    """A module input must be (T, E) or (B, T, E) with the module's E."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.ndim not in (2, 3) or x.shape[-1] != d_in:
@@ -29,14 +31,14 @@ def _check_input(name: str, x: torch.Tensor, d_in: int) -> None:
                          f"got {tuple(x.shape)}")
 
 
-def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(B, T, H * d_head) -> (B, H, T, d_head); (T, ·) inputs get B = 1."""
     x = x if x.ndim == 3 else x[None]
     B, T, _ = x.shape
     return x.view(B, T, num_heads, -1).transpose(1, 2)  # (B, H, T, d_head)
 
 
-def _module_mask(mask: MaskLike, is_causal: bool) -> MaskLike:
+def module_mask(mask: MaskLike, is_causal: bool) -> MaskLike:
     """A module's mask: the user's (a qkv mask, or a bool (T_q, T_k) / (B, T_q, T_k)
     tensor), and-ed with causal() if the module is causal. Dense (B, T_q, T_k) masks gain
     a head dim to fit the (B, H, T_q, T_k) layout."""
@@ -64,7 +66,7 @@ class _Attention(nn.Module):
 
     def attention_mask(self, mask: MaskLike = None) -> MaskLike:
         """The mask this module attends with: the user's, and-ed with causal() if causal."""
-        return _module_mask(mask, self.causal)
+        return module_mask(mask, self.causal)
 
     def forward(self, x: torch.Tensor, mask: MaskLike = None) -> torch.Tensor:
         """x: (T, E) or (B, T, E) -> (T, ·) or (B, T, ·). ``mask``: a qkv mask or a bool
@@ -104,8 +106,8 @@ class SelfAttention(_Attention):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def project(self, x):
-        _check_input("x", x, self.d_in)
-        return tuple(_heads(W(x), 1) for W in (self.W_query, self.W_key, self.W_value))
+        check_input("x", x, self.d_in)
+        return tuple(split_heads(W(x), 1) for W in (self.W_query, self.W_key, self.W_value))
 
     def merge(self, context, like):
         out = context[:, 0]  # (B, T, d_out)
@@ -149,9 +151,9 @@ class CrossAttention(nn.Module):
         """x_q: (T_q, d_in) or (B, T_q, d_in); x_k, x_v: (T_k, d_kv) or (B, T_k, d_kv), in
         the layout of x_q. Returns (…, T_q, d_out)."""
         x_v = x_k if x_v is None else x_v
-        _check_input("x_q", x_q, self.d_in)
-        _check_input("x_k", x_k, self.d_kv)
-        _check_input("x_v", x_v, self.d_kv)
+        check_input("x_q", x_q, self.d_in)
+        check_input("x_k", x_k, self.d_kv)
+        check_input("x_v", x_v, self.d_kv)
         return attention(self.W_query(x_q), self.W_key(x_k), self.W_value(x_v), mask=mask)
 
 
@@ -171,46 +173,3 @@ class MultiHeadAttentionWrapper(nn.Module):
     def forward(self, x: torch.Tensor, mask: MaskLike = None) -> torch.Tensor:
         """x: (T, E) or (B, T, E) -> (…, T, num_heads * d_out)."""
         return torch.cat([head(x, mask) for head in self.heads], dim=-1)
-
-
-class MultiHeadAttention(_Attention):
-    """Multi-head attention: one projection each for Q, K and V, split into ``num_heads``
-    heads of width ``d_out // num_heads``, attended in parallel, concatenated, then mixed
-    by ``out_proj`` (the W^O that seed 002 names but never applies; with a bias, as in
-    ``nn.MultiheadAttention``).
-
-    Args:
-        d_in: input width E. d_out: total width of the heads and of the output; a
-            multiple of num_heads.
-        num_heads: number of heads H.
-        causal, dropout, qkv_bias: as :class:`SelfAttention`.
-
-    Example:
-        >>> import torch, qkv
-        >>> mha = qkv.MultiHeadAttention(16, 32, num_heads=4, causal=True)
-        >>> mha(torch.rand(2, 10, 16)).shape
-        torch.Size([2, 10, 32])
-    """
-
-    def __init__(self, d_in: int, d_out: int, num_heads: int, *, causal: bool = False,
-                 dropout: float = 0.0, qkv_bias: bool = False) -> None:
-        super().__init__()
-        if num_heads < 1 or d_out % num_heads != 0:
-            raise ValueError(f"d_out must be a multiple of num_heads; got d_out={d_out}, "
-                             f"num_heads={num_heads}")
-        self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
-        self.causal, self.dropout = causal, dropout
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
-
-    def project(self, x):
-        _check_input("x", x, self.d_in)
-        return tuple(_heads(W(x), self.num_heads)
-                     for W in (self.W_query, self.W_key, self.W_value))
-
-    def merge(self, context, like):
-        B, H, T, d_head = context.shape
-        out = self.out_proj(context.transpose(1, 2).reshape(B, T, H * d_head))  # (B, T, d_out)
-        return out if like.ndim == 3 else out[0]

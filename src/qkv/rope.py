@@ -1,0 +1,67 @@
+"""Rotary position embedding (RoPE, Su et al. 2021).
+
+Each pair of channels ``(x_i, x_{i + D/2})`` of a query or key at absolute position ``p`` is
+rotated by the angle ``p · base^(-2i/D)``. A rotation preserves norms, and the dot product of
+a rotated query at ``p`` and a rotated key at ``s`` depends only on ``p - s``: attention sees
+relative positions although each vector was rotated by its own absolute one. The channel
+pairing is the "rotate half" one of GPT-NeoX and Llama.
+
+Legend: B batch · H heads · T sequence length · D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RoPE(nn.Module):
+    """Rotary position embedding for heads of width ``head_dim`` (even).
+
+    Args:
+        head_dim: D, the width of each head.
+        base: the wavelength base; 10000 as in the paper.
+
+    Example:
+        >>> import torch, qkv
+        >>> rope = qkv.RoPE(8)
+        >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+        >>> a = rope(q, positions=5) @ rope(k, positions=3).transpose(-1, -2)
+        >>> b = rope(q, positions=12) @ rope(k, positions=10).transpose(-1, -2)
+        >>> torch.allclose(a, b, atol=1e-5)     # only the distance 2 matters
+        True
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even and >= 2; got {head_dim}")
+        if not base > 1:
+            raise ValueError(f"base must be > 1; got {base}")
+        self.head_dim, self.base = head_dim, base
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
+        """Rotate x: (…, T, D). ``positions`` is the absolute position of x's first row (an
+        int), or one position per row: a (T,) integer tensor."""
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"x must have shape (..., T, D) with D={self.head_dim}; "
+                             f"got {tuple(x.shape)}")
+        T = x.shape[-2]
+        if isinstance(positions, int):
+            positions = torch.arange(positions, positions + T, device=x.device)
+        elif positions.shape != (T,):
+            raise ValueError(f"positions must have shape (T,) = ({T},); "
+                             f"got {tuple(positions.shape)}")
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(x.device)  # (T, D/2)
+        cos = torch.cos(angles).repeat(1, 2).to(x.dtype)  # (T, D)
+        sin = torch.sin(angles).repeat(1, 2).to(x.dtype)
+        half = self.head_dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base:g}"
