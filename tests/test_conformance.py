@@ -164,6 +164,14 @@ def test_dispatch_reasons():
     assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.padding([5])).reason
 
 
+def test_dispatch_drops_a_mask_that_allows_everything():
+    q, k, v = make_qkv(1, 2, 2, 1, 9, 4, 4)  # one query at the end of the keys: a decode step
+    d = qkv.dispatch(q, k, v, mask=masks.causal())
+    assert d.backend == "sdpa" and "allows every position" in d.reason
+    q2 = make_qkv(1, 2, 2, 2, 9, 4, 4)[0]
+    assert "allows every position" not in qkv.dispatch(q2, k, v, mask=masks.causal()).reason
+
+
 def test_dispatch_small_inputs_skip_planning(monkeypatch):
     import qkv._dispatch as d
     monkeypatch.setattr(d, "SMALL_SCORES", 512 * 512)

@@ -82,8 +82,8 @@ def _library(x: Any) -> str:
     return type(x).__module__.split(".")[0]
 
 
-def _device(x: Any) -> str:
-    return str(getattr(x, "device", "cpu"))
+def _device(x: Any) -> Any:
+    return getattr(x, "device", "cpu")  # compared only between tensors of one library
 
 
 def _is_bool(x: Any) -> bool:

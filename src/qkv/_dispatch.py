@@ -5,7 +5,8 @@ Rules for ``backend="auto"``, first match wins:
 1. weights, or dropout from a ``torch.Generator``, asked for → ``reference`` (the only kernel
    that materialises them);
 2. the log-sum-exp asked for → ``tiled`` (it returns it without materialising T_q × T_k);
-3. dropout without a generator, or no mask → ``sdpa``;
+3. dropout without a generator, or no mask, or a mask that allows every position of this
+   problem (e.g. causal for one query at the end of a KV cache) → ``sdpa`` without a mask;
 4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask it);
 5. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
 6. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
@@ -46,6 +47,8 @@ class Dispatch:
     backend: str
     reason: str
     plan: Plan | None = field(default=None, repr=False, compare=False)
+    #: How the sdpa kernel receives the mask: "none", "is_causal" or "dense".
+    sdpa_mask: str = field(default="dense", repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.backend}: {self.reason}"
@@ -71,8 +74,19 @@ def block_codes(mask: MaskLike, p: Problem) -> np.ndarray:
     return codes.cpu().numpy()
 
 
-def is_top_left_causal(p: Problem, mask: MaskLike) -> bool:
-    return isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k
+def _sdpa_mask(p: Problem, mask: MaskLike) -> str:
+    """How SDPA should receive this mask: not at all ("none": no mask, or a qkv mask that is
+    FULL over the whole problem, e.g. causal for one query at the end of a KV cache),
+    as ``is_causal`` (top-left causal, T_q == T_k), or as a dense bool tensor."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k:
+        return "is_causal"
+    if isinstance(mask, Mask) and p.T_q > 0 and (mask.blocks(
+            p.B, p.H, p.T_q, p.T_k, block_q=p.T_q, block_k=p.T_k, q_offset=p.q_offset)
+            == FULL).all():
+        return "none"
+    return "dense"
 
 
 def _describe(mask: MaskLike) -> str:
@@ -96,24 +110,31 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
                          "use backend='reference' or 'auto'")
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
-        return Dispatch(backend, f"requested with backend={backend!r}", plan)
+        return Dispatch(backend, f"requested with backend={backend!r}", plan,
+                        _sdpa_mask(p, mask))
     if materialised:
         return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
                         "materialised reference kernel provides them")
     if return_lse:
         return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
                         "without materialising T_q × T_k", _plan(mask, p))
+    mode = _sdpa_mask(p, mask)
     if dropout_p > 0:
         return Dispatch("sdpa", "dropout without a generator: torch's fused kernel, drawing "
-                        "from torch's global generator")
+                        "from torch's global generator", sdpa_mask=mode)
     if mask is None:
-        return Dispatch("sdpa", "no mask: torch's fused kernel is the fastest dense path")
+        return Dispatch("sdpa", "no mask: torch's fused kernel is the fastest dense path",
+                        sdpa_mask=mode)
+    if mode == "none":
+        return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
+                        "kernel without a mask", sdpa_mask=mode)
     if not torch.isfinite(key).all():
         return Dispatch("tiled", "key holds NaN or inf and a mask is given: torch's fused "
                         "kernel would spread it into rows that mask that key out",
                         _plan(mask, p))
-    if is_top_left_causal(p, mask):
-        return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal")
+    if mode == "is_causal":
+        return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal",
+                        sdpa_mask=mode)
     if p.T_q * p.T_k < SMALL_SCORES:
         return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: mask "
                         f"{_describe(mask)} passed to torch's fused kernel as a dense bool mask")

@@ -3,7 +3,8 @@
 
 Every number is measured in the same run: the median of ``--repeats`` timed calls after one
 warm-up call, and the peak resident memory above what was resident just before the call
-(sampled every millisecond by a background thread). Ratios compare candidates of one run.
+(the kernel's exact high-water mark, reset before each call). Ratios compare candidates of
+one run.
 
     qkv bench --flex                     # the docs/benchmarks.md table
     qkv bench --T 1024 4096 --masks causal --repeats 5
@@ -18,8 +19,8 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
-import threading
 import time
 from math import nan
 from dataclasses import asdict, dataclass
@@ -32,36 +33,23 @@ import torch.nn.functional as F
 import qkv
 from qkv import masks
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
 
 
 class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every millisecond."""
+    """Peak resident memory above the level at entry: the kernel's high-water mark
+    (VmHWM), reset on entry by writing 5 to /proc/self/clear_refs (Linux)."""
 
     def __enter__(self) -> PeakRSS:
-        self.base = self.peak = rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = _status("VmRSS")
         return self
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, rss())
-
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-
-    @property
-    def above(self) -> int:
-        return self.peak - self.base
+        self.above = _status("VmHWM") - self.base
 
 
 @dataclass
@@ -207,6 +195,51 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def decode(lengths: list[int], repeats: int) -> str:
+    """One decode step (T_q = 1, causal) against KV caches of each length: qkv.attention vs
+    a bare SDPA call on the same tensors, for MHA (H = H_kv) and GQA (H = 32, H_kv = 8)."""
+    lines = ["| L (cached tokens) | heads H / H_kv | cache read per step | qkv.attention | "
+             "bare sdpa | qkv / sdpa | qkv through MultiHeadAttention + KVCache |",
+             "|---|---|---|---|---|---|---|"]
+    D = 64
+    for L in lengths:
+        for H, H_kv in ((8, 8), (32, 32), (32, 8)):
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, H, 1, D, generator=g)
+            k, v = (torch.randn(1, H_kv, L, D, generator=g) for _ in range(2))
+            mask = masks.causal()
+            ours = lambda: qkv.attention(q, k, v, mask=mask)  # noqa: E731
+            bare = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != H_kv)  # noqa: E731
+            mha = qkv.MultiHeadAttention(H * D, H * D, H, num_kv_heads=H_kv, causal=True)
+            cache = mha.new_cache(1, L + 1)
+            cache.keys[:, :, :L], cache.values[:, :, :L] = k, v
+            x = torch.randn(1, 1, H * D, generator=g)
+
+            def module_step() -> torch.Tensor:
+                cache.length = L  # the same step each time: L cached, one appended
+                with torch.no_grad():
+                    return mha(x, cache=cache)
+
+            t_ours, t_bare, t_mod = (
+                statistics.median(_times(fn, repeats)) for fn in (ours, bare, module_step))
+            mb = 2 * L * H_kv * D * 4 / 2**20
+            lines.append(f"| {L} | {H} / {H_kv} | {mb:.1f} MB | {t_ours * 1e3:.3f} ms | "
+                         f"{t_bare * 1e3:.3f} ms | {t_ours / t_bare:.2f} | "
+                         f"{t_mod * 1e3:.3f} ms |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def _times(fn: Callable[[], torch.Tensor], repeats: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qkv bench", description="Time qkv against torch "
                                      "SDPA, naive PyTorch and Flex; ratios within one run.")
@@ -223,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flex", action="store_true", help="also time compiled Flex")
     parser.add_argument("--long", action="store_true",
                         help="only causal T=65536, H=2, fwd+bwd through tiled")
+    parser.add_argument("--decode", action="store_true",
+                        help="only the decode-step table: KV caches of 1k, 8k and 32k tokens")
     parser.add_argument("--json", type=Path, help="append results as JSON lines here")
     parser.add_argument("--from-json", type=Path, nargs="+",
                         help="print the table of earlier runs' JSON lines; run nothing")
@@ -230,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         lines = [line for path in args.from_json for line in path.read_text().splitlines()]
         print(table([Result(**json.loads(line)) for line in lines if line.startswith("{")]))
+        return
+    if args.decode:
+        print(decode([1024, 8192, 32768], max(args.repeats, 50)))
         return
     if args.long:
         args.T, args.H, args.dtypes, args.masks, args.passes = [65536], 2, ["float32"], \

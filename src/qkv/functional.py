@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ._checks import Problem, check_attention
-from ._dispatch import Dispatch, MaskLike, choose, is_top_left_causal
+from ._dispatch import Dispatch, MaskLike, choose
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
 from .kernels.tiled import MaskTile, tiled
@@ -167,9 +167,9 @@ def attention(
         weights = q.new_zeros(p.B, p.H, p.T_q, 0)
         lse = torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device)
     elif choice.backend == "sdpa":
-        causal = is_top_left_causal(p, mask)
-        out = sdpa(q, k, v, mask=None if causal else _dense(mask, p, q.device),
-                   is_causal=causal, scale=p.scale, dropout_p=dropout_p)
+        dense = _dense(mask, p, q.device) if choice.sdpa_mask == "dense" else None
+        out = sdpa(q, k, v, mask=dense, is_causal=choice.sdpa_mask == "is_causal",
+                   scale=p.scale, dropout_p=dropout_p)
     elif choice.backend == "tiled":
         out, lse = tiled(q, k, v, plan=choice.plan, mask_tile=_mask_tile(mask, p, q.device),
                          scale=p.scale)

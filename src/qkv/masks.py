@@ -100,7 +100,9 @@ class Mask:
             q_first[:, None], np.minimum(q_first + block_q, q_offset + T_q)[:, None] - 1,
             k_first[None, :], np.minimum(k_first + block_k, T_k)[None, :] - 1,
         )
-        return np.broadcast_to(self._classify(tiles), (len(q_first), len(k_first))).copy()
+        codes = self._classify(tiles)
+        shape = (len(q_first), len(k_first))
+        return codes if codes.shape == shape else np.broadcast_to(codes, shape).copy()
 
     def _classify(self, t: _Tiles) -> np.ndarray:
         return np.full((1, 1), PARTIAL, dtype=np.int8)
@@ -139,7 +141,8 @@ class _Tiles:
 
 
 def _codes(full: Any, empty: Any) -> np.ndarray:
-    return np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+    # A tile cannot be both FULL and EMPTY, so PARTIAL + full - empty is its code.
+    return (PARTIAL + np.asarray(full, np.int8) - np.asarray(empty, np.int8)).astype(np.int8)
 
 
 class _TorchIndex:
