@@ -18,3 +18,10 @@ PRINTED_8_INPUTS = 1e-6
 HF_EMBEDDINGS = 1e-5
 HF_FIRST_LAYER_WEIGHTS = 1e-6
 HF_WEIGHTS = 1e-4
+
+
+def float64_tolerance(score_scale: float, value_scale: float) -> float:
+    """Float64 backends against the oracle for inputs of any scale: the output moves by
+    about (rounding of the scores) × (size of the values), plus a floor."""
+    eps = 2.0 ** -52
+    return value_scale * (FLOAT64 + 64 * eps * score_scale)
