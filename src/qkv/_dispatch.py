@@ -89,6 +89,13 @@ def _sdpa_mask(p: Problem, mask: MaskLike) -> str:
     return "dense"
 
 
+def _finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN/inf, by one reduction: NaN and inf survive a sum. (A sum that
+    overflows reads as non-finite and only sends the call to the always-correct tiled kernel.)"""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(x.sum(dtype=acc)))
+
+
 def _describe(mask: MaskLike) -> str:
     return repr(mask) if isinstance(mask, Mask) else f"tensor{tuple(mask.shape)}"
 
@@ -110,8 +117,8 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
                          "use backend='reference' or 'auto'")
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
-        return Dispatch(backend, f"requested with backend={backend!r}", plan,
-                        _sdpa_mask(p, mask))
+        mode = _sdpa_mask(p, mask) if backend == "sdpa" else "dense"
+        return Dispatch(backend, f"requested with backend={backend!r}", plan, mode)
     if materialised:
         return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
                         "materialised reference kernel provides them")
@@ -128,7 +135,7 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     if mode == "none":
         return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
                         "kernel without a mask", sdpa_mask=mode)
-    if not torch.isfinite(key).all():
+    if not _finite(key):
         return Dispatch("tiled", "key holds NaN or inf and a mask is given: torch's fused "
                         "kernel would spread it into rows that mask that key out",
                         _plan(mask, p))
