@@ -230,10 +230,14 @@ def attention_weights(
     q = q[:, hs][:, :, rs]  # (B, h, r, D)
     k = k[:, hs // (p.H // p.H_kv)]  # (B, h, T_k, D)
     s = (q @ k.transpose(-2, -1)).to(lse4.dtype) * p.scale  # (B, h, r, T_k)
+    if isinstance(mask, Mask):  # evaluated at the chosen rows only: O(rows · T_k)
+        kv = torch.arange(p.T_k, device=query.device)
+        allowed = mask.at(p.B, p.H, (p.q_offset + rs).to(query.device), kv)
+        allowed = allowed.expand(p.B, p.H, len(rs), p.T_k)[:, hs]
+    elif mask is not None:
+        allowed = _dense(mask, p, query.device).expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
     if mask is not None:
-        dense = _dense(mask, p, query.device)
-        dense = dense.expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
-        s = s.masked_fill(~dense, float("-inf"))
+        s = s.masked_fill(~allowed, float("-inf"))
     l_ = lse4[:, hs][:, :, rs, None]
     w = torch.exp(s - l_.masked_fill(l_ == float("-inf"), float("inf")))
     return p.restore(w.to(query.dtype))

@@ -62,16 +62,22 @@ class Mask:
         """Evaluate the predicate on queries at absolute positions ``q_start..q_stop-1`` and
         keys ``kv_start..kv_stop-1``: a bool tensor that broadcasts to
         (B, H, q_stop - q_start, kv_stop - kv_start), of only the dims the mask uses."""
-        return self._grid(_TorchIndex(device), B, H, q_start, q_stop, kv_start, kv_stop)
+        xp = _TorchIndex(device)
+        return self._grid(xp, B, H, xp.arange(q_start, q_stop), xp.arange(kv_start, kv_stop))
 
-    def _grid(self, xp: Any, B: int, H: int, q_start: int, q_stop: int, kv_start: int,
-              kv_stop: int) -> Any:
+    def at(self, B: int, H: int, q_positions: torch.Tensor, kv_positions: torch.Tensor
+           ) -> torch.Tensor:
+        """Evaluate the predicate at any absolute query and key positions (1-d integer
+        tensors): a bool tensor broadcastable to (B, H, len(q_positions), len(kv_positions))."""
+        return self._grid(_TorchIndex(q_positions.device), B, H, q_positions, kv_positions)
+
+    def _grid(self, xp: Any, B: int, H: int, q_positions: Any, kv_positions: Any) -> Any:
         b = xp.arange(0, B).reshape(B, 1, 1, 1)
         h = xp.arange(0, H).reshape(1, H, 1, 1)
-        q = xp.arange(q_start, q_stop).reshape(1, 1, -1, 1)
-        kv = xp.arange(kv_start, kv_stop).reshape(1, 1, 1, -1)
+        q = q_positions.reshape(1, 1, -1, 1)
+        kv = kv_positions.reshape(1, 1, 1, -1)
         out = self(b, h, q, kv)
-        shape = (B, H, q_stop - q_start, kv_stop - kv_start)
+        shape = (B, H, q.shape[2], kv.shape[3])
         if str(getattr(out, "dtype", None)).replace("torch.", "") != "bool":
             raise TypeError(f"mask {self!r} must return bool; got {type(out).__name__} "
                             f"of dtype {getattr(out, 'dtype', None)}")
@@ -83,7 +89,7 @@ class Mask:
     def _evaluate(self, B: int, H: int, T_q: int, T_k: int, q_offset: int | None, xp: Any) -> Any:
         self.validate(B, H, T_q, T_k)
         q_offset = T_k - T_q if q_offset is None else q_offset
-        out = self._grid(xp, B, H, q_offset, q_offset + T_q, 0, T_k)
+        out = self._grid(xp, B, H, xp.arange(q_offset, q_offset + T_q), xp.arange(0, T_k))
         return xp.broadcast_to(out, (B, H, T_q, T_k))
 
     def blocks(self, B: int, H: int, T_q: int, T_k: int, *, block_q: int, block_k: int,
