@@ -1,6 +1,5 @@
 """The production MultiHeadAttention: GQA, RoPE, KV cache, cross-attention, torch interop."""
 
-import math
 
 import pytest
 import torch
@@ -29,11 +28,11 @@ def x_(B=2, T=9, E=16, seed=1):
 def test_gqa_with_repeated_kv_weights_equals_mha():
     gqa = mha(num_kv_heads=2, causal=True, qkv_bias=True)
     full = mha(causal=True, qkv_bias=True)
-    full.load_state_dict({
-        **gqa.state_dict(),
-        **{f"{n}.{p}": getattr(gqa, n).__getattr__(p).view(2, 4, -1).repeat_interleave(2, 0)
-           .reshape(16, -1).squeeze(-1) for n in ("W_key", "W_value") for p in ("weight", "bias")},
-    })
+    state = gqa.state_dict()
+    for name in ("W_key.weight", "W_key.bias", "W_value.weight", "W_value.bias"):
+        t = state[name]  # (H_kv · d_head, …): give each of the 2 query heads per group a copy
+        state[name] = t.view(2, 4, -1).repeat_interleave(2, 0).reshape(16, *t.shape[1:])
+    full.load_state_dict(state)
     torch.testing.assert_close(gqa(x_()), full(x_()), atol=FLOAT64, rtol=0)
 
 

@@ -134,15 +134,17 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             continue
         # The scale is folded into the query block, not applied to every score tile.
         qb = _rows(q5, q0, q1) * scale  # (B, H_kv, G·bq, D)
-        for n, chunk in enumerate(chunks):
+        # Running row max m, sum l and output o of the online softmax, set by the first chunk.
+        m = l = o = None  # noqa: E741
+        for chunk in chunks:
             s = _scores(qb, k, chunk, q0, q1, mask_tile, H_kv, G)  # (B, H_kv, G·bq, L)
             row_max = s.amax(dim=-1, keepdim=True)
-            m_new = row_max if n == 0 else torch.maximum(m, row_max)
+            m_new = row_max if m is None else torch.maximum(m, row_max)
             # A row with every score -inf so far keeps max 0: exp(-inf - 0) = 0, not NaN.
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = s.sub_(m_safe).exp_()  # in place of s
             pv = p @ v[:, :, chunk.k0:chunk.k1]  # (B, H_kv, G·bq, D_v)
-            if n == 0:
+            if m is None:
                 l, o = p.sum(dim=-1, keepdim=True), pv  # noqa: E741
             else:  # rescale what was summed under the old max; 0 while m was -inf
                 alpha = torch.exp(m - m_safe)
