@@ -28,12 +28,15 @@ __all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch",
 
 
 def _dense(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
-    """The mask as a bool (B, H, T_q, T_k) tensor (a broadcast view), or None."""
+    """The mask as a 4-d bool tensor broadcastable to (B, H, T_q, T_k), or None. It keeps
+    size 1 on the dims the mask does not use: kernels broadcast it, and SDPA runs slower
+    on an expanded (B, H, T_q, T_k) view than on the compact mask."""
     if mask is None:
         return None
     if isinstance(mask, Mask):
-        return mask.dense(p.B, p.H, p.T_q, p.T_k, q_offset=p.q_offset, device=device)
-    return p.to4d(mask.expand(p.mask_shape))
+        out = mask.block(p.B, p.H, p.q_offset, p.q_offset + p.T_q, 0, p.T_k, device=device)
+        return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
+    return mask[None, None] if mask.ndim == 2 else p.to4d(mask)
 
 
 def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | None:
@@ -54,7 +57,14 @@ def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | N
 
         return tile
     dense = _dense(mask, p, device)
-    return lambda q0, q1, k0, k1: dense[..., q0:q1, k0:k1]
+
+    def dense_tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        # Size-1 (broadcast) dims are kept whole, not sliced.
+        rows = slice(q0, q1) if dense.shape[-2] > 1 else slice(None)
+        cols = slice(k0, k1) if dense.shape[-1] > 1 else slice(None)
+        return dense[..., rows, cols]
+
+    return dense_tile
 
 
 def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
