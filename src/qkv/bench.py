@@ -49,7 +49,8 @@ class PeakRSS:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.above = _status("VmHWM") - self.base
+        self.process = _status("VmHWM")  # the whole process: libraries, inputs, the call
+        self.above = self.process - self.base
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Result:
     median_s: float
     peak_mb: float  # resident memory above inputs, during the call
     error: str = ""  # why the candidate could not run, if it could not
+    process_peak_mb: float = nan  # the process's peak resident memory during the call
 
 
 def make_mask(name: str, T: int) -> masks.Mask | None:
@@ -122,8 +124,8 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
 
 
 def measure(fn: Callable[[], torch.Tensor], backward: bool, repeats: int,
-            leaves: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(first call s, median of repeats s, peak MB above entry)."""
+            leaves: list[torch.Tensor]) -> tuple[float, float, float, float]:
+    """(first call s, median of repeats s, peak MB above entry, process peak MB)."""
     def call() -> None:
         out = fn()
         if backward:
@@ -132,14 +134,14 @@ def measure(fn: Callable[[], torch.Tensor], backward: bool, repeats: int,
                 x.grad = None
         del out
 
-    times, peak = [], 0
-    for i in range(repeats + 1):
+    times, peak, process = [], 0, 0
+    for _ in range(repeats + 1):
         with PeakRSS() as mem:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        peak = max(peak, mem.above)
-    return times[0], statistics.median(times[1:]), peak / 2**20
+        peak, process = max(peak, mem.above), max(process, mem.process)
+    return times[0], statistics.median(times[1:]), peak / 2**20, process / 2**20
 
 
 def run(args: argparse.Namespace) -> list[Result]:
@@ -157,8 +159,10 @@ def run(args: argparse.Namespace) -> list[Result]:
                                                naive_max_T=args.naive_max_T,
                                                dense_max_T=args.dense_max_T).items():
                         try:
-                            first, med, peak = measure(fn, backward, args.repeats, leaves)
-                            r = Result(dtype_name, T, name, pass_, cand, first, med, peak)
+                            first, med, peak, proc = measure(fn, backward, args.repeats,
+                                                             leaves)
+                            r = Result(dtype_name, T, name, pass_, cand, first, med, peak,
+                                       process_peak_mb=proc)
                         except Exception as err:  # e.g. a Flex compile error: report, go on
                             msg = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                             r = Result(dtype_name, T, name, pass_, cand, nan, nan, nan, msg)
