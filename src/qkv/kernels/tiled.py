@@ -28,10 +28,10 @@ import torch
 from ..masks import EMPTY, PARTIAL
 from .reference import accumulation_dtype
 
-# Measured on the 2-core CPU this project targets (see docs/benchmarks.md): 64-query
-# blocks keep the wasted work at a window's ragged edge small, and chunks of up to 1024
-# keys make each matmul large enough to run near peak.
-BLOCK_Q = 64
+# Measured on the 2-core CPU this project targets (docs/kernels.md): 128-query blocks make
+# the matmuls larger, 64-key blocks keep the work wasted at a mask's ragged edge small, and
+# chunks of up to 1024 keys make each matmul large enough to run near peak.
+BLOCK_Q = 128
 BLOCK_K = 64
 CHUNK_K = 1024
 
