@@ -224,8 +224,7 @@ def decode(lengths: list[int], repeats: int) -> str:
                 with torch.no_grad():
                     return mha(x, cache=cache)
 
-            t_ours, t_bare, t_mod = (
-                statistics.median(_times(fn, repeats)) for fn in (ours, bare, module_step))
+            t_ours, t_bare, t_mod = _interleaved([ours, bare, module_step], repeats)
             mb = 2 * L * H_kv * D * 4 / 2**20
             lines.append(f"| {L} | {H} / {H_kv} | {mb:.1f} MB | {t_ours * 1e3:.3f} ms | "
                          f"{t_bare * 1e3:.3f} ms | {t_ours / t_bare:.2f} | "
@@ -234,14 +233,18 @@ def decode(lengths: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
-def _times(fn: Callable[[], torch.Tensor], repeats: int) -> list[float]:
-    fn()
-    out = []
+def _interleaved(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+    """Median time of each function, the functions taking turns within every repeat so
+    that a drift in the machine's speed reaches all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def main(argv: list[str] | None = None) -> None:
