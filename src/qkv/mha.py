@@ -12,11 +12,11 @@ from torch import nn
 
 from .cache import KVCache
 from .functional import MaskLike, attention
-from .modules import check_input, module_mask, split_heads
+from .modules import AttentionModule, check_input, split_heads
 from .rope import RoPE
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionModule):
     """Multi-head attention: queries split into ``num_heads`` heads of width
     ``d_out // num_heads``, keys and values into ``num_kv_heads`` (GQA; 1 = MQA), attended
     in parallel, concatenated, then mixed by ``out_proj`` (the W^O that seed 002 names but
@@ -94,10 +94,6 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H_kv, start + T_q, d_head)
         return q, k, v
-
-    def attention_mask(self, mask: MaskLike = None) -> MaskLike:
-        """The mask this module attends with: the user's, and-ed with causal() if causal."""
-        return module_mask(mask, self.causal)
 
     def merge(self, context: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         B, H, T, d_head = context.shape

@@ -52,8 +52,9 @@ def module_mask(mask: MaskLike, is_causal: bool) -> MaskLike:
     return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
 
 
-class _Attention(nn.Module):
-    """Shared forward: project, attend, merge."""
+class AttentionModule(nn.Module):
+    """What every qkv attention module shares: ``project`` to heads, the module's
+    ``attention_mask``, and a forward that attends and ``merge``-s the heads back."""
 
     causal: bool
     dropout: float
@@ -77,7 +78,7 @@ class _Attention(nn.Module):
         return self.merge(context, like=x)
 
 
-class SelfAttention(_Attention):
+class SelfAttention(AttentionModule):
     """Single-head self-attention: queries, keys and values are linear maps of the same x.
 
     ``softmax(x W_q (x W_k)ᵀ / sqrt(d_out)) x W_v`` with ``nn.Linear`` weights (seed 004's
