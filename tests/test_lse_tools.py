@@ -83,3 +83,15 @@ def test_attention_weights_3d_and_errors():
         qkv.attention_weights(q, k, lse[:, :5])
     with pytest.raises(ValueError, match="heads can be chosen only for"):
         qkv.attention_weights(q, k, lse, heads=[0])
+
+
+def test_attention_weights_checks_inputs_like_attention():
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 3, 3)
+    tri = np.tri(4, dtype=bool)
+    _, lse = qkv.attention(q, k, v, mask=tri, return_lse=True)
+    _, w_all = qkv.attention(q, k, v, mask=tri, return_weights=True)
+    torch.testing.assert_close(qkv.attention_weights(q, k, lse, mask=tri), w_all)  # NumPy mask
+    with pytest.raises(TypeError, match="query must be a torch.Tensor .* got ndarray"):
+        qkv.attention_weights(q.numpy(), k, lse)
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor .* got list"):
+        qkv.attention_weights(q, k, [0.0])

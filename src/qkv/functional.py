@@ -67,18 +67,25 @@ def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | N
     return dense_tile
 
 
-def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
-             q_offset: int | None, dropout_p: float, **choice: Any
-             ) -> tuple[Problem, MaskLike, Dispatch]:
-    """Validate one call (the torch side of it, then the shared checks) and choose a kernel."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
+def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
+    """The checks only the torch entry points need: tensors, not arrays, and a mask that is
+    a qkv mask or a bool tensor (a NumPy bool array is moved to the first tensor's device)."""
+    for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (use qkv.numpy for arrays); "
                             f"got {type(x).__name__}")
     if isinstance(mask, np.ndarray):
-        mask = torch.from_numpy(mask).to(query.device)
+        mask = torch.from_numpy(mask).to(next(iter(tensors.values())).device)
     if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
         raise TypeError(f"mask must be a qkv mask or a bool tensor; got {type(mask).__name__}")
+    return mask
+
+
+def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
+             q_offset: int | None, dropout_p: float, **choice: Any
+             ) -> tuple[Problem, MaskLike, Dispatch]:
+    """Validate one call (the torch side of it, then the shared checks) and choose a kernel."""
+    mask = _torch_side(mask, query=query, key=key, value=value)
     p = check_attention(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
                         dropout_p=dropout_p)
     return p, mask, choose(p, mask, key, dropout_p=dropout_p, **choice)
@@ -226,6 +233,7 @@ def attention_weights(
         >>> w.shape, round(w.sum().item(), 4)
         (torch.Size([1, 1, 1, 4096]), 1.0)
     """
+    mask = _torch_side(mask, query=query, key=key, lse=lse)
     p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
     if tuple(lse.shape) != p.mask_shape[:-1]:
         letters = ", ".join(p.mask_letters[:-1])
@@ -235,8 +243,7 @@ def attention_weights(
         raise ValueError("heads can be chosen only for (B, H, T_q, D) inputs")
     q, k, lse4 = p.to4d(query), p.to4d(key), p.to4d(lse)
     hs = torch.arange(p.H) if heads is None else torch.as_tensor(list(heads))
-    rs = torch.arange(p.T_q)[rows if rows is not None else slice(None)]
-    rs = torch.as_tensor(rs).reshape(-1)
+    rs = torch.arange(p.T_q)[rows if rows is not None else slice(None)].reshape(-1)
     q = q[:, hs][:, :, rs]  # (B, h, r, D)
     k = k[:, hs // (p.H // p.H_kv)]  # (B, h, T_k, D)
     s = (q @ k.transpose(-2, -1)).to(lse4.dtype) * p.scale  # (B, h, r, T_k)

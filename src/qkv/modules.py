@@ -38,20 +38,6 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.view(B, T, num_heads, -1).transpose(1, 2)  # (B, H, T, d_head)
 
 
-def module_mask(mask: MaskLike, is_causal: bool) -> MaskLike:
-    """A module's mask: the user's (a qkv mask, or a bool (T_q, T_k) / (B, T_q, T_k)
-    tensor), and-ed with causal() if the module is causal. Dense (B, T_q, T_k) masks gain
-    a head dim to fit the (B, H, T_q, T_k) layout."""
-    if isinstance(mask, torch.Tensor) and mask.ndim == 3:
-        mask = mask[:, None]  # (B, 1, T_q, T_k)
-    if not is_causal:
-        return mask
-    if mask is None or isinstance(mask, Mask):
-        return causal() if mask is None else causal() & mask
-    T_q, T_k = mask.shape[-2:]
-    return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
-
-
 class AttentionModule(nn.Module):
     """What every qkv attention module shares: ``project`` to heads, the module's
     ``attention_mask``, and a forward that attends and ``merge``-s the heads back."""
@@ -66,8 +52,17 @@ class AttentionModule(nn.Module):
         raise NotImplementedError
 
     def attention_mask(self, mask: MaskLike = None) -> MaskLike:
-        """The mask this module attends with: the user's, and-ed with causal() if causal."""
-        return module_mask(mask, self.causal)
+        """The mask this module attends with: the user's (a qkv mask, or a bool (T_q, T_k) /
+        (B, T_q, T_k) / (B, H, T_q, T_k) tensor), and-ed with causal() if the module is causal.
+        Dense (B, T_q, T_k) masks gain a head dim to fit the (B, H, T_q, T_k) layout."""
+        if isinstance(mask, torch.Tensor) and mask.ndim == 3:
+            mask = mask[:, None]  # (B, 1, T_q, T_k)
+        if not self.causal:
+            return mask
+        if mask is None or isinstance(mask, Mask):
+            return causal() if mask is None else causal() & mask
+        T_q, T_k = mask.shape[-2:]
+        return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
 
     def forward(self, x: torch.Tensor, mask: MaskLike = None) -> torch.Tensor:
         """x: (T, E) or (B, T, E) -> (T, ·) or (B, T, ·). ``mask``: a qkv mask or a bool

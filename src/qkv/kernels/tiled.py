@@ -165,8 +165,9 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     acc = accumulation_dtype(q.dtype)
     H_kv = k.shape[1]
     q5, k_, v_ = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
-    do5 = _blocked(dout.to(acc), H_kv)
-    delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)
+    do = dout.to(acc)
+    do5 = _blocked(do, H_kv)
+    delta5 = _blocked((do * out.to(acc)).sum(-1, keepdim=True), H_kv)
     # Rows that saw no key have lse -inf; +inf makes their probabilities exp(-inf) = 0.
     lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), float("inf"))[..., None], H_kv)
     dq5, dk, dv = torch.zeros_like(q5), torch.zeros_like(k_), torch.zeros_like(v_)
