@@ -2,7 +2,8 @@
 
 ``qkv explain`` — the project's main job — traces attention over the seeds' sentence "Your
 journey starts with one step" step by step and writes a heatmap of the weights.
-``qkv mask causal --size 8`` prints a mask's picture.
+``qkv mask causal --size 8`` prints a mask's picture. ``qkv train`` trains a GPT on bytes
+(the standard library's sources by default) and ``qkv generate`` samples from it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,37 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument("--prefix", type=int, default=2, help="for prefix_lm (2)")
     mk.add_argument("--ids", type=_ids, help="for document: one id per key, '0,0,1,1'")
     mk.add_argument("--length", type=int, help="for padding: number of valid keys")
+    tr = sub.add_parser("train", help="train a GPT on bytes (qkv train --help)",
+                        description="Train a qkv GPT on the bytes of the Python standard "
+                        "library's sources (or --text) and keep a checkpoint in --out.")
+    tr.add_argument("--preset", default=None,
+                    help="model and recipe: tiny (seconds) or cpu-10min (the default, about "
+                    "ten minutes on a 2-core CPU); on --resume, the checkpoint's")
+    tr.add_argument("--text", type=Path, help="a UTF-8 file or folder to train on instead")
+    tr.add_argument("--out", type=Path, default=Path("runs/gpt"),
+                    help="checkpoint directory (default runs/gpt)")
+    tr.add_argument("--steps", type=_positive,
+                    help="the run's total steps (with --resume: carry the run on to N)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of weights, batches, dropout (0)")
+    tr.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    tr.add_argument("--compile", action="store_true", help="run the model under torch.compile")
+    tr.add_argument("--quiet", action="store_true", help="no progress output")
+
+    ge = sub.add_parser("generate", help="sample text from a trained GPT",
+                        description="Continue a prompt with a GPT checkpoint written by "
+                        "qkv train. The same --seed gives the same text.")
+    ge.add_argument("--checkpoint", type=Path, required=True,
+                    help="a directory written by qkv train")
+    ge.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    ge.add_argument("--tokens", type=_positive, default=200,
+                    help="bytes to generate (default 200)")
+    ge.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
+    ge.add_argument("--temperature", type=float, default=0.8,
+                    help="divides the logits; 0 is greedy (default 0.8)")
+    ge.add_argument("--top-k", type=_positive, help="sample among the k likeliest bytes")
+    ge.add_argument("--top-p", type=float, help="sample from the smallest set reaching p")
+    ge.add_argument("--no-cache", action="store_true",
+                    help="recompute the context every step instead of using KV caches")
     return parser
 
 
@@ -152,6 +184,43 @@ def _mask(args: argparse.Namespace) -> None:
     print(mask.picture(T_q, T_k))
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train import DEFAULT_PRESET, train
+
+    preset = args.preset
+    if preset is None:
+        preset = _saved_preset(args.out) if args.resume else DEFAULT_PRESET
+    result = train(args.out, preset=preset, text=args.text, steps=args.steps, seed=args.seed,
+                   resume=args.resume, compile=args.compile, progress=not args.quiet)
+    if result.interrupted:
+        return 130  # the shell's code for a run stopped by Ctrl-C
+    val = result.val_loss
+    print(f"trained to step {result.step}: validation loss "
+          f"{'n/a' if val is None else f'{val:.4f} nats/byte'}; checkpoint in {result.out}")
+    return 0
+
+
+def _saved_preset(out: Path) -> str:
+    try:
+        return json.loads((out / "config.json").read_text())["preset"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--out {str(out)!r} holds no checkpoint to resume "
+                                "(config.json is missing)") from None
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from .train import load_checkpoint
+
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty: the model continues a text")
+    model = load_checkpoint(args.checkpoint)
+    idx = torch.tensor([list(args.prompt.encode("utf-8"))])  # (1, T) bytes
+    out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+                         use_cache=not args.no_cache)
+    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -162,11 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = _parser()
     args = parser.parse_args(argv)
+    commands = {"explain": _explain, "mask": _mask, "train": _train, "generate": _generate}
     try:
-        {"explain": _explain, "mask": _mask}[args.command](args)
-    except (ValueError, TypeError) as err:
+        return commands[args.command](args) or 0
+    except (ValueError, TypeError, OSError) as err:
         parser.exit(2, f"qkv {args.command}: error: {err}\n")
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

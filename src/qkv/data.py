@@ -1,0 +1,178 @@
+"""Training text every machine has: bytes, so the vocabulary is 256 and nothing needs a
+tokenizer or a download.
+
+By default the corpus is the source files of the running interpreter's Python standard
+library (found with ``sysconfig``). ``load_corpus(path)`` takes any UTF-8 file or folder
+instead. Files are split into train and validation deterministically: the validation files
+are those whose path hashes (CRC-32 of the path relative to the root) lowest, about
+``val_fraction`` of them, so a given corpus always splits the same way. A single file is
+split by position instead: its last ``val_fraction`` is validation.
+
+Legend: B batch · T sequence length (block_size).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: The byte that separates concatenated files.
+SEPARATOR = b"\n"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Bytes split for training and validation.
+
+    Attributes:
+        train, val: uint8 tensors of bytes (each file followed by a newline).
+        source: what the bytes are, in words (recorded in checkpoints).
+        files: (train files, validation files); (1, 1) for a single file split by position.
+    """
+
+    train: torch.Tensor
+    val: torch.Tensor
+    source: str
+    files: tuple[int, int]
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.py")
+            if "site-packages" not in p.relative_to(root).parts and p.is_file()]
+
+
+def _text_files(root: Path) -> list[Path]:
+    """Every file under root that is not hidden and reads as UTF-8."""
+    out = []
+    for p in root.rglob("*"):
+        if not p.is_file() or any(part.startswith(".") for part in p.relative_to(root).parts):
+            continue
+        try:
+            p.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out.append(p)
+    return out
+
+
+def _join(paths: list[Path]) -> torch.Tensor:
+    data = b"".join(p.read_bytes() + SEPARATOR for p in paths)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _split_files(root: Path, paths: list[Path], val_fraction: float, source: str) -> Corpus:
+    if len(paths) == 1:
+        return _split_file(paths[0], val_fraction, source)
+    by_hash = sorted(paths, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()),
+                                           p.as_posix()))
+    n_val = max(1, round(len(paths) * val_fraction))
+    val, train = sorted(by_hash[:n_val]), sorted(by_hash[n_val:])
+    return Corpus(_join(train), _join(val), source, (len(train), len(val)))
+
+
+def _split_file(path: Path, val_fraction: float, source: str) -> Corpus:
+    data = path.read_bytes()
+    cut = len(data) - max(1, int(len(data) * val_fraction))
+    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return Corpus(whole[:cut].clone(), whole[cut:].clone(), source, (1, 1))
+
+
+def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) -> Corpus:
+    """Load and split a corpus.
+
+    Args:
+        text: a UTF-8 file or a folder of them (hidden files and files that are not UTF-8
+            are skipped); None for the Python standard library's sources.
+        val_fraction: the share of files (or of the single file's bytes) held out.
+
+    Raises:
+        FileNotFoundError: ``text`` does not exist.
+        ValueError: nothing to train on (an empty file, a folder with no UTF-8 file, a
+            file that is not UTF-8).
+
+    Example:
+        >>> from qkv.data import load_corpus
+        >>> corpus = load_corpus()                    # the standard library's sources
+        >>> corpus.files[0] > 10 * corpus.files[1] > 0, corpus.train.dtype
+        (True, torch.uint8)
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+    if text is None:
+        root = stdlib_root()
+        paths = _stdlib_files(root)
+        source = f"Python {sysconfig.get_python_version()} standard library ({root})"
+    else:
+        root = Path(text)
+        if not root.exists():
+            raise FileNotFoundError(f"--text {str(text)!r}: no such file or folder")
+        source = str(root.resolve())
+        if root.is_file():
+            try:
+                root.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"--text {str(text)!r} is not UTF-8 text ({err.reason} at "
+                                 f"byte {err.start})") from None
+            paths, root = [root], root.parent
+        else:
+            paths = _text_files(root)
+    paths = [p for p in paths if p.stat().st_size > 0]
+    if not paths:
+        raise ValueError(f"the corpus {source} holds no text to train on")
+    if len(paths) == 1 and paths[0].stat().st_size < 2:
+        raise ValueError(f"the corpus {source} is too small to split (1 byte)")
+    return _split_files(root, sorted(paths), val_fraction, source)
+
+
+def check_context(corpus: Corpus, block_size: int) -> None:
+    """Raise ValueError if either split is too short for one window of block_size + 1."""
+    for name, data in (("training", corpus.train), ("validation", corpus.val)):
+        if len(data) < block_size + 1:
+            raise ValueError(f"the context (block_size={block_size}) is longer than the "
+                             f"{name} data ({len(data)} bytes) of {corpus.source}: use a "
+                             "smaller --block-size or more text")
+
+
+def random_batch(data: torch.Tensor, batch_size: int, block_size: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """batch_size windows at random offsets: inputs (B, T) and targets (B, T), the inputs
+    shifted by one byte, as int64."""
+    starts = torch.randint(0, len(data) - block_size, (batch_size,), generator=generator)
+    return _windows(data, starts, block_size)
+
+
+def eval_windows(data: torch.Tensor, count: int, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` windows at evenly spaced offsets over all of data: the same windows every
+    time, so validation losses compare across steps and models."""
+    count = max(1, min(count, len(data) - block_size))
+    starts = torch.linspace(0, len(data) - block_size - 1, count).long()
+    return _windows(data, starts, block_size)
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, block_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = starts[:, None] + torch.arange(block_size + 1)  # (B, T + 1)
+    chunk = data[offsets].long()
+    return chunk[:, :-1], chunk[:, 1:]  # (B, T) each
+
+
+def bigram_loss(corpus: Corpus, smoothing: float = 0.5) -> float:
+    """The validation loss (nats per byte) of a byte-bigram model counted on the training
+    bytes, with ``smoothing`` added to every count: the baseline any model must beat."""
+    train, val = corpus.train.long(), corpus.val.long()
+    counts = torch.zeros(256 * 256, dtype=torch.float64)
+    counts.index_add_(0, train[:-1] * 256 + train[1:], torch.ones(len(train) - 1,
+                                                                   dtype=torch.float64))
+    counts = counts.view(256, 256) + smoothing
+    logp = counts.log() - counts.sum(dim=1, keepdim=True).log()  # (prev, next)
+    return -logp[val[:-1], val[1:]].mean().item()

@@ -1,0 +1,379 @@
+"""A GPT built on qkv: decoder-only, pre-LayerNorm, every attention a
+:class:`qkv.MultiHeadAttention` with ``causal=True``.
+
+The model is GPT-2's: token embedding (+ learned positions, or rotary ones inside each
+attention), ``n_layer`` blocks of ``x + attn(ln_1(x))`` and ``x + mlp(ln_2(x))``, a final
+LayerNorm, and an LM head tied to the token embedding. :meth:`GPT.generate` prefills the
+prompt into one :class:`qkv.KVCache` per layer and decodes one token at a time;
+:meth:`GPT.from_huggingface` converts a ``transformers`` ``GPT2LMHeadModel``.
+
+Legend: B batch · T sequence length · V vocabulary · E model width (n_embd) · H heads ·
+H_kv key/value heads · d_head = E / H.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import KVCache
+from ..mha import MultiHeadAttention
+from ..rope import RoPE
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a :class:`GPT`.
+
+    Args:
+        vocab_size: V (256 for bytes).
+        block_size: the context window: the most tokens the model attends over.
+        n_layer, n_head, n_embd: depth, H and E (E divisible by H).
+        n_kv_head: H_kv for grouped-query attention; None means n_head.
+        mlp_width: hidden width of the MLP; None means 4 · n_embd.
+        dropout: on the embeddings, the attention weights and both residual branches.
+        positions: "learned" (GPT-2: a table of block_size positions) or "rope".
+        attention_only: no MLPs (the models interpretability studies train).
+        attention: "softmax", or "uniform": every position averages its past equally
+            (seed 001's ``xbow``), the baseline that shows what attention adds.
+        gelu: "tanh" (GPT-2's approximation) or "erf" (exact).
+        layer_norm_eps: epsilon of every LayerNorm.
+        rope_base: RoPE's wavelength base, when positions = "rope".
+    """
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    n_kv_head: int | None = None
+    mlp_width: int | None = None
+    dropout: float = 0.0
+    positions: str = "learned"
+    attention_only: bool = False
+    attention: str = "softmax"
+    gelu: str = "tanh"
+    layer_norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an int >= 1; got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd must be a multiple of n_head; got "
+                             f"n_embd={self.n_embd}, n_head={self.n_head}")
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"GPTConfig.n_head must be a multiple of n_kv_head; got "
+                             f"n_head={self.n_head}, n_kv_head={self.n_kv_head}")
+        choices = {"positions": ("learned", "rope"), "attention": ("softmax", "uniform"),
+                   "gelu": ("tanh", "erf")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}; got "
+                                 f"{getattr(self, name)!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1); got {self.dropout}")
+        if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope needs an even head width n_embd / n_head; got "
+                             f"{self.n_embd // self.n_head}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
+        """The inverse of :meth:`to_dict`; unknown keys are an error, not ignored."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields: {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+class UniformAttention(MultiHeadAttention):
+    """Causal attention whose queries are zero: every score is equal, so each position
+    averages the values of its past uniformly (seed 001's ``xbow``) — attention with
+    nothing learned about *where* to look."""
+
+    def project(self, x, context=None, cache=None):
+        q, k, v = super().project(x, context, cache)
+        return torch.zeros_like(q), k, v
+
+
+class MLP(nn.Module):
+    """E -> mlp_width -> GELU -> E."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        width = config.mlp_width or 4 * config.n_embd
+        self.fc = nn.Linear(config.n_embd, width)
+        self.act = nn.GELU(approximate="tanh" if config.gelu == "tanh" else "none")
+        self.proj = nn.Linear(width, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig, rope: RoPE | None) -> None:
+        super().__init__()
+        E = config.n_embd
+        attention = UniformAttention if config.attention == "uniform" else MultiHeadAttention
+        self.ln_1 = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.attn = attention(E, E, config.n_head, num_kv_heads=config.n_kv_head, causal=True,
+                              dropout=config.dropout, qkv_bias=True, rope=rope)
+        self.drop = nn.Dropout(config.dropout)
+        if config.attention_only:
+            self.ln_2 = self.mlp = None
+        else:
+            self.ln_2 = nn.LayerNorm(E, eps=config.layer_norm_eps)
+            self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), cache=cache))  # (B, T, E)
+        if self.mlp is not None:
+            x = x + self.drop(self.mlp(self.ln_2(x)))
+        return x
+
+
+class GPT(nn.Module):
+    """A decoder-only language model whose attention is qkv's.
+
+    Example:
+        >>> import torch
+        >>> from qkv.models import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32))
+        >>> idx = torch.randint(0, 256, (3, 10))            # (B, T) token ids
+        >>> model(idx).shape                                # (B, T, V) logits
+        torch.Size([3, 10, 256])
+        >>> model.generate(idx, 5, temperature=0.0).shape   # greedy, with the KV cache
+        torch.Size([3, 15])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        E = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, E)
+        self.wpe = nn.Embedding(config.block_size, E) if config.positions == "learned" else None
+        # One RoPE module shared by every layer: it holds no weights, only frequencies.
+        rope = (RoPE(E // config.n_head, base=config.rope_base)
+                if config.positions == "rope" else None)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, rope) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(E, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one (V, E) table reads and writes tokens
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections
+        that write into the residual stream scaled by 1/sqrt(their number)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual = [b.attn.out_proj for b in self.blocks]
+        residual += [b.mlp.proj for b in self.blocks if b.mlp is not None]
+        for proj in residual:
+            nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(len(residual)))
+
+    def num_params(self) -> int:
+        """Number of parameters (the tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, *, caches: list[KVCache] | None = None
+                ) -> torch.Tensor:
+        """idx: (B, T) token ids -> (B, T, V) logits.
+
+        Args:
+            caches: one :class:`qkv.KVCache` per layer (:meth:`new_caches`); idx then holds
+                only the tokens after the cached ones, at positions ``cache.length`` on.
+        """
+        if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.dtype.is_floating_point:
+            raise ValueError(f"idx must be a (B, T) integer tensor of token ids; got "
+                             f"{getattr(idx, 'dtype', type(idx).__name__)} of shape "
+                             f"{tuple(getattr(idx, 'shape', ()))}")
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}); "
+                             f"got {len(caches)}")
+        B, T = idx.shape
+        start = 0 if caches is None else caches[0].length
+        if start + T > self.config.block_size:
+            raise ValueError(f"the context window holds block_size={self.config.block_size} "
+                             f"tokens; got {start} cached + {T} new")
+        x = self.wte(idx)  # (B, T, E)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (T, E) bcast
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])  # (B, T, E)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (nats per token) of predicting targets (B, T) from idx (B, T)."""
+        logits = self(idx)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def new_caches(self, batch: int) -> list[KVCache]:
+        """One empty :class:`qkv.KVCache` per layer, each of block_size tokens."""
+        return [b.attn.new_cache(batch, self.config.block_size) for b in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True
+                 ) -> torch.Tensor:
+        """Continue each sequence of idx (B, T) by max_new_tokens tokens: (B, T + new).
+
+        With ``use_cache`` the prompt is prefilled into one KV cache per layer and every
+        later step feeds one token; without, every step recomputes the whole context (the
+        nanoGPT way). Both give the same tokens.
+
+        The context window: each prediction sees the last ``block_size`` tokens at most.
+        Once the sequence outgrows the window, every step re-encodes the last block_size
+        tokens from position 0, with or without the cache (a cache cannot be reused there:
+        each kept token moves to a new position, and every later layer's keys depend on
+        the tokens that fell out).
+
+        Args:
+            temperature: divides the logits; 0 means greedy (argmax).
+            top_k: sample among the k most likely tokens only.
+            top_p: sample among the smallest set of tokens whose probability reaches p.
+            generator: the source of randomness: the same seed gives the same tokens.
+            use_cache: decode with KV caches (default) or recompute every step.
+        """
+        if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be a (B, T) tensor of token ids with T >= 1; got "
+                             f"shape {tuple(getattr(idx, 'shape', ()))}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0; got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None; got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None; got {top_p}")
+        was_training = self.training
+        self.eval()
+        window, caches = self.config.block_size, None
+        try:
+            for _ in range(max_new_tokens):
+                context = idx[:, -window:]  # (B, ≤ block_size)
+                if not use_cache:
+                    logits = self(context)
+                elif caches is not None and caches[0].length < window:
+                    logits = self(idx[:, -1:], caches=caches)  # one new token
+                else:  # first step, or the window slid: prefill from position 0
+                    caches = self.new_caches(idx.shape[0])
+                    logits = self(context, caches=caches)
+                nxt = _sample(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
+        return idx
+
+    @classmethod
+    def from_huggingface(cls, model_or_path: Any) -> GPT:
+        """A qkv GPT with the weights of a ``transformers`` ``GPT2LMHeadModel``: the model
+        object, or a local directory written by its ``save_pretrained``. Configurations qkv
+        cannot reproduce exactly (other activations, scaled-by-layer attention, unequal
+        dropouts, an untied head) are refused, not approximated."""
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError as err:  # pragma: no cover - transformers is a dev dependency
+            raise ImportError("GPT.from_huggingface needs transformers: "
+                              "pip install 'qkv[huggingface]'") from err
+        hf = model_or_path
+        if isinstance(model_or_path, (str, os.PathLike)):
+            if not os.path.isdir(model_or_path):
+                raise FileNotFoundError(f"model_or_path: no directory {str(model_or_path)!r} "
+                                        "(nothing is downloaded: give a save_pretrained folder)")
+            hf = GPT2LMHeadModel.from_pretrained(model_or_path, local_files_only=True)
+        if not isinstance(hf, GPT2LMHeadModel):
+            raise TypeError(f"model_or_path must be a GPT2LMHeadModel or a directory; got "
+                            f"{type(hf).__name__}")
+        config = _config_from_gpt2(hf.config)
+        model = cls(config).to(hf.lm_head.weight.dtype)
+        _copy_gpt2_weights(hf, model)
+        return model.train(hf.training)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens (B, 1) from the last position's logits (B, V)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token once the more likely ones already reach top_p (the first always stays).
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
+
+
+def _config_from_gpt2(c: Any) -> GPTConfig:
+    refuse = []
+    if c.activation_function not in _GPT2_GELU:
+        refuse.append(f"activation_function={c.activation_function!r}")
+    if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx:
+        refuse.append("attention scaled other than by 1/sqrt(d_head)")
+    if getattr(c, "add_cross_attention", False):
+        refuse.append("add_cross_attention=True")
+    if not getattr(c, "tie_word_embeddings", True):
+        refuse.append("tie_word_embeddings=False")
+    dropouts = {c.resid_pdrop, c.embd_pdrop, c.attn_pdrop}
+    if len(dropouts) != 1:
+        refuse.append(f"unequal dropouts (resid {c.resid_pdrop}, embd {c.embd_pdrop}, attn "
+                      f"{c.attn_pdrop})")
+    if refuse:
+        raise ValueError(f"this GPT-2 cannot be reproduced by qkv's GPT: {'; '.join(refuse)}")
+    return GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer,
+                     n_head=c.n_head, n_embd=c.n_embd, mlp_width=c.n_inner,
+                     dropout=dropouts.pop(), positions="learned",
+                     gelu=_GPT2_GELU[c.activation_function],
+                     layer_norm_eps=c.layer_norm_epsilon)
+
+
+@torch.no_grad()
+def _copy_gpt2_weights(hf: Any, model: GPT) -> None:
+    """GPT-2 stores its linear maps as Conv1D, weight (in, out): ours is the transpose."""
+
+    def linear(ours: nn.Linear, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        ours.weight.copy_(weight.T)
+        ours.bias.copy_(bias)
+
+    t = hf.transformer
+    model.wte.weight.copy_(t.wte.weight)
+    model.wpe.weight.copy_(t.wpe.weight)
+    for ours, theirs in zip(model.blocks, t.h):
+        E = model.config.n_embd
+        w, b = theirs.attn.c_attn.weight, theirs.attn.c_attn.bias  # (E, 3E), (3E,)
+        for i, lin in enumerate((ours.attn.W_query, ours.attn.W_key, ours.attn.W_value)):
+            linear(lin, w[:, i * E:(i + 1) * E], b[i * E:(i + 1) * E])
+        linear(ours.attn.out_proj, theirs.attn.c_proj.weight, theirs.attn.c_proj.bias)
+        linear(ours.mlp.fc, theirs.mlp.c_fc.weight, theirs.mlp.c_fc.bias)
+        linear(ours.mlp.proj, theirs.mlp.c_proj.weight, theirs.mlp.c_proj.bias)
+        for ln_ours, ln_theirs in ((ours.ln_1, theirs.ln_1), (ours.ln_2, theirs.ln_2)):
+            ln_ours.load_state_dict(ln_theirs.state_dict())
+    model.ln_f.load_state_dict(t.ln_f.state_dict())

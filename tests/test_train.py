@@ -1,0 +1,195 @@
+"""qkv train / qkv generate: the corpus, the loop, checkpoints, exact resume, Ctrl-C."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.data import bigram_loss, eval_windows, load_corpus
+from qkv.models import GPTConfig
+from qkv.train import PRESETS, TrainConfig, learning_rate, load_checkpoint, train
+
+FILES = {"model.safetensors", "optimizer.safetensors", "config.json", "state.json", "loss.png"}
+
+
+@pytest.fixture
+def text(tmp_path):
+    """A small UTF-8 folder of three files."""
+    root = tmp_path / "text"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.py").write_text("def add(a, b):\n    return a + b\n" * (20 + i))
+    return root
+
+
+def test_stdlib_corpus_splits_by_file_the_same_way_every_time():
+    a, b = load_corpus(), load_corpus()
+    assert torch.equal(a.val, b.val) and len(a.train) == len(b.train)
+    assert a.files[0] > 100 * 8 and a.files[1] >= a.files[0] // 20
+    assert len(a.val) > 10 ** 6 and "standard library" in a.source
+
+
+def test_text_file_folder_and_bad_paths(tmp_path, text):
+    folder = load_corpus(text)
+    assert folder.files == (2, 1)
+    single = load_corpus(text / "f0.py")
+    assert len(single.train) + len(single.val) == (text / "f0.py").stat().st_size
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(FileNotFoundError, match="--text .*no such file or folder"):
+        load_corpus(tmp_path / "missing")
+    with pytest.raises(ValueError, match="holds no text"):
+        load_corpus(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="is not UTF-8"):
+        load_corpus(tmp_path / "latin1.txt")
+
+
+def test_eval_windows_are_fixed_and_shifted_by_one():
+    data = torch.arange(100, dtype=torch.uint8)
+    x, y = eval_windows(data, 4, 10)
+    assert torch.equal(x, eval_windows(data, 4, 10)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x[0, 0] == 0 and y[-1, -1] == 99
+
+
+def test_bigram_baseline_learns_a_deterministic_text(tmp_path):
+    (tmp_path / "ab.txt").write_text("ab" * 100_000)  # smoothing costs ~128/90000
+    assert bigram_loss(load_corpus(tmp_path / "ab.txt")) < 0.01
+
+
+def test_learning_rate_warms_up_then_decays_to_min():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    assert learning_rate(0, cfg) == pytest.approx(0.1)
+    assert learning_rate(9, cfg) == pytest.approx(1.0)
+    assert learning_rate(55, cfg) == pytest.approx(0.55)
+    assert learning_rate(100, cfg) == pytest.approx(0.1)
+
+
+def test_tiny_preset_trains_and_writes_a_checkpoint(tmp_path):
+    result = train(tmp_path / "run", preset="tiny", progress=False)
+    assert result.step == 20 and not result.interrupted
+    assert FILES <= set(os.listdir(tmp_path / "run"))
+    # From uniform guessing (ln 256 = 5.55 nats) the tiny model learns something in 20 steps.
+    first = result.history[0]["loss"]
+    assert abs(first - math.log(256)) < 0.3 and result.val_loss < first - 0.5
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["step"] == 20 and state["steps"] == 20
+    model = load_checkpoint(tmp_path / "run")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 result.model.state_dict().values()))
+
+
+def stop_at(n):
+    def on_step(step, loss):
+        if step == n:
+            signal.raise_signal(signal.SIGINT)  # the handler asks the loop to stop
+    return on_step
+
+
+def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path):
+    # Dropout on: the resumed run must also restore the random generators exactly.
+    mcfg = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+    kw = dict(preset="tiny", model_config=mcfg, steps=12, progress=False)
+    straight = train(tmp_path / "a", **kw)
+    stopped = train(tmp_path / "b", on_step=stop_at(5), **kw)
+    assert stopped.interrupted and stopped.step == 5
+    assert json.loads((tmp_path / "b" / "state.json").read_text())["step"] == 5
+    resumed = train(tmp_path / "b", resume=True, **kw)
+    assert resumed.step == 12 and resumed.history == straight.history
+    for (name, a), b in zip(straight.model.state_dict().items(),
+                            resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_resume_with_more_steps_carries_the_run_on(tmp_path):
+    train(tmp_path / "r", preset="tiny", steps=6, progress=False)
+    more = train(tmp_path / "r", preset="tiny", steps=9, resume=True, progress=False)
+    assert more.step == 9 and [h["step"] for h in more.history] == list(range(1, 10))
+    with pytest.raises(ValueError, match="below the step the checkpoint reached"):
+        train(tmp_path / "r", preset="tiny", steps=4, resume=True, progress=False)
+
+
+def test_bad_input_gets_one_clear_error_and_writes_nothing(tmp_path, text):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("x" * 300)  # validation part: 30 bytes < 33
+    cases = [(dict(text=tmp_path / "missing"), FileNotFoundError, "no such file"),
+             (dict(text=tmp_path / "empty.txt"), ValueError, "holds no text"),
+             (dict(text=tmp_path / "short.txt"), ValueError, "longer than the validation"),
+             (dict(preset="huge"), ValueError, "--preset must be one of"),
+             (dict(resume=True), FileNotFoundError, "no checkpoint")]
+    for i, (kw, error, match) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(error, match=match):
+            train(out, **{"preset": "tiny", "progress": False, **kw})
+        assert not out.exists() or not os.listdir(out)
+    train(tmp_path / "ok", preset="tiny", steps=2, text=text, progress=False)
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        train(tmp_path / "ok", preset="tiny", progress=False, text=text)
+    with pytest.raises(ValueError, match="another preset"):
+        train(tmp_path / "ok", preset="cpu-10min", resume=True, progress=False, text=text)
+    with pytest.raises(ValueError, match="another --text"):
+        train(tmp_path / "ok", preset="tiny", resume=True, progress=False)
+    with pytest.raises(ValueError, match="another --seed"):
+        train(tmp_path / "ok", preset="tiny", resume=True, seed=1, progress=False, text=text)
+
+
+def test_inconsistent_checkpoint_is_refused(tmp_path):
+    train(tmp_path / "c", preset="tiny", steps=3, progress=False)
+    state = json.loads((tmp_path / "c" / "state.json").read_text())
+    (tmp_path / "c" / "state.json").write_text(json.dumps({**state, "step": 2}))
+    with pytest.raises(ValueError, match="inconsistent"):
+        train(tmp_path / "c", preset="tiny", resume=True, progress=False)
+
+
+def test_cli_train_then_generate_is_reproducible(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    assert main(["train", "--preset", "tiny", "--out", out, "--steps", "4", "--quiet"]) == 0
+    assert "trained to step 4" in capsys.readouterr().out
+    assert main(["train", "--resume", "--out", out, "--steps", "6", "--quiet"]) == 0
+    assert "trained to step 6" in capsys.readouterr().out
+    args = ["generate", "--checkpoint", out, "--prompt", "def ", "--tokens", "30"]
+    samples = []
+    for extra in (["--seed", "7"], ["--seed", "7"], ["--seed", "7", "--no-cache"],
+                  ["--seed", "8"]):
+        main(args + extra)
+        samples.append(capsys.readouterr().out)
+    assert samples[0] == samples[1] == samples[2] != samples[3]
+    assert samples[0].startswith("def ")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--checkpoint", "nowhere"], "qkv generate: error: no checkpoint"),
+    (["generate", "--checkpoint", ".", "--prompt", ""], "--prompt must not be empty"),
+    (["train", "--resume", "--out", "nowhere"], "--out 'nowhere' holds no checkpoint"),
+    (["train", "--preset", "huge", "--out", "x"], "--preset must be one of"),
+])
+def test_cli_errors_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and match in err and err.count("\n") == 1
+
+
+def test_ctrl_c_writes_a_checkpoint_and_exits_130(tmp_path):
+    out = tmp_path / "sigint"
+    proc = subprocess.Popen([sys.executable, "-m", "qkv", "train", "--preset", "tiny",
+                             "--steps", "100000", "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the first validation line: training is under way
+            if line.startswith("step 10:"):
+                break
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    state = json.loads((out / "state.json").read_text())
+    assert 10 <= state["step"] < 100000
+    assert load_checkpoint(out).config == PRESETS["tiny"][0]
