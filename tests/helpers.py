@@ -14,8 +14,10 @@ def make_qkv(B, H, H_kv, T_q, T_k, D, D_v, *, dtype=torch.float64, seed=0):
     return q, k, v
 
 
-def mask_zoo(B, T_k, seed=0):
-    """One of every mask kind, and combinations, for batch B and key length T_k."""
+def mask_zoo(B, T_k, T_q=None, seed=0):
+    """One of every mask kind, and combinations, for batch B, key length T_k and query
+    length T_q (default T_k; only the dense masks with rows depend on it)."""
+    T_q = T_k if T_q is None else T_q
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, T_k + 1, size=B)
     ids = np.sort(rng.integers(0, 3, size=(B, T_k)), axis=-1)
@@ -34,6 +36,9 @@ def mask_zoo(B, T_k, seed=0):
         "~causal": ~masks.causal(),
         "predicate": masks.predicate(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "mod3"),
         "dense": torch.from_numpy(rng.random((B, 1, 1, T_k)) < 0.7),
+        # Rows too, so kernels must offset the mask per query block.
+        "dense_rows": torch.from_numpy(rng.random((B, 1, T_q, T_k)) < 0.6),
+        "dense_2d": torch.from_numpy(rng.random((T_q, T_k)) < 0.6),
     }
 
 

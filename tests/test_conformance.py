@@ -46,7 +46,7 @@ def oracle(q, k, v, **kw):
 def check_against_oracle(shape, mask_name, backend):
     B, H, H_kv, T_q, T_k, D, D_v = shape
     q, k, v = make_qkv(*shape)
-    mask = mask_zoo(B, T_k)[mask_name]
+    mask = mask_zoo(B, T_k, T_q)[mask_name]
     out = qkv.attention(q, k, v, mask=mask, backend=backend)
     np.testing.assert_allclose(out.numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64, rtol=0)
     _, w_ref, lse_ref = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
@@ -146,7 +146,7 @@ def test_gradcheck_weights_and_lse():
 @pytest.mark.parametrize("shape", [(2, 4, 2, 19, 37, 5, 3), (1, 3, 1, 37, 19, 4, 6)], ids=str)
 def test_tiled_gradients_equal_reference(shape, mask_name):
     q, k, v = make_qkv(*shape)
-    mask = mask_zoo(shape[0], shape[4])[mask_name]
+    mask = mask_zoo(shape[0], shape[4], shape[3])[mask_name]
     dout = torch.randn(*shape[:2], shape[3], shape[6], dtype=torch.float64)
     grads = {}
     for backend in ("reference", "tiled"):

@@ -5,15 +5,18 @@ Rules for ``backend="auto"``, first match wins:
 1. weights, or dropout from a ``torch.Generator``, asked for → ``reference`` (the only kernel
    that materialises them);
 2. the log-sum-exp asked for → ``tiled`` (it returns it without materialising T_q × T_k);
-3. dropout without a generator, or no mask, or a mask that allows every position of this
-   problem (e.g. causal for one query at the end of a KV cache) → ``sdpa`` without a mask;
-4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask it);
-5. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
-6. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
+3. no mask, or a mask that allows every position of this problem (e.g. causal for one query
+   at the end of a KV cache) → ``sdpa`` without a mask;
+4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask
+   it), or ``reference`` with dropout (tiled has none);
+5. dropout without a generator → ``sdpa`` with its mask (``is_causal`` or dense), drawing
+   from torch's global generator;
+6. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
+7. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
    (planning blocks would cost more than it saves);
-7. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
+8. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
    or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
-8. otherwise → ``sdpa`` with the mask lowered densely.
+9. otherwise → ``sdpa`` with the mask lowered densely.
 
 The thresholds were measured with ``benchmarks/bench_attention.py`` on the project's CPU.
 """
@@ -126,19 +129,23 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
         return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
                         "without materialising T_q × T_k", _plan(mask, p))
     mode = _sdpa_mask(p, mask)
-    if dropout_p > 0:
-        return Dispatch("sdpa", "dropout without a generator: torch's fused kernel, drawing "
-                        "from torch's global generator", sdpa_mask=mode)
+    drawn = " (dropout drawn from torch's global generator)" if dropout_p > 0 else ""
     if mask is None:
-        return Dispatch("sdpa", "no mask: torch's fused kernel is the fastest dense path",
+        return Dispatch("sdpa", f"no mask: torch's fused kernel is the fastest dense path{drawn}",
                         sdpa_mask=mode)
     if mode == "none":
         return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
-                        "kernel without a mask", sdpa_mask=mode)
+                        f"kernel without a mask{drawn}", sdpa_mask=mode)
     if not _finite(key):
-        return Dispatch("tiled", "key holds NaN or inf and a mask is given: torch's fused "
-                        "kernel would spread it into rows that mask that key out",
-                        _plan(mask, p))
+        why = ("key holds NaN or inf and a mask is given: torch's fused kernel would spread it "
+               "into rows that mask that key out")
+        if dropout_p > 0:
+            return Dispatch("reference", f"{why}; the tiled kernel has no dropout")
+        return Dispatch("tiled", why, _plan(mask, p))
+    if dropout_p > 0:
+        how = "is_causal" if mode == "is_causal" else f"the mask {_describe(mask)} as a dense mask"
+        return Dispatch("sdpa", f"dropout without a generator: torch's fused kernel with {how}"
+                        f"{drawn}", sdpa_mask=mode)
     if mode == "is_causal":
         return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal",
                         sdpa_mask=mode)

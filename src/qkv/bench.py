@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import qkv
 from qkv import masks
 
+from .cli import Parser, positive
+
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
@@ -67,14 +69,17 @@ class Result:
     process_peak_mb: float = nan  # the process's peak resident memory during the call
 
 
+MASK_NAMES: dict[str, Callable[[int], masks.Mask | None]] = {
+    "none": lambda T: None,
+    "causal": lambda T: masks.causal(),
+    "sliding_window": lambda T: masks.sliding_window(256),
+    "document": lambda T: masks.document(torch.arange(T) * 8 // T),
+    "prefix_lm": lambda T: masks.prefix_lm(T // 4),
+}
+
+
 def make_mask(name: str, T: int) -> masks.Mask | None:
-    return {
-        "none": lambda: None,
-        "causal": masks.causal,
-        "sliding_window": lambda: masks.sliding_window(256),
-        "document": lambda: masks.document(torch.arange(T) * 8 // T),
-        "prefix_lm": lambda: masks.prefix_lm(T // 4),
-    }[name]()
+    return MASK_NAMES[name](T)
 
 
 def candidates(name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int,
@@ -248,18 +253,25 @@ def _interleaved(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="qkv bench", description="Time qkv against torch "
+    parser = Parser(prog="qkv bench", description="Time qkv against torch "
                                      "SDPA, naive PyTorch and Flex; ratios within one run.")
-    parser.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--H", type=int, default=8)
-    parser.add_argument("--D", type=int, default=64)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--masks", nargs="+",
-                        default=["none", "causal", "sliding_window", "document", "prefix_lm"])
-    parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--naive-max-T", type=int, default=4096)
-    parser.add_argument("--dense-max-T", type=int, default=16384)
+    parser.add_argument("--T", type=positive, nargs="+", default=[1024, 4096, 16384],
+                        help="sequence lengths T_q = T_k (default 1024 4096 16384)")
+    parser.add_argument("--H", type=positive, default=8, help="heads (default 8)")
+    parser.add_argument("--D", type=positive, default=64, help="head dim (default 64)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16", "float64"],
+                        help="dtypes to time (default float32 bfloat16)")
+    parser.add_argument("--masks", nargs="+", choices=list(MASK_NAMES),
+                        default=list(MASK_NAMES), help="masks to time (default: all)")
+    parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"],
+                        choices=["fwd", "fwd+bwd"], help="forward, or forward and backward")
+    parser.add_argument("--repeats", type=positive, default=3,
+                        help="timed calls per candidate; the median is reported (default 3)")
+    parser.add_argument("--naive-max-T", type=int, default=4096,
+                        help="longest T for the naive PyTorch baseline (default 4096)")
+    parser.add_argument("--dense-max-T", type=int, default=16384,
+                        help="longest T for baselines that need a dense T x T mask (16384)")
     parser.add_argument("--flex", action="store_true", help="also time compiled Flex")
     parser.add_argument("--long", action="store_true",
                         help="only causal T=65536, H=2, fwd+bwd through tiled")

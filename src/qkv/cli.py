@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ def _embeddings(text: str) -> list[list[float]]:
             f"e.g. '0.1,0.2;0.3,0.4'; got {text!r}") from None
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
     return int(text)
@@ -45,8 +45,16 @@ def _ids(text: str) -> list[int]:
                                          ) from None
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message names the argument and points to --help
+    (argparse's usage block would bury it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkv", description="qkv: attention, step by step.")
+    parser = Parser(prog="qkv", description="qkv: attention, step by step.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("explain", help="trace one attention computation step by step",
@@ -54,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                         "its weights. With no options: the seeds' six tokens and 3-d "
                         "embeddings through SelfAttention(3, 2) seeded with 789.")
     ex.add_argument("--causal", action="store_true", help="mask out the future")
-    ex.add_argument("--heads", type=_positive, default=1,
+    ex.add_argument("--heads", type=positive, default=1,
                     help="number of heads (>1 uses MultiHeadAttention; d-out must divide)")
-    ex.add_argument("--d-out", type=_positive, default=2, help="width of Q, K, V (default 2)")
+    ex.add_argument("--d-out", type=positive, default=2, help="width of Q, K, V (default 2)")
     ex.add_argument("--seed", type=int, default=789, help="torch seed for the weights (789)")
     ex.add_argument("--simplified", action="store_true",
                     help="no trainable weights: Q = K = V = the embeddings, no scaling")
@@ -78,9 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Print a mask as a picture: █ may attend, · masked.")
     mk.add_argument("kind", choices=["full", "causal", "sliding_window", "prefix_lm",
                                      "document", "padding"])
-    mk.add_argument("--size", type=_positive, default=8, help="number of queries T_q (8)")
-    mk.add_argument("--keys", type=_positive, help="number of keys T_k (default: --size)")
-    mk.add_argument("--window", type=_positive, default=3, help="for sliding_window (3)")
+    mk.add_argument("--size", type=positive, default=8, help="number of queries T_q (8)")
+    mk.add_argument("--keys", type=positive, help="number of keys T_k (default: --size)")
+    mk.add_argument("--window", type=positive, default=3, help="for sliding_window (3)")
     mk.add_argument("--prefix", type=int, default=2, help="for prefix_lm (2)")
     mk.add_argument("--ids", type=_ids, help="for document: one id per key, '0,0,1,1'")
     mk.add_argument("--length", type=int, help="for padding: number of valid keys")
@@ -93,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--text", type=Path, help="a UTF-8 file or folder to train on instead")
     tr.add_argument("--out", type=Path, default=Path("runs/gpt"),
                     help="checkpoint directory (default runs/gpt)")
-    tr.add_argument("--steps", type=_positive,
+    tr.add_argument("--steps", type=positive,
                     help="the run's total steps (with --resume: carry the run on to N)")
     tr.add_argument("--seed", type=int, default=0, help="seed of weights, batches, dropout (0)")
     tr.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
@@ -106,12 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--checkpoint", type=Path, required=True,
                     help="a directory written by qkv train")
     ge.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    ge.add_argument("--tokens", type=_positive, default=200,
+    ge.add_argument("--tokens", type=positive, default=200,
                     help="bytes to generate (default 200)")
     ge.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     ge.add_argument("--temperature", type=float, default=0.8,
                     help="divides the logits; 0 is greedy (default 0.8)")
-    ge.add_argument("--top-k", type=_positive, help="sample among the k likeliest bytes")
+    ge.add_argument("--top-k", type=positive, help="sample among the k likeliest bytes")
     ge.add_argument("--top-p", type=float, help="sample from the smallest set reaching p")
     ge.add_argument("--no-cache", action="store_true",
                     help="recompute the context every step instead of using KV caches")
@@ -131,9 +139,19 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
     if rows is None:
         rows = tutorial.EMBEDDINGS
         tokens = tokens or list(tutorial.SENTENCE)
-    x = torch.tensor(rows, dtype=torch.float32)
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ValueError("embeddings must be a non-empty table, one row per token")
+    where = f"--input {args.input}" if args.input is not None else "--embeddings"
+    if not isinstance(rows, (list, tuple)) or not rows or \
+            not all(isinstance(r, (list, tuple)) for r in rows):
+        raise ValueError(f"{where}: embeddings must be a non-empty table, one row per token")
+    widths = [len(r) for r in rows]
+    if len(set(widths)) != 1 or widths[0] == 0:
+        bad = next((i for i, w in enumerate(widths) if w != widths[0]), 0)
+        raise ValueError(f"{where}: embeddings must be rows of one width; row 0 has "
+                         f"{widths[0]} numbers, row {bad} has {widths[bad]}")
+    try:
+        x = torch.tensor(rows, dtype=torch.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: embeddings must hold numbers only") from None
     tokens = tokens or [str(i) for i in range(x.shape[0])]
     if len(tokens) != x.shape[0]:
         raise ValueError(f"{len(tokens)} tokens but {x.shape[0]} embedding rows: give one "
@@ -142,6 +160,8 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
 
 
 def _explain(args: argparse.Namespace) -> None:
+    if not args.no_png and not args.png.parent.is_dir():
+        raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
     tokens, x = _sequence(args)
     torch.manual_seed(args.seed)
     E = x.shape[1]
@@ -227,7 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own options: see qkv.bench
         from .bench import main as bench
 
-        bench(argv[1:])
+        try:
+            bench(argv[1:])
+        except (ValueError, OSError) as err:
+            sys.exit(f"qkv bench: error: {err}")
         return 0
     parser = _parser()
     args = parser.parse_args(argv)

@@ -156,7 +156,7 @@ def attention(
         return_weights: also return the (…, T_q, T_k) weights applied to value (after
             dropout, so ``out == weights @ value``).
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores
-            (float32 for half-precision inputs; no gradient flows through it on ``tiled``).
+            (float32 for half-precision inputs), differentiable on every backend.
         backend: "auto" (see :func:`dispatch`), "reference", "sdpa" or "tiled".
 
     Returns:
@@ -268,7 +268,8 @@ def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
     exact result over all keys is ``sum_i exp(lse_i - lse) · out_i`` with
     ``lse = logsumexp_i(lse_i)``. The building block of split-K decoding and of attention
     distributed over devices. Computed in float32 (float64 for float64 inputs). A row that
-    saw no key in any part stays 0 with lse -inf.
+    saw no key in any part stays 0 with lse -inf. Differentiable: gradients reach every
+    part's output and log-sum-exp, and through them the attention that made them.
 
     Args:
         outs: partial outputs, each (…, T_q, D_v), same shape.
@@ -287,8 +288,14 @@ def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
                              f"{tuple(l_.shape)}")
     acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
     lse_all = torch.stack([x.to(acc) for x in lses])  # (parts, …, T_q)
-    lse = torch.logsumexp(lse_all, dim=0)  # -inf where no part saw a key
-    safe = lse.masked_fill(lse == float("-inf"), 0.0)
-    weights = torch.exp(lse_all - safe)  # (parts, …, T_q): 0 for parts that saw no key
-    out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs))
+    # Shifted by the detached row max, so exp cannot overflow; a row no part saw (every
+    # lse -inf) gets weights 0, lse -inf and zero gradients, never NaN.
+    m = lse_all.detach().amax(dim=0)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    weights = torch.exp(lse_all - m)  # (parts, …, T_q): 0 for parts that saw no key
+    total = weights.sum(dim=0)
+    unseen = total == 0
+    total = total.masked_fill(unseen, 1.0)
+    lse = (m + torch.log(total)).masked_fill(unseen, float("-inf"))
+    out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs)) / total[..., None]
     return out.to(outs[0].dtype), lse

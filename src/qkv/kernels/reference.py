@@ -18,6 +18,27 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """x with NaN and ±inf read as 0."""
+    return x.masked_fill(~torch.isfinite(x), 0.0)
+
+
+class _Scores(torch.autograd.Function):
+    """``Q Kᵀ`` whose backward reads non-finite entries of Q and K as 0. A score that the
+    mask removes gets ``dS = 0``, and ``0 · NaN`` must not carry a NaN key (or query) into
+    the gradients of rows that mask it out; a row that does attend to it is NaN through dS."""
+
+    @staticmethod
+    def forward(ctx, q, k):  # type: ignore[override]
+        ctx.save_for_backward(q, k)
+        return q @ k.transpose(-2, -1)
+
+    @staticmethod
+    def backward(ctx, ds):  # type: ignore[override]
+        q, k = ctx.saved_tensors
+        return ds @ finite_or_zero(k), ds.transpose(-2, -1) @ finite_or_zero(q)
+
+
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,7 +67,7 @@ def reference(
     # Query head h reads key/value head h // groups.
     k = k.repeat_interleave(groups, dim=1)  # (B, H, T_k, D)
     v = v.repeat_interleave(groups, dim=1)  # (B, H, T_k, D_v)
-    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale  # (B, H, T_q, T_k)
+    scores = _Scores.apply(q.to(acc), k.to(acc)) * scale  # (B, H, T_q, T_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     # Softmax is unchanged by subtracting any per-row constant, so the max is detached;

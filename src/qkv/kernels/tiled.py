@@ -10,8 +10,12 @@ For each query block, consecutive non-empty key blocks are fused into chunks of 
 running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
 
 The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
-style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O))``,
-``dQ += dS K · scale``, ``dK += dSᵀ Q · scale``; nothing of size T_q × T_k is stored.
+style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O) + dlse)``,
+``dQ += dS K · scale``, ``dK += dSᵀ Q · scale``; nothing of size T_q × T_k is stored. The
+``dlse`` term is the gradient that reaches the returned log-sum-exp (``∂lse_i/∂S_ij = P_ij``),
+so split-K attention merged with ``merge_attention`` trains correctly. ``dQ`` and ``dK`` read
+non-finite entries of K and Q as 0: a masked-out score has ``dS = 0``, and ``0 · NaN`` must
+not carry a NaN into rows that mask it out (a row that attends to it is NaN through dS).
 
 Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
 length · D head dim · D_v value head dim.
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 
 from ..masks import EMPTY, PARTIAL
-from .reference import accumulation_dtype
+from .reference import accumulation_dtype, finite_or_zero
 
 # Measured on the 2-core CPU this project targets (docs/kernels.md): 128-query blocks make
 # the matmuls larger, 64-key blocks keep the work wasted at a mask's ragged edge small, and
@@ -158,24 +162,31 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
 
 
 def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
-                   mask_tile: MaskTile | None, scale: float
+                   lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                   plan: Plan, mask_tile: MaskTile | None, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the loss w.r.t. q, k, v, recomputing each score tile once."""
+    """Gradients of the loss w.r.t. q, k, v, recomputing each score tile once. ``dlse``
+    is the gradient reaching the log-sum-exp (None when it is unused)."""
     acc = accumulation_dtype(q.dtype)
     H_kv = k.shape[1]
     q5, k_, v_ = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
     do = dout.to(acc)
     do5 = _blocked(do, H_kv)
-    delta5 = _blocked((do * out.to(acc)).sum(-1, keepdim=True), H_kv)
-    # Rows that saw no key have lse -inf; +inf makes their probabilities exp(-inf) = 0.
-    lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), float("inf"))[..., None], H_kv)
+    empty = lse == float("-inf")  # rows that saw no key: P = 0, nothing flows back
+    delta = (do * out.to(acc)).sum(-1)  # (B, H, T_q)
+    if dlse is not None:
+        delta = delta - dlse.to(acc).masked_fill(empty, 0.0)
+    delta5 = _blocked(delta[..., None], H_kv)
+    # +inf for empty rows makes their probabilities exp(-inf) = 0.
+    lse5 = _blocked(lse.to(acc).masked_fill(empty, float("inf"))[..., None], H_kv)
+    k0_, q05 = finite_or_zero(k_), finite_or_zero(q5)  # the right operands of dQ and dK
     dq5, dk, dv = torch.zeros_like(q5), torch.zeros_like(k_), torch.zeros_like(v_)
     G = q5.shape[2]
     for q0, q1, chunks in plan.rows:
         if not chunks:
             continue
         qb, dob = _rows(q5, q0, q1) * scale, _rows(do5, q0, q1)
+        qb0 = _rows(q05, q0, q1) * scale
         lse_b, delta_b = _rows(lse5, q0, q1), _rows(delta5, q0, q1)
         dqb = torch.zeros_like(qb)
         for chunk in chunks:
@@ -183,8 +194,8 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
             dv[:, :, ks] += p.transpose(-2, -1) @ dob
             ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
-            dqb += ds @ k_[:, :, ks]
-            dk[:, :, ks] += ds.transpose(-2, -1) @ qb  # qb carries the scale already
+            dqb += ds @ k0_[:, :, ks]
+            dk[:, :, ks] += ds.transpose(-2, -1) @ qb0  # qb0 carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
     dq = dq5.view(q.shape) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -197,13 +208,13 @@ class _TiledAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.mask_tile, ctx.scale = plan, mask_tile, scale
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):  # type: ignore[override]
+    def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        grads = tiled_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile, ctx.scale)
+        grads = tiled_backward(q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile,
+                               ctx.scale)
         return (*grads, None, None, None)
 
 
@@ -217,7 +228,7 @@ def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan,
         scale: multiplies the scores.
 
     Returns:
-        out (B, H, T_q, D_v) in q's dtype and lse (B, H, T_q) in the accumulation dtype
-        (no gradient flows through lse).
+        out (B, H, T_q, D_v) in q's dtype and lse (B, H, T_q) in the accumulation dtype;
+        gradients flow through both.
     """
     return _TiledAttention.apply(q, k, v, plan, mask_tile, scale)
