@@ -1,6 +1,7 @@
 """The GPT's figures (docs/training.md): run on an otherwise idle machine.
 
-    python benchmarks/bench_gpt.py train --out runs/bench     # ~20 min: the preset + xbow
+    python benchmarks/bench_gpt.py train --out runs/bench     # ~15 min: the preset + xbow
+    python benchmarks/bench_gpt.py figure --out runs/bench docs/gpt-loss.png
     python benchmarks/bench_gpt.py speed                      # ~5 min: step and decode ratios
 
 ``train`` trains the default preset and the same GPT with uniform attention (seed 001's
@@ -45,7 +46,30 @@ def run_train(out: Path, steps: int | None) -> dict:
                         "curve": [(h["step"], h["val_loss"]) for h in result.history
                                   if "val_loss" in h]}
         print(json.dumps({name: report[name]}), flush=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def figure(report: dict, path: Path) -> None:
+    """Validation curves of the GPT and of uniform attention, beside the bigram model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, label in (("gpt", "GPT (qkv attention)"), ("xbow", "same GPT, uniform attention")):
+        steps, vals = zip(*report[name]["curve"])
+        ax.plot(steps, vals, "o-", ms=3, label=f"{label}: {report[name]['val']:.3f}")
+    ax.axhline(report["bigram_val"], color="grey", ls="--",
+               label=f"byte bigram: {report['bigram_val']:.3f}")
+    ax.set_xlabel("step (16 x 256 bytes)")
+    ax.set_ylabel("validation loss, nats per byte")
+    ax.set_title(f"preset {report['preset']}: held-out standard-library files")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _sdpa_twin(model: GPT) -> GPT:
@@ -82,14 +106,22 @@ def _step_timer(model: GPT, x: torch.Tensor, autocast: str | None):
 
 
 def _interleaved(timers: dict, rounds: int) -> dict:
+    """Median seconds per candidate, the candidates alternating (A B, then B A) so that
+    neither always runs first; the median of the per-round ratios goes under "ratio"."""
     times = {name: [] for name in timers}
     for t in timers.values():  # warm-up (and compilation)
         t()
         t()
-    for _ in range(rounds):
-        for name, t in timers.items():
-            times[name].append(t())
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    names = list(timers)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(timers[name]())
+    a, b = (times[n] for n in names)
+    ratios = sorted(x / y for x, y in zip(a, b))
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    out["ratio"] = statistics.median(ratios)
+    out["ratio_iqr"] = (ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4])
+    return out
 
 
 def run_speed(rounds: int) -> dict:
@@ -100,7 +132,7 @@ def run_speed(rounds: int) -> dict:
     med = _interleaved({"qkv": _step_timer(model, x, tcfg.autocast),
                         "sdpa": _step_timer(_sdpa_twin(model), x, tcfg.autocast)}, rounds)
     report = {"step_qkv_ms": med["qkv"] * 1e3, "step_sdpa_ms": med["sdpa"] * 1e3,
-              "step_ratio_qkv_over_sdpa": med["qkv"] / med["sdpa"]}
+              "step_ratio_qkv_over_sdpa": med["ratio"], "step_ratio_iqr": med["ratio_iqr"]}
     print(json.dumps(report), flush=True)
 
     t0 = time.perf_counter()
@@ -112,7 +144,7 @@ def run_speed(rounds: int) -> dict:
                         "compiled": compile_timer}, rounds)
     report.update({"compile_first_step_s": first, "step_eager_ms": med["eager"] * 1e3,
                    "step_compiled_ms": med["compiled"] * 1e3,
-                   "compile_speedup": med["eager"] / med["compiled"]})
+                   "compile_speedup": med["ratio"], "compile_speedup_iqr": med["ratio_iqr"]})
     print(json.dumps(report), flush=True)
 
     gen = GPT(dataclasses.replace(mcfg, block_size=512)).eval()
@@ -137,9 +169,15 @@ def main() -> None:
     tr = sub.add_parser("train", help="train the default preset and the xbow baseline")
     tr.add_argument("--out", type=Path, default=Path("runs/bench"))
     tr.add_argument("--steps", type=int, help="fewer steps, for a quick check")
+    fg = sub.add_parser("figure", help="draw the loss curves of a train run")
+    fg.add_argument("--out", type=Path, default=Path("runs/bench"))
+    fg.add_argument("png", type=Path)
     sp = sub.add_parser("speed", help="same-run ratios: qkv vs SDPA, compile, KV cache")
     sp.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    if args.what == "figure":
+        figure(json.loads((args.out / "report.json").read_text()), args.png)
+        return
     report = run_train(args.out, args.steps) if args.what == "train" else run_speed(args.rounds)
     print(json.dumps(report, indent=1))
 

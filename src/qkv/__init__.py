@@ -11,6 +11,7 @@ from .functional import Dispatch, attention, attention_weights, dispatch, merge_
 from .mha import MultiHeadAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
 from .rope import RoPE
+from . import models  # noqa: E402  (after the modules it is built from)
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "explain",
     "masks",
     "merge_attention",
+    "models",
     "numpy",
     "tutorial",
 ]

@@ -102,8 +102,8 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
     Example:
         >>> from qkv.data import load_corpus
         >>> corpus = load_corpus()                    # the standard library's sources
-        >>> corpus.files[0] > 10 * corpus.files[1] > 0, corpus.train.dtype
-        (True, torch.uint8)
+        >>> round(corpus.files[1] / sum(corpus.files), 2), corpus.train.dtype  # files held out
+        (0.1, torch.uint8)
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")

@@ -78,10 +78,10 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
     # Seconds: for tests and a first look.
     "tiny": (GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
              TrainConfig(steps=20, batch_size=8, warmup=5, eval_interval=10, eval_windows=8)),
-    # About ten minutes on a 2-core CPU (docs/training.md).
+    # Sized for ten minutes on a 2-core CPU: 398 s measured (docs/training.md).
     "cpu-10min": (GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128,
                             positions="rope"),
-                  TrainConfig(steps=2400, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
+                  TrainConfig(steps=1800, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
                               eval_interval=200, eval_windows=64, autocast="bfloat16")),
 }
 DEFAULT_PRESET = "cpu-10min"
