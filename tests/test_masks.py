@@ -169,3 +169,51 @@ def test_block_map_is_tight_for_structured_masks():
     assert set(np.unique(codes)) == {masks.EMPTY, masks.FULL}
     assert (masks.predicate(lambda b, h, q, kv: q >= kv).blocks(1, 1, 9, 9, block_q=4,
                                                                  block_k=4) == masks.PARTIAL).all()
+
+
+@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
+                                              (20, 41, 7), (9, 9, None)])
+@pytest.mark.parametrize("bq,bk", [(1, 1), (1, 3), (4, 4), (8, 5)])
+def test_block_map_is_exact_for_structured_leaf_masks(T_q, T_k, q_offset, bq, bk):
+    # Not only sound: a structured mask knows its tiles exactly (FULL iff every entry may
+    # attend, EMPTY iff none), so the tiled kernel never evaluates what it could skip.
+    B, H = 2, 3
+    rng = np.random.default_rng(T_k)
+    leaves = [masks.full(), masks.causal(), masks.sliding_window(3), masks.prefix_lm(5),
+              masks.padding(rng.integers(0, T_k + 1, size=B)),
+              masks.document(np.sort(rng.integers(0, 4, size=(B, T_k)), axis=-1)),
+              masks.document(np.sort(rng.integers(0, 3, size=T_k)))]
+    for m in leaves:
+        dense = m.to_numpy(B, H, T_q, T_k, q_offset=q_offset)
+        codes = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
+        for i, j in np.ndindex(codes.shape):
+            tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            want = masks.FULL if tile.all() else masks.EMPTY if not tile.any() else masks.PARTIAL
+            assert codes[i, j] == want, (m, i, j)
+
+
+def test_picture_of_any_batch_row_of_a_per_row_mask():
+    m = masks.causal() & masks.padding([1, 3])
+    assert m.batch == 2 and masks.causal().batch is None
+    assert m.picture(3) == m.picture(3, b=0) != m.picture(3, b=1)
+    assert m.picture(3).splitlines()[-1] == "█ · ·"
+    assert m.picture(3, b=1).splitlines()[-1] == "█ █ █"
+    with pytest.raises(ValueError, match=r"b must be in \[0, 2\)"):
+        m.picture(3, b=2)
+    by_head = masks.predicate(lambda b, h, q, kv: (q + kv + h) % 2 == 0)
+    assert by_head.picture(3) == by_head.picture(3, h=0) != by_head.picture(3, h=1)
+
+
+def test_document_blocks_read_exactly_their_own_ids():
+    # Unsorted ids, and a last key that is a document of its own: a block that read one id
+    # beyond its edge would turn FULL and EMPTY tiles PARTIAL.
+    ids = [1, 1, 0, 0, 2, 2]
+    codes = masks.document(ids).blocks(1, 1, 6, 6, block_q=2, block_k=2)
+    assert (codes == np.where(np.eye(3, dtype=bool), masks.FULL, masks.EMPTY)).all()
+    codes = masks.document([0] * 6 + [1]).blocks(1, 1, 7, 7, block_q=1, block_k=1)
+    assert codes[6, 6] == masks.FULL and codes[6, 5] == codes[5, 6] == masks.EMPTY
+
+
+def test_long_arrays_are_summarised_in_reprs():
+    assert repr(masks.document(list(range(8)))) == "document([0, 1, 2, 3, 4, 5, 6, 7])"
+    assert repr(masks.document(list(range(9)))) == "document([0, 1, 2, ..., 6, 7, 8])"

@@ -180,3 +180,10 @@ def test_interop_errors():
     with pytest.raises(ValueError, match="needs num_heads dividing 6"):
         masks.from_torch(attn_mask=torch.zeros(6, 3, 3, dtype=torch.bool))
     assert masks.from_torch() is None
+
+
+def test_rope_frequencies_are_not_saved_with_the_weights():
+    # A buffer recomputed from head_dim and base: checkpoints hold weights only.
+    mha = qkv.MultiHeadAttention(16, 16, num_heads=2, rope=qkv.RoPE(8))
+    assert not any("inv_freq" in name for name in mha.state_dict())
+    assert list(qkv.RoPE(8).state_dict()) == []

@@ -60,6 +60,8 @@ class Dispatch:
 def block_codes(mask: MaskLike, p: Problem) -> np.ndarray:
     """The (ceil(T_q / BLOCK_Q), ceil(T_k / BLOCK_K)) block map of any mask."""
     nq, nk = -(-p.T_q // BLOCK_Q), -(-p.T_k // BLOCK_K)
+    if nq == 0 or nk == 0:  # no queries or no keys: nothing to plan
+        return np.zeros((nq, nk), dtype=np.int8)
     if mask is None:
         return np.full((nq, nk), FULL, dtype=np.int8)
     if isinstance(mask, Mask):

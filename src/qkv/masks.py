@@ -124,11 +124,21 @@ class Mask:
         """Lower to a NumPy bool array of shape (B, H, T_q, T_k)."""
         return self._evaluate(B, H, T_q, T_k, q_offset, np)
 
+    @property
+    def batch(self) -> int | None:
+        """The batch size B this mask is bound to (per-row lengths or ids), or None if it
+        applies to any B."""
+        return None
+
     def picture(self, T_q: int, T_k: int | None = None, *, q_offset: int | None = None,
                 b: int = 0, h: int = 0) -> str:
-        """A text picture for learners: one row per query, █ = may attend, · = masked."""
+        """A text picture for learners: one row per query of batch row ``b`` and head
+        ``h``, █ = may attend, · = masked."""
         T_k = T_q if T_k is None else T_k
-        grid = self.to_numpy(b + 1, h + 1, T_q, T_k, q_offset=q_offset)[b, h]
+        B = self.batch if self.batch is not None else b + 1
+        if not 0 <= b < B:
+            raise ValueError(f"b must be in [0, {B}) for {self!r}; got {b}")
+        grid = self.to_numpy(B, h + 1, T_q, T_k, q_offset=q_offset)[b, h]
         return "\n".join(" ".join("█" if x else "·" for x in row) for row in grid)
 
 
@@ -251,6 +261,10 @@ class _Padding(Mask):
         if (self.lengths > T_k).any():
             raise ValueError(f"padding lengths must be <= T_k={T_k}; got {_short(self.lengths)}")
 
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx < _like(self.lengths, kv_idx)[b]
 
@@ -271,6 +285,10 @@ class _Document(Mask):
             letters = "(T_k,)" if self.ids.ndim == 1 else "(B, T_k)"
             raise ValueError(f"document ids must have shape {letters} = {fmt_shape(want)}; "
                              f"got {fmt_shape(self.ids.shape)}")
+
+    @property
+    def batch(self) -> int | None:
+        return self.ids.shape[0] if self.ids.ndim == 2 else None
 
     def __call__(self, b, h, q_idx, kv_idx):
         ids = _like(self.ids, kv_idx)
@@ -343,6 +361,10 @@ class _Binary(Mask):
         self.left.validate(B, H, T_q, T_k)
         self.right.validate(B, H, T_q, T_k)
 
+    @property
+    def batch(self) -> int | None:
+        return self.left.batch if self.left.batch is not None else self.right.batch
+
 
 class _And(_Binary):
     def _classify(self, t):
@@ -374,6 +396,10 @@ class _Not(Mask):
 
     def validate(self, B, H, T_q, T_k):
         self.inner.validate(B, H, T_q, T_k)
+
+    @property
+    def batch(self) -> int | None:
+        return self.inner.batch
 
     def _classify(self, t):
         return (FULL - self.inner._classify(t)).astype(np.int8)

@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .data import Corpus, bigram_loss, check_context, eval_windows, load_corpus, random_batch
+from .data import check_context, eval_windows, load_corpus, random_batch
 from .models import GPT, GPTConfig
 
 
@@ -267,8 +268,6 @@ def _catch_sigint(stop: dict[str, bool]) -> Any:
 
 
 def _main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -427,5 +426,5 @@ def _clock(seconds: float) -> str:
     return f"{m}:{s:02d}"
 
 
-__all__ = ["PRESETS", "Result", "TrainConfig", "bigram_loss", "evaluate", "learning_rate",
-           "load_checkpoint", "save_checkpoint", "train", "Corpus"]
+__all__ = ["DEFAULT_PRESET", "PRESETS", "Result", "TrainConfig", "evaluate", "learning_rate",
+           "load_checkpoint", "save_checkpoint", "train"]

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
@@ -219,11 +218,6 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])  # (B, T, E)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
-
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (nats per token) of predicting targets (B, T) from idx (B, T)."""
-        logits = self(idx)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty :class:`qkv.KVCache` per layer, each of block_size tokens."""

@@ -1,0 +1,120 @@
+"""Dispatch and the core's edges pinned exactly: threshold boundaries, what an explicit
+backend receives, what a Dispatch prints and compares by, masks at their broadcast edges.
+Written against the mutants that survived tools/mutate.py (docs/mutation.md)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import masks
+from qkv._dispatch import Dispatch
+
+from helpers import make_qkv, mask_zoo, use_small_tiles
+from tolerances import FLOAT64
+
+BACKENDS = ["reference", "sdpa", "tiled", "auto"]
+
+
+def oracle(q, k, v, **kw):
+    arrays = [x.detach().double().numpy() for x in (q, k, v)]
+    if isinstance(kw.get("mask"), torch.Tensor):
+        kw["mask"] = kw["mask"].numpy()
+    return qkv.numpy.attention(*arrays, **kw)
+
+
+def test_small_scores_boundary_is_512_squared():
+    q, k, v = make_qkv(1, 1, 1, 512, 512, 4, 4, dtype=torch.float32)
+    window = masks.sliding_window(8)
+    assert qkv.dispatch(q, k, v, mask=window).backend == "tiled"  # exactly 512²: not small
+    assert "is small" in qkv.dispatch(q[:, :, :511], k, v, mask=window).reason
+
+
+def test_dispatch_is_a_frozen_value_of_backend_and_reason():
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 4, 4)
+    d = qkv.dispatch(q, k, v, mask=masks.causal(), backend="tiled")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.backend = "sdpa"
+    assert "plan" not in repr(d) and "sdpa_mask" not in repr(d)
+    assert d == Dispatch(d.backend, d.reason)  # the plan is not compared
+    assert Dispatch("sdpa", "r", sdpa_mask="none") == Dispatch("sdpa", "r", sdpa_mask="dense")
+
+
+def test_explicit_sdpa_receives_the_cheapest_form_of_the_mask():
+    q, k, v = make_qkv(1, 2, 2, 6, 6, 4, 4)
+    mode = lambda m: qkv.dispatch(q, k, v, mask=m, backend="sdpa").sdpa_mask  # noqa: E731
+    assert mode(None) == "none" and mode(masks.causal()) == "is_causal"
+    assert mode(masks.full()) == "none" and mode(masks.padding([3])) == "dense"
+    assert qkv.dispatch(q, k, v, mask=masks.causal(), backend="reference").sdpa_mask == "dense"
+
+
+def test_a_generator_without_dropout_changes_nothing():
+    q, k, v = make_qkv(1, 2, 2, 6, 6, 4, 4)
+    d = qkv.dispatch(q, k, v, generator=torch.Generator())
+    assert d.backend == "sdpa" and "dropout" not in d.reason
+    for mask in (None, masks.causal(), masks.full()):
+        assert "dropout" not in qkv.dispatch(q, k, v, mask=mask).reason
+    assert "global generator" in qkv.dispatch(q, k, v, dropout_p=0.1).reason
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_queries_with_every_mask(backend):
+    q, k, v = make_qkv(2, 2, 1, 0, 5, 4, 3)
+    for name, mask in mask_zoo(2, 5, 0).items():
+        assert qkv.attention(q, k, v, mask=mask, backend=backend).shape == (2, 2, 0, 3), name
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 20, 1), (20, 1), (1, 2, 1, 30), (1, 30), (20, 2),
+                                   (2, 1, 2, 2)], ids=str)
+def test_broadcast_dense_masks_across_many_tiles(monkeypatch, shape):
+    # A mask of size 1 along T_q or T_k is read whole in every tile, wherever the tile
+    # starts; one of size 2 is sliced like any other (tiles of 1 key, 1 query).
+    T_q, T_k = (20, 30) if shape[-1] != 2 else (shape[-2], 2)
+    block, chunk = (1, 1) if shape[-1] == 2 else (4, 8)
+    use_small_tiles(monkeypatch, block_q=block, block_k=block, chunk_k=chunk)
+    q, k, v = make_qkv(2, 2, 1, T_q, T_k, 4, 3)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5
+    out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    want, _, lse_want = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
+    np.testing.assert_allclose(out.numpy(), want, atol=FLOAT64, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), lse_want, atol=FLOAT64, rtol=0)
+
+
+def test_chunks_never_span_an_empty_block(monkeypatch):
+    # Attention sinks (the first 8 keys) and a window (StreamingLLM's mask) leave a gap of
+    # EMPTY blocks in every late row: a chunk across it would compute them unmasked.
+    use_small_tiles(monkeypatch, block_q=4, block_k=4, chunk_k=16)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 4, 3)
+    mask = masks.padding([8]) | masks.sliding_window(4)
+    plan = qkv.dispatch(q, k, v, mask=mask, backend="tiled").plan
+    codes = mask.blocks(1, 2, 64, 64, block_q=4, block_k=4)
+    for i, (_, _, chunks) in enumerate(plan.rows):
+        for c in chunks:
+            assert (codes[i, c.k0 // 4:-(-c.k1 // 4)] != masks.EMPTY).all(), (i, c)
+    out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+    np.testing.assert_allclose(out.numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64, rtol=0)
+
+
+def test_plans_are_immutable_values():
+    q, k, v = make_qkv(1, 1, 1, 8, 8, 4, 4)
+    plan = qkv.dispatch(q, k, v, mask=masks.causal(), backend="tiled").plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.rows = ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.rows[0][2][0].k0 = 1
+
+
+def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch):
+    # causal() is shift-invariant: every diagonal tile has the same pattern, so the tiled
+    # kernel evaluates it once per call, not once per tile.
+    use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=8)
+    calls = []
+    mask = masks.causal()
+    block = type(mask).block
+    monkeypatch.setattr(type(mask), "block", lambda self, *a, **kw: calls.append(a) or
+                        block(self, *a, **kw))
+    q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)
+    qkv.attention(q, k, v, mask=mask, backend="tiled")
+    assert mask.shift_invariant and len(calls) == 1
