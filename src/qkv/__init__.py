@@ -11,7 +11,7 @@ from .functional import Dispatch, attention, attention_weights, dispatch, merge_
 from .mha import MultiHeadAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
 from .rope import RoPE
-from . import models  # noqa: E402  (after the modules it is built from)
+from . import distributed, models  # noqa: E402  (after the modules they build on)
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "attention",
     "attention_weights",
     "dispatch",
+    "distributed",
     "explain",
     "masks",
     "merge_attention",

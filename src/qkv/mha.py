@@ -7,10 +7,15 @@ E = d_in model width · d_head = d_out / H.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .cache import KVCache
+from .distributed import Layout
+from .distributed import attention as distributed_attention
 from .functional import MaskLike, attention
 from .modules import AttentionModule, check_input, split_heads
 from .rope import RoPE
@@ -72,10 +77,12 @@ class MultiHeadAttention(AttentionModule):
         self.rope = rope
 
     def project(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                cache: KVCache | None = None
+                cache: KVCache | None = None, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, H, T_q, d_head) from x; keys and values (B, H_kv, T_k, d_head) from
-        x or context, rotated by RoPE and appended to the cache when given."""
+        x or context, rotated by RoPE and appended to the cache when given. ``positions``
+        (T_q,) are the absolute positions of x's tokens when they are not 0, 1, … (a shard
+        of a context-parallel sequence); by default they follow the cache."""
         check_input("x", x, self.d_in)
         if context is not None:
             check_input("context", context, self.d_kv)
@@ -88,9 +95,10 @@ class MultiHeadAttention(AttentionModule):
         q = split_heads(self.W_query(x), self.num_heads)  # (B, H, T_q, d_head)
         k = split_heads(self.W_key(source), self.num_kv_heads)  # (B, H_kv, T_k, d_head)
         v = split_heads(self.W_value(source), self.num_kv_heads)
-        start = 0 if cache is None else cache.length  # absolute position of x's first token
+        if positions is None:  # absolute position of x's first token
+            positions = 0 if cache is None else cache.length
         if self.rope is not None:
-            q, k = self.rope(q, start), self.rope(k, start)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H_kv, start + T_q, d_head)
         return q, k, v
@@ -101,7 +109,8 @@ class MultiHeadAttention(AttentionModule):
         return out if like.ndim == 3 else out[0]
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
-                mask: MaskLike = None, cache: KVCache | None = None) -> torch.Tensor:
+                mask: MaskLike = None, cache: KVCache | None = None,
+                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
         """x: (T_q, E) or (B, T_q, E) -> (…, T_q, d_out).
 
         Args:
@@ -111,10 +120,22 @@ class MultiHeadAttention(AttentionModule):
                 (B, T_q, T_k) / (B, H, T_q, T_k) tensor, True = may attend.
             cache: a :class:`qkv.KVCache` (see :meth:`new_cache`) to decode token by token
                 or in chunks: x holds only the new tokens.
+            layout: context parallelism: x holds this rank's positions of a sequence split
+                by a :class:`qkv.distributed.Layout` (RoPE rotates them at their absolute
+                positions); ``group`` is the process group. Self-attention only.
         """
-        q, k, v = self.project(x, context, cache)
-        out = attention(q, k, v, mask=self.attention_mask(mask),
-                        dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if layout is None:
+            q, k, v = self.project(x, context, cache)
+            out = attention(q, k, v, mask=self.attention_mask(mask), dropout_p=dropout_p)
+            return self.merge(out, like=x)
+        if context is not None or cache is not None:
+            raise ValueError("layout= (context parallelism) applies to self-attention "
+                             "without a cache; pass context=None and cache=None")
+        positions = layout.positions(dist.get_rank(group)).to(x.device)
+        q, k, v = self.project(x, positions=positions)
+        out = distributed_attention(q, k, v, layout=layout, mask=self.attention_mask(mask),
+                                    dropout_p=dropout_p, group=group)
         return self.merge(out, like=x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -19,9 +19,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..cache import KVCache
+from ..distributed import Layout
 from ..mha import MultiHeadAttention
 from ..rope import RoPE
 
@@ -137,8 +139,9 @@ class Block(nn.Module):
             self.ln_2 = nn.LayerNorm(E, eps=config.layer_norm_eps)
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), cache=cache))  # (B, T, E)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), cache=cache, layout=layout, group=group))
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x
@@ -191,13 +194,16 @@ class GPT(nn.Module):
         """Number of parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, *, caches: list[KVCache] | None = None
-                ) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, *, caches: list[KVCache] | None = None,
+                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
         """idx: (B, T) token ids -> (B, T, V) logits.
 
         Args:
             caches: one :class:`qkv.KVCache` per layer (:meth:`new_caches`); idx then holds
                 only the tokens after the cached ones, at positions ``cache.length`` on.
+            layout: context parallelism: idx holds this rank's positions of a sequence split
+                by a :class:`qkv.distributed.Layout`, and the logits are those positions';
+                ``group`` is the process group.
         """
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.dtype.is_floating_point:
             raise ValueError(f"idx must be a (B, T) integer tensor of token ids; got "
@@ -208,15 +214,20 @@ class GPT(nn.Module):
                              f"got {len(caches)}")
         B, T = idx.shape
         start = 0 if caches is None else caches[0].length
-        if start + T > self.config.block_size:
+        end = start + T if layout is None else layout.T
+        if end > self.config.block_size:
             raise ValueError(f"the context window holds block_size={self.config.block_size} "
-                             f"tokens; got {start} cached + {T} new")
+                             f"tokens; got {start} cached + {end - start} new")
+        if layout is None:
+            positions = torch.arange(start, start + T, device=idx.device)
+        else:
+            positions = layout.positions(dist.get_rank(group)).to(idx.device)
         x = self.wte(idx)  # (B, T, E)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))  # (T, E) bcast
+            x = x + self.wpe(positions)  # (T, E) broadcast over B
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i])  # (B, T, E)
+            x = block(x, None if caches is None else caches[i], layout, group)  # (B, T, E)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def new_caches(self, batch: int) -> list[KVCache]:

@@ -1,0 +1,179 @@
+"""qkv.distributed: layouts in one process, and context-parallel attention on real gloo
+process groups over loopback (127.0.0.1), every process under a timeout: outputs and
+gradients of each rank's shards equal one process attending over the whole sequence."""
+
+import socket
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import qkv
+from qkv import distributed as qd
+from qkv import masks
+
+T = 37  # not divisible by 2 or 3
+
+
+def mask_named(name, B=2):
+    ids = np.repeat([0, 1, 2], [15, 9, 13])
+    return {
+        "none": None,
+        "causal": masks.causal(),
+        "window": masks.sliding_window(5),
+        "document&causal": masks.document(ids) & masks.causal(),
+        "padding (a row with no key)": masks.padding([0, 30]),
+        "prefix_lm": masks.prefix_lm(7),
+        "sinks|window": masks.padding([4, 4]) | masks.sliding_window(3),
+        "predicate": masks.predicate(lambda b, h, q, kv: (q + 2 * kv + h) % 3 != 0, "mod3"),
+        "dense": torch.rand(B, 1, T, T, generator=torch.Generator().manual_seed(5)) < 0.5,
+    }[name]
+
+
+MASKS = ["none", "causal", "window", "document&causal", "padding (a row with no key)",
+         "prefix_lm", "sinks|window", "predicate", "dense"]
+
+
+def check_case(rank, world, mask_name, layout_kind):
+    mask = mask_named(mask_name)
+    layout = (qd.Layout.contiguous(T, world) if layout_kind == "contiguous" or
+              not isinstance(mask, masks.Mask) else qd.Layout.balanced(T, world, mask, block_k=4))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 5, generator=g, dtype=torch.float64)  # GQA: 4 heads on 2
+    k = torch.randn(2, 2, T, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, T, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 4, T, 3, generator=g, dtype=torch.float64)  # the loss's weights
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = qkv.attention(*full, mask=mask)
+    (want * w).sum().backward()
+    local = [layout.shard(x, 2, rank).requires_grad_() for x in (q, k, v)]
+    out = qd.attention(*local, layout=layout, mask=mask)
+    (out * layout.shard(w, 2, rank)).sum().backward()
+    what = f"rank {rank}/{world}, {mask_name}, {layout_kind}"
+    torch.testing.assert_close(out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0,
+                               msg=what)
+    for name, mine, ref in zip("qkv", local, full):
+        torch.testing.assert_close(mine.grad, layout.shard(ref.grad, 2, rank), atol=1e-10,
+                                   rtol=0, msg=f"d{name}: {what}")
+    back = layout.gather(out.detach(), dim=2)
+    torch.testing.assert_close(back, want.detach(), atol=1e-10, rtol=0, msg=f"gather: {what}")
+
+
+def worker(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    try:
+        for mask_name in MASKS:
+            for layout_kind in ("contiguous", "balanced"):
+                check_case(rank, world, mask_name, layout_kind)
+        for positions in ("learned", "rope"):
+            check_gpt(rank, world, positions)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_equals_one_process(world):
+    ctx = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 240
+    try:
+        while not ctx.join(timeout=1):  # raises if a rank failed
+            if time.monotonic() > deadline:
+                pytest.fail(f"context-parallel attention on {world} ranks did not finish in time")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def test_contiguous_layout_cuts_uneven_lengths():
+    layout = qd.Layout.contiguous(10, 3)
+    assert layout.runs == (((0, 4),), ((4, 7),), ((7, 10),))
+    assert [layout.size(r) for r in range(3)] == [4, 3, 3]
+    assert qd.Layout.contiguous(2, 3).runs[2] == ()  # more ranks than positions
+    x = torch.arange(10)[None]
+    assert layout.shard(x, 1, rank=1).tolist() == [[4, 5, 6]]
+
+
+def test_balanced_causal_is_head_tail():
+    layout = qd.Layout.balanced(16, 2, masks.causal(), chunks_per_rank=2, block_k=2)
+    assert layout.runs == (((0, 4), (12, 16)), ((4, 12),))
+    layout = qd.Layout.balanced(24, 3, masks.causal(), chunks_per_rank=2, block_k=1)
+    assert layout.runs == (((0, 4), (20, 24)), ((4, 8), (16, 20)), ((8, 16),))
+    assert layout.positions(1).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+
+
+@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(8),
+                                  masks.document(np.repeat([0, 1, 2], [60, 20, 48])),
+                                  masks.prefix_lm(32), None], ids=repr)
+def test_balanced_layouts_even_the_work(mask):
+    # Work = (query, key) pairs the mask leaves, per rank: within 10% of the mean.
+    T, world = 128, 4
+    layout = qd.Layout.balanced(T, world, mask, block_k=8)
+    allowed = np.ones((T, T), bool) if mask is None else mask.to_numpy(1, 1, T, T)[0, 0]
+    work = [allowed[layout.positions(r).numpy()].sum() for r in range(world)]
+    assert max(work) <= 1.1 * np.mean(work), work
+    contiguous = qd.Layout.contiguous(T, world)
+    if repr(mask) == "causal()":  # where contiguous sharding is far off balance
+        base = [allowed[contiguous.positions(r).numpy()].sum() for r in range(world)]
+        assert max(base) > 1.5 * np.mean(base)
+
+
+def test_layout_and_call_errors():
+    with pytest.raises(ValueError, match="every position of T=4"):
+        qd.Layout(4, (((0, 2),), ((1, 4),)))
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        qd.Layout.contiguous(4, 0)
+    with pytest.raises(TypeError, match="a dense mask has no structure"):
+        qd.Layout.balanced(4, 2, torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="T=4 positions along dim 1"):
+        qd.Layout.contiguous(4, 2).shard(torch.zeros(1, 5), 1, rank=0)
+    x = torch.zeros(1, 1, 2, 4)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        qd.attention(x, x, x, layout=qd.Layout.contiguous(4, 2), schedule="ring")
+
+
+def check_gpt(rank, world, positions):
+    # A GPT split across ranks: each rank's logits, and the parameter gradients summed over
+    # ranks, equal one process's (learned positions, or RoPE, at absolute positions).
+    from qkv.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=16, positions=positions)).double()
+    idx = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(1))
+    layout = qd.Layout.balanced(T, world, masks.causal(), block_k=4)
+    want = model(idx)
+    want.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = model(layout.shard(idx, 1, rank), layout=layout)
+    torch.testing.assert_close(out, layout.shard(want.detach(), 1, rank), atol=1e-10, rtol=0)
+    out.sum().backward()
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-10, rtol=0, msg=name)
+
+
+def test_the_torchrun_example_runs_on_two_processes():
+    import pathlib
+    import subprocess
+    import sys
+
+    example = pathlib.Path(__file__).parents[1] / "examples" / "context_parallel.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(example), "--T", "512"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 ranks, T=512: max |distributed - one process|" in r.stdout
