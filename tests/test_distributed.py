@@ -72,6 +72,7 @@ def worker(rank, world, port):
                 check_case(rank, world, mask_name, layout_kind)
         for positions in ("learned", "rope"):
             check_gpt(rank, world, positions)
+        check_errors(rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -139,9 +140,6 @@ def test_layout_and_call_errors():
         qd.Layout.balanced(4, 2, torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="T=4 positions along dim 1"):
         qd.Layout.contiguous(4, 2).shard(torch.zeros(1, 5), 1, rank=0)
-    x = torch.zeros(1, 1, 2, 4)
-    with pytest.raises(ValueError, match="schedule must be one of"):
-        qd.attention(x, x, x, layout=qd.Layout.contiguous(4, 2), schedule="ring")
 
 
 def check_gpt(rank, world, positions):
@@ -177,3 +175,28 @@ def test_the_torchrun_example_runs_on_two_processes():
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 ranks, T=512: max |distributed - one process|" in r.stdout
+
+
+def check_errors(rank, world):
+    # Bad input on one rank, or calls that differ between ranks, end in a clear error on
+    # every rank at the same point (no hang), and the group stays usable afterwards.
+    layout = qd.Layout.contiguous(40, world)
+    n = layout.size(rank)
+    x = torch.zeros(1, 2, n, 4, dtype=torch.float64)
+    cases = [
+        (dict(schedule="ring"), "schedule must be one of"),
+        (dict(mask=masks.causal() if rank else masks.sliding_window(3)), "differ in mask"),
+        (dict(query=x.float() if rank == 0 else x), "differ in dtype"),
+        (dict(layout=qd.Layout.contiguous(40, world + 1)), "the layout is for"),
+        (dict(query=x[:, :, :-1] if rank == 0 else x),
+         "holds T_r=" if rank == 0 else r"rank\(s\) \[0\] passed invalid input"),
+    ]
+    if world == 2:  # same shard sizes, other positions
+        other = qd.Layout.balanced(40, 2, masks.causal(), chunks_per_rank=2)
+        cases.append((dict(layout=other if rank else layout), "differ in layout"))
+    for change, words in cases:
+        kw = {"query": x, "key": x, "value": x, "layout": layout, **change}
+        with pytest.raises(ValueError, match=words):
+            qd.attention(kw.pop("query"), kw.pop("key"), kw.pop("value"), **kw)
+    out = qd.attention(x, x, x, layout=layout, mask=masks.causal())  # still in step
+    assert out.shape == x.shape
