@@ -53,6 +53,20 @@ def test_dropout_keeps_the_mask(name):
         torch.testing.assert_close(out[blind], base[blind], atol=FLOAT64, rtol=0)
 
 
+def test_dropout_with_the_lse_is_applied():
+    # tiled returns the lse but has no dropout: auto must not send this call there.
+    q, k, v = make_qkv(1, 2, 1, 6, 6, 4, 3)
+    choice = qkv.dispatch(q, k, v, dropout_p=0.5, return_lse=True)
+    assert choice.backend == "reference" and "dropout with the log-sum-exp" in choice.reason
+    torch.manual_seed(0)
+    out, lse = qkv.attention(q, k, v, dropout_p=0.5, return_lse=True)
+    torch.manual_seed(0)
+    want, _, lse_want = qkv.attention(q, k, v, dropout_p=0.5, return_weights=True,
+                                      return_lse=True, backend="reference")
+    torch.testing.assert_close(out, want, atol=FLOAT64, rtol=0)
+    assert not torch.allclose(out, qkv.attention(q, k, v))
+
+
 @pytest.mark.parametrize("make", [
     lambda: qkv.CausalAttention(4, 3, dropout=0.5),
     lambda: qkv.SelfAttention(4, 3, causal=True, dropout=0.5),

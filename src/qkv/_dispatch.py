@@ -2,8 +2,8 @@
 
 Rules for ``backend="auto"``, first match wins:
 
-1. weights, or dropout from a ``torch.Generator``, asked for → ``reference`` (the only kernel
-   that materialises them);
+1. weights, dropout from a ``torch.Generator``, or dropout together with the log-sum-exp,
+   asked for → ``reference`` (the only kernel that materialises them; tiled has no dropout);
 2. the log-sum-exp asked for → ``tiled`` (it returns it without materialising T_q × T_k);
 3. no mask, or a mask that allows every position of this problem (e.g. causal for one query
    at the end of a KV cache) → ``sdpa`` without a mask;
@@ -114,6 +114,7 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     materialised = [what for what, asked in (
         ("the attention weights", return_weights),
         ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
+        ("dropout with the log-sum-exp", dropout_p > 0 and generator is None and return_lse),
     ) if asked]
     cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else []),
               "tiled": materialised + (["dropout"] if dropout_p > 0 else [])}
