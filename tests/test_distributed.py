@@ -38,7 +38,7 @@ MASKS = ["none", "causal", "window", "document&causal", "padding (a row with no 
          "prefix_lm", "sinks|window", "predicate", "dense"]
 
 
-def check_case(rank, world, mask_name, layout_kind):
+def check_case(rank, world, mask_name, layout_kind, schedule):
     mask = mask_named(mask_name)
     layout = (qd.Layout.contiguous(T, world) if layout_kind == "contiguous" or
               not isinstance(mask, masks.Mask) else qd.Layout.balanced(T, world, mask, block_k=4))
@@ -51,9 +51,9 @@ def check_case(rank, world, mask_name, layout_kind):
     want = qkv.attention(*full, mask=mask)
     (want * w).sum().backward()
     local = [layout.shard(x, 2, rank).requires_grad_() for x in (q, k, v)]
-    out = qd.attention(*local, layout=layout, mask=mask)
+    out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule)
     (out * layout.shard(w, 2, rank)).sum().backward()
-    what = f"rank {rank}/{world}, {mask_name}, {layout_kind}"
+    what = f"rank {rank}/{world}, {mask_name}, {layout_kind}, {schedule}"
     torch.testing.assert_close(out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0,
                                msg=what)
     for name, mine, ref in zip("qkv", local, full):
@@ -69,7 +69,8 @@ def worker(rank, world, port):
     try:
         for mask_name in MASKS:
             for layout_kind in ("contiguous", "balanced"):
-                check_case(rank, world, mask_name, layout_kind)
+                for schedule in ("allgather", "ring"):
+                    check_case(rank, world, mask_name, layout_kind, schedule)
         for positions in ("learned", "rope"):
             check_gpt(rank, world, positions)
         check_errors(rank, world)
@@ -184,7 +185,7 @@ def check_errors(rank, world):
     n = layout.size(rank)
     x = torch.zeros(1, 2, n, 4, dtype=torch.float64)
     cases = [
-        (dict(schedule="ring"), "schedule must be one of"),
+        (dict(schedule="zigzag"), "schedule must be one of"),
         (dict(mask=masks.causal() if rank else masks.sliding_window(3)), "differ in mask"),
         (dict(query=x.float() if rank == 0 else x), "differ in dtype"),
         (dict(layout=qd.Layout.contiguous(40, world + 1)), "the layout is for"),

@@ -412,6 +412,33 @@ class _Not(Mask):
         return f"~({inner})" if isinstance(self.inner, (_Binary, _Not)) else f"~{inner}"
 
 
+class _Shifted(Mask):
+    """``inner`` seen by a call whose queries and keys sit ``dq`` and ``dk`` positions further
+    on than the call places them: a part of a longer sequence of length T (context-parallel
+    attention over one shard pair). Structure, block map and shift-invariance carry over."""
+
+    def __init__(self, inner: Mask, dq: int, dk: int, T: int) -> None:
+        self.inner, self.dq, self.dk, self.T = inner, dq, dk, T
+        self.shift_invariant = inner.shift_invariant
+
+    @property
+    def batch(self) -> int | None:
+        return self.inner.batch
+
+    def validate(self, B, H, T_q, T_k):
+        self.inner.validate(B, H, self.T, self.T)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.inner(b, h, q_idx + self.dq, kv_idx + self.dk)
+
+    def _classify(self, t):
+        return self.inner._classify(_Tiles(t.q_first + self.dq, t.q_last + self.dq,
+                                           t.k_first + self.dk, t.k_last + self.dk))
+
+    def __repr__(self) -> str:
+        return f"({self.inner!r} at queries +{self.dq}, keys +{self.dk})"
+
+
 def full() -> Mask:
     """Every query may attend to every key (the encoder's bidirectional attention)."""
     return _Full()

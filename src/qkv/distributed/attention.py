@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from ..functional import attention as local_attention
-from ..masks import Mask
+from ..functional import merge_attention
+from ..masks import EMPTY, Mask, _Shifted
 from .layout import Layout
 
-SCHEDULES = ("allgather",)
+SCHEDULES = ("allgather", "ring")
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
@@ -39,7 +40,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         layout: which positions each rank holds (the same on every rank).
         mask: a qkv mask over absolute positions, or a dense bool (…, T, T) mask of the
             whole sequence (True = may attend); None attends everywhere.
-        schedule: "allgather" (keys and values gathered once).
+        schedule: "allgather" (keys and values gathered once) or "ring" (passed around the
+            ring while computing, empty shard pairs skipped, partials merged exactly).
         scale, dropout_p: as in :func:`qkv.attention` (each rank draws its own dropout).
         group: the process group (default: the world).
         check: first compare every rank's call (shapes, dtype, layout, mask) in one small
@@ -60,21 +62,138 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         _check_same_call(query, key, value, layout, mask, schedule, problem, group)
     if problem is not None:
         raise ValueError(problem)
-    D = key.shape[-1]
-    # One collective for keys and values together: every rank issues the same calls in the
-    # same order, forward and backward.
-    kv = layout.gather(torch.cat([key, value], dim=-1), dim=2, group=group)  # (B, H_kv, T, ·)
-    k, v = kv[..., :D], kv[..., D:]
-    outs, start = [], 0
-    for a, b in layout.runs[rank]:
-        q = query[:, :, start:start + b - a]  # (B, H, b - a, D): queries at positions a..b-1
-        run_mask = mask[..., a:b, :] if isinstance(mask, torch.Tensor) else mask
-        outs.append(local_attention(q, k, v, mask=run_mask, scale=scale, dropout_p=dropout_p,
-                                    q_offset=a if isinstance(mask, Mask) else None))
-        start += b - a
+    # Keys and values travel together: one collective (or one ring pass) for both, so every
+    # rank issues the same calls in the same order, forward and backward.
+    kv = torch.cat([key, value], dim=-1)  # (B, H_kv, T_r, D + D_v)
+    if schedule == "allgather":
+        outs = _allgather(query, kv, layout, mask, rank, group, key.shape[-1],
+                          scale=scale, dropout_p=dropout_p)
+    else:
+        outs = _ring(query, kv, layout, mask, rank, world, group, key.shape[-1],
+                     scale=scale, dropout_p=dropout_p)
     if not outs:  # this rank holds no position
         return query.new_zeros(*query.shape[:3], value.shape[-1])
     return torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
+
+
+def _query_runs(layout: Layout, rank: int):
+    """(start, stop, where the run starts in this rank's local tensors) per run."""
+    local = 0
+    for a, b in layout.runs[rank]:
+        yield a, b, local
+        local += b - a
+
+
+def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tensor]:
+    kv = layout.gather(kv, dim=2, group=group)  # (B, H_kv, T, D + D_v)
+    k, v = kv[..., :D], kv[..., D:]
+    outs = []
+    for a, b, local in _query_runs(layout, rank):
+        q = query[:, :, local:local + b - a]  # (B, H, b - a, D): queries at positions a..b-1
+        run_mask = mask[..., a:b, :] if isinstance(mask, torch.Tensor) else mask
+        outs.append(local_attention(q, k, v, mask=run_mask, **kw,
+                                    q_offset=a if isinstance(mask, Mask) else None))
+    return outs
+
+
+def _ring(query, kv, layout, mask, rank, world, group, D, **kw) -> list[torch.Tensor]:
+    """Step s attends this rank's queries to the keys of rank (rank - s) mod W, then passes
+    them on to rank + 1; (query run, key run) pairs the mask leaves empty are skipped, and
+    each query run's partial results are merged exactly by their log-sum-exps."""
+    runs = list(_query_runs(layout, rank))
+    outs: list[list[torch.Tensor]] = [[] for _ in runs]
+    lses: list[list[torch.Tensor]] = [[] for _ in runs]
+    received = []
+    for step in range(world):
+        owner = (rank - step) % world
+        if step > 0:
+            kv = _RingPass.apply(kv, layout.size(owner), group)  # (B, H_kv, T_owner, ·)
+            received.append(kv)
+        for ka, kb, klocal in _query_runs(layout, owner):
+            k = kv[:, :, klocal:klocal + kb - ka, :D]  # keys at positions ka..kb-1
+            v = kv[:, :, klocal:klocal + kb - ka, D:]
+            for i, (qa, qb, qlocal) in enumerate(runs):
+                pair = _pair_mask(mask, qa, qb, ka, kb, layout.T)
+                if pair is _EMPTY:
+                    continue
+                out, lse = local_attention(query[:, :, qlocal:qlocal + qb - qa], k, v,
+                                           mask=pair, return_lse=True, **kw)
+                outs[i].append(out)
+                lses[i].append(lse)
+    D_v = kv.shape[-1] - D
+    merged = [merge_attention(o, l_)[0] if o else query.new_zeros(*query.shape[:2], qb - qa, D_v)
+              for o, l_, (qa, qb, _) in zip(outs, lses, runs)]
+    if merged and received:
+        # Every pass must run its backward on every rank, or the ring's sends and receives
+        # fall out of step: tie the passed keys and values to the output (zero gradient
+        # where the mask skipped them).
+        merged[0] = _DependOn.apply(merged[0], *received)
+    return merged
+
+
+class _DependOn(torch.autograd.Function):
+    """The identity on ``out`` that makes it depend on ``others``: their gradient is 0."""
+
+    @staticmethod
+    def forward(ctx, out, *others):  # type: ignore[override]
+        ctx.others = [(o.shape, o.dtype, o.device) for o in others]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.others))
+
+
+_EMPTY = object()
+
+
+def _pair_mask(mask: Any, qa: int, qb: int, ka: int, kb: int, T: int) -> Any:
+    """The mask of queries qa..qb-1 against keys ka..kb-1 as a call over just them sees it,
+    or _EMPTY when it allows nothing there. The call places its queries bottom-right
+    (query i at (kb - ka) - (qb - qa) + i), so the shift moves them to qa + i."""
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        part = mask[..., qa:qb, ka:kb]
+        return part if part.any() else _EMPTY
+    shifted = _Shifted(mask, qa - ((kb - ka) - (qb - qa)), ka, T)
+    codes = shifted.blocks(mask.batch or 1, 1, qb - qa, kb - ka, block_q=qb - qa,
+                           block_k=kb - ka)
+    return _EMPTY if (codes == EMPTY).all() else shifted
+
+
+class _RingPass(torch.autograd.Function):
+    """Send x to the next rank and receive the previous rank's (recv_len positions along
+    dim 2); the backward sends the gradient back the other way. Plain isend/irecv pairs:
+    gloo's batch_isend_irecv is reported to hang."""
+
+    @staticmethod
+    def forward(ctx, x, recv_len, group):  # type: ignore[override]
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.next, ctx.prev = _global(group, (rank + 1) % world), _global(group, (rank - 1) % world)
+        ctx.group, ctx.send_len = group, x.shape[2]
+        shape = list(x.shape)
+        shape[2] = recv_len
+        return _exchange(x, ctx.next, x.new_empty(shape), ctx.prev, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        shape = list(grad.shape)
+        shape[2] = ctx.send_len
+        return _exchange(grad, ctx.prev, grad.new_empty(shape), ctx.next, ctx.group), None, None
+
+
+def _global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group: Any
+              ) -> torch.Tensor:
+    requests = [dist.isend(send.contiguous(), to, group=group),
+                dist.irecv(recv, source, group=group)]
+    for r in requests:
+        r.wait()
+    return recv
 
 
 def _local_problem(query, key, value, layout, mask, schedule, rank, world) -> str | None:
