@@ -86,17 +86,7 @@ def free_port():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_equals_one_process(world):
-    ctx = mp.start_processes(worker, args=(world, free_port()), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1):  # raises if a rank failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"context-parallel attention on {world} ranks did not finish in time")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_ranks(worker, world, timeout=240)
 
 
 def test_contiguous_layout_cuts_uneven_lengths():
@@ -201,3 +191,96 @@ def check_errors(rank, world):
             qd.attention(kw.pop("query"), kw.pop("key"), kw.pop("value"), **kw)
     out = qd.attention(x, x, x, layout=layout, mask=masks.causal())  # still in step
     assert out.shape == x.shape
+
+
+FLOAT32_MASKS = ["causal", "window", "documents", "prefix_lm", "padding", "composition"]
+
+
+def float32_mask(name, T):
+    rng = np.random.default_rng(T)
+    ids = np.searchsorted(np.sort(rng.choice(np.arange(1, T), 5, replace=False)), np.arange(T),
+                          side="right")  # 6 documents of random lengths
+    return {"causal": masks.causal(), "window": masks.sliding_window(T // 8),
+            "documents": masks.document(ids) & masks.causal(), "prefix_lm": masks.prefix_lm(T // 5),
+            "padding": masks.padding([T - T // 3]),
+            "composition": (masks.document(ids) & masks.causal()) | masks.prefix_lm(7)}[name]
+
+
+class ByteCounter:
+    """Bytes this rank hands to torch.distributed to send, by collective."""
+
+    def __init__(self, monkeypatch_like):
+        self.sent = {"all_gather": 0, "all_reduce": 0, "isend": 0}
+        for name in self.sent:
+            original = getattr(dist, name)
+
+            def counting(tensor_or_list, *args, _name=name, _original=original, **kw):
+                t = args[0] if _name == "all_gather" else tensor_or_list
+                self.sent[_name] += t.numel() * t.element_size()
+                return _original(tensor_or_list, *args, **kw)
+
+            monkeypatch_like.setattr(dist, name, counting)
+
+
+def worker_float32(rank, world, port, T, names):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, T, 16, generator=g)
+        k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(2))
+        for name in names:
+            mask = float32_mask(name, T)
+            full = [x.clone().requires_grad_() for x in (q, k, v)]
+            want = qkv.attention(*full, mask=mask)
+            want.sum().backward()
+            layout = qd.Layout.balanced(T, world, mask)
+            for schedule in ("allgather", "ring"):
+                local = [layout.shard(x, 2).requires_grad_() for x in (q, k, v)]
+                with pytest.MonkeyPatch.context() as mp_:
+                    counter = ByteCounter(mp_)
+                    out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule,
+                                       check=False)
+                    out.sum().backward()
+                what = f"{name}, {schedule}, rank {rank}/{world}, T={T}"
+                torch.testing.assert_close(out, layout.shard(want.detach(), 2), atol=1e-5,
+                                           rtol=0, msg=what)
+                for x, ref in zip(local, full):
+                    torch.testing.assert_close(x.grad, layout.shard(ref.grad, 2), atol=1e-5,
+                                               rtol=0, msg=what)
+                # Bytes against docs/distributed.md: e = B·H_kv·(D + D_v)·4 bytes a position.
+                e, longest = 1 * 2 * 32 * 4, max(layout.size(r) for r in range(world))
+                if schedule == "allgather":  # a padded shard out, the full gradient reduced
+                    assert counter.sent == {"all_gather": longest * e,
+                                            "all_reduce": T * e, "isend": 0}, what
+                else:  # forward: every shard but rank r+1's; backward: the gradients
+                    # of every shard but its own
+                    passed = 2 * T - layout.size((rank + 1) % world) - layout.size(rank)
+                    assert counter.sent == {"all_gather": 0, "all_reduce": 0,
+                                            "isend": passed * e}, what
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world, *args, timeout=300):
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):  # raises if a rank failed
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world} ranks did not finish in {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def test_four_ranks_float32_and_the_bytes_they_send():
+    run_ranks(worker_float32, 4, 1000, ["composition"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [1000, 4096])
+def test_four_ranks_float32_every_mask(T):
+    run_ranks(worker_float32, 4, T, FLOAT32_MASKS, timeout=900)

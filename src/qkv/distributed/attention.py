@@ -76,8 +76,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
     return torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
 
 
-def _query_runs(layout: Layout, rank: int):
-    """(start, stop, where the run starts in this rank's local tensors) per run."""
+def _runs_of(layout: Layout, rank: int):
+    """(start, stop, where the run starts in the rank's local tensors) for each of its runs."""
     local = 0
     for a, b in layout.runs[rank]:
         yield a, b, local
@@ -88,7 +88,7 @@ def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tens
     kv = layout.gather(kv, dim=2, group=group)  # (B, H_kv, T, D + D_v)
     k, v = kv[..., :D], kv[..., D:]
     outs = []
-    for a, b, local in _query_runs(layout, rank):
+    for a, b, local in _runs_of(layout, rank):
         q = query[:, :, local:local + b - a]  # (B, H, b - a, D): queries at positions a..b-1
         run_mask = mask[..., a:b, :] if isinstance(mask, torch.Tensor) else mask
         outs.append(local_attention(q, k, v, mask=run_mask, **kw,
@@ -100,7 +100,7 @@ def _ring(query, kv, layout, mask, rank, world, group, D, **kw) -> list[torch.Te
     """Step s attends this rank's queries to the keys of rank (rank - s) mod W, then passes
     them on to rank + 1; (query run, key run) pairs the mask leaves empty are skipped, and
     each query run's partial results are merged exactly by their log-sum-exps."""
-    runs = list(_query_runs(layout, rank))
+    runs = list(_runs_of(layout, rank))
     outs: list[list[torch.Tensor]] = [[] for _ in runs]
     lses: list[list[torch.Tensor]] = [[] for _ in runs]
     received = []
@@ -109,7 +109,7 @@ def _ring(query, kv, layout, mask, rank, world, group, D, **kw) -> list[torch.Te
         if step > 0:
             kv = _RingPass.apply(kv, layout.size(owner), group)  # (B, H_kv, T_owner, ·)
             received.append(kv)
-        for ka, kb, klocal in _query_runs(layout, owner):
+        for ka, kb, klocal in _runs_of(layout, owner):
             k = kv[:, :, klocal:klocal + kb - ka, :D]  # keys at positions ka..kb-1
             v = kv[:, :, klocal:klocal + kb - ka, D:]
             for i, (qa, qb, qlocal) in enumerate(runs):
