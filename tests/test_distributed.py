@@ -84,7 +84,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_context_parallel_equals_one_process(world):
     run_ranks(worker, world, timeout=240)
 
