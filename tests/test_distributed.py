@@ -71,8 +71,8 @@ def worker(rank, world, port):
             for layout_kind in ("contiguous", "balanced"):
                 for schedule in ("allgather", "ring"):
                     check_case(rank, world, mask_name, layout_kind, schedule)
-        for positions in ("learned", "rope"):
-            check_gpt(rank, world, positions)
+        for positions, schedule in (("learned", "allgather"), ("rope", "ring")):
+            check_gpt(rank, world, positions, schedule)
         check_errors(rank, world)
     finally:
         dist.destroy_process_group()
@@ -133,7 +133,7 @@ def test_layout_and_call_errors():
         qd.Layout.contiguous(4, 2).shard(torch.zeros(1, 5), 1, rank=0)
 
 
-def check_gpt(rank, world, positions):
+def check_gpt(rank, world, positions, schedule):
     # A GPT split across ranks: each rank's logits, and the parameter gradients summed over
     # ranks, equal one process's (learned positions, or RoPE, at absolute positions).
     from qkv.models import GPT, GPTConfig
@@ -147,7 +147,7 @@ def check_gpt(rank, world, positions):
     want.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    out = model(layout.shard(idx, 1, rank), layout=layout)
+    out = model(layout.shard(idx, 1, rank), layout=layout, schedule=schedule)
     torch.testing.assert_close(out, layout.shard(want.detach(), 1, rank), atol=1e-10, rtol=0)
     out.sum().backward()
     for name, p in model.named_parameters():

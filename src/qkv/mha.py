@@ -110,7 +110,8 @@ class MultiHeadAttention(AttentionModule):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: MaskLike = None, cache: KVCache | None = None,
-                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
+                layout: Layout | None = None, schedule: str = "allgather",
+                group: Any = None) -> torch.Tensor:
         """x: (T_q, E) or (B, T_q, E) -> (…, T_q, d_out).
 
         Args:
@@ -122,7 +123,8 @@ class MultiHeadAttention(AttentionModule):
                 or in chunks: x holds only the new tokens.
             layout: context parallelism: x holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout` (RoPE rotates them at their absolute
-                positions); ``group`` is the process group. Self-attention only.
+                positions); ``schedule`` ("allgather" or "ring") and ``group`` as in
+                :func:`qkv.distributed.attention`. Self-attention only.
         """
         dropout_p = self.dropout if self.training else 0.0
         if layout is None:
@@ -135,7 +137,7 @@ class MultiHeadAttention(AttentionModule):
         positions = layout.positions(dist.get_rank(group)).to(x.device)
         q, k, v = self.project(x, positions=positions)
         out = distributed_attention(q, k, v, layout=layout, mask=self.attention_mask(mask),
-                                    dropout_p=dropout_p, group=group)
+                                    schedule=schedule, dropout_p=dropout_p, group=group)
         return self.merge(out, like=x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

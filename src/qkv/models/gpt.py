@@ -140,8 +140,10 @@ class Block(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
-                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), cache=cache, layout=layout, group=group))
+                layout: Layout | None = None, schedule: str = "allgather",
+                group: Any = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), cache=cache, layout=layout,
+                                    schedule=schedule, group=group))
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x
@@ -195,7 +197,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, *, caches: list[KVCache] | None = None,
-                layout: Layout | None = None, group: Any = None) -> torch.Tensor:
+                layout: Layout | None = None, schedule: str = "allgather",
+                group: Any = None) -> torch.Tensor:
         """idx: (B, T) token ids -> (B, T, V) logits.
 
         Args:
@@ -203,7 +206,7 @@ class GPT(nn.Module):
                 only the tokens after the cached ones, at positions ``cache.length`` on.
             layout: context parallelism: idx holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout`, and the logits are those positions';
-                ``group`` is the process group.
+                ``schedule`` and ``group`` as in :func:`qkv.distributed.attention`.
         """
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.dtype.is_floating_point:
             raise ValueError(f"idx must be a (B, T) integer tensor of token ids; got "
@@ -227,7 +230,7 @@ class GPT(nn.Module):
             x = x + self.wpe(positions)  # (T, E) broadcast over B
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i], layout, group)  # (B, T, E)
+            x = block(x, None if caches is None else caches[i], layout, schedule, group)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def new_caches(self, batch: int) -> list[KVCache]:
