@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..functional import attention as local_attention
-from ..functional import merge_attention
+from ..functional import _mask_tile, _prepare, merge_attention
+from ..kernels.tiled import tiled_backward, tiled_forward
 from ..masks import EMPTY, Mask, _Shifted
 from .layout import Layout
 
@@ -96,52 +97,116 @@ def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tens
     return outs
 
 
-def _ring(query, kv, layout, mask, rank, world, group, D, **kw) -> list[torch.Tensor]:
-    """Step s attends this rank's queries to the keys of rank (rank - s) mod W, then passes
-    them on to rank + 1; (query run, key run) pairs the mask leaves empty are skipped, and
-    each query run's partial results are merged exactly by their log-sum-exps."""
-    runs = list(_runs_of(layout, rank))
-    outs: list[list[torch.Tensor]] = [[] for _ in runs]
-    lses: list[list[torch.Tensor]] = [[] for _ in runs]
-    received = []
-    for step in range(world):
-        owner = (rank - step) % world
-        if step > 0:
-            kv = _RingPass.apply(kv, layout.size(owner), group)  # (B, H_kv, T_owner, ·)
-            received.append(kv)
-        for ka, kb, klocal in _runs_of(layout, owner):
-            k = kv[:, :, klocal:klocal + kb - ka, :D]  # keys at positions ka..kb-1
-            v = kv[:, :, klocal:klocal + kb - ka, D:]
-            for i, (qa, qb, qlocal) in enumerate(runs):
-                pair = _pair_mask(mask, qa, qb, ka, kb, layout.T)
-                if pair is _EMPTY:
-                    continue
-                out, lse = local_attention(query[:, :, qlocal:qlocal + qb - qa], k, v,
-                                           mask=pair, return_lse=True, **kw)
-                outs[i].append(out)
-                lses[i].append(lse)
-    D_v = kv.shape[-1] - D
-    merged = [merge_attention(o, l_)[0] if o else query.new_zeros(*query.shape[:2], qb - qa, D_v)
-              for o, l_, (qa, qb, _) in zip(outs, lses, runs)]
-    if merged and received:
-        # Every pass must run its backward on every rank, or the ring's sends and receives
-        # fall out of step: tie the passed keys and values to the output (zero gradient
-        # where the mask skipped them).
-        merged[0] = _DependOn.apply(merged[0], *received)
-    return merged
+def _ring(query, kv, layout, mask, rank, world, group, D, *, scale, dropout_p
+          ) -> list[torch.Tensor]:
+    if dropout_p > 0:
+        raise ValueError("the ring schedule has no dropout (its pairs run the tiled kernel); "
+                         "use schedule='allgather'")
+    out = _RingAttention.apply(query, kv, layout, mask, scale, D, rank, world, group)
+    return [out] if out.shape[2] else []
 
 
-class _DependOn(torch.autograd.Function):
-    """The identity on ``out`` that makes it depend on ``others``: their gradient is 0."""
+class _RingAttention(torch.autograd.Function):
+    """The ring, with a backward that passes the keys and values around again instead of
+    saving what it received: each rank keeps only its own shards, its output and its
+    log-sum-exp.
+
+    Forward: step s attends this rank's query runs to the key runs of rank (r - s) mod W,
+    then passes those keys and values on to rank r + 1; pairs the mask leaves empty are
+    skipped, and each query run's partial results are merged by their log-sum-exps.
+    Backward: the keys and values travel the ring again, each with a dK/dV accumulator; every
+    rank adds the gradients of its queries against them (the tiled kernel's backward against
+    the merged output and log-sum-exp, FlashAttention-2 style), and one last pass brings each
+    accumulator home."""
 
     @staticmethod
-    def forward(ctx, out, *others):  # type: ignore[override]
-        ctx.others = [(o.shape, o.dtype, o.device) for o in others]
-        return out.view_as(out)
+    def forward(ctx, query, kv, layout, mask, scale, D, rank, world, group):  # type: ignore[override]
+        runs = list(_runs_of(layout, rank))
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in runs]
+        current = kv
+        for step in range(world):
+            owner = (rank - step) % world
+            if step > 0:
+                current = _pass_on(current, layout.size(owner), rank, world, group)
+            for i, j, pair in _pairs(query, current, layout, mask, runs, owner, scale, D):
+                parts[i].append(_tiled(*pair))
+        D_v = kv.shape[-1] - D
+        outs, lses = [], []
+        for (qa, qb, _), part in zip(runs, parts):
+            if part:
+                o, l_ = merge_attention([o for o, _ in part], [l_ for _, l_ in part])
+            else:  # no key in the whole sequence: out 0, lse -inf
+                o = query.new_zeros(*query.shape[:2], qb - qa, D_v)
+                l_ = torch.full((*query.shape[:2], qb - qa), float("-inf"), device=query.device)
+            outs.append(o)
+            lses.append(l_.float() if l_.dtype != torch.float64 else l_)
+        out = torch.cat(outs, dim=2) if outs else query.new_zeros(*query.shape[:3], D_v)
+        lse = torch.cat(lses, dim=2) if lses else query.new_zeros(*query.shape[:3])
+        ctx.save_for_backward(query, kv, out, lse)
+        ctx.args = (layout, mask, scale, D, rank, world, group)
+        return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return (grad, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.others))
+    def backward(ctx, dout):  # type: ignore[override]
+        query, kv, out, lse = ctx.saved_tensors
+        layout, mask, scale, D, rank, world, group = ctx.args
+        runs = list(_runs_of(layout, rank))
+        dquery = torch.zeros_like(query)
+        current, dcurrent = kv, torch.zeros_like(kv)
+        for step in range(world):
+            owner = (rank - step) % world
+            if step > 0:
+                current = _pass_on(current, layout.size(owner), rank, world, group)
+                dcurrent = _pass_on(dcurrent, layout.size(owner), rank, world, group)
+            for i, j, (q, k, v, pair_mask, s) in _pairs(query, current, layout, mask, runs,
+                                                         owner, scale, D):
+                qa, qb, ql = runs[i]
+                ka, kb, kl = j
+                rows = slice(ql, ql + qb - qa)
+                p, m, choice = _tiled_plan(q, k, v, pair_mask, s)
+                dq, dk, dv = tiled_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
+                                            dout[:, :, rows], None, choice.plan,
+                                            _mask_tile(m, p, q.device), p.scale)
+                dquery[:, :, rows] += dq
+                dcurrent[:, :, kl:kl + kb - ka, :D] += dk
+                dcurrent[:, :, kl:kl + kb - ka, D:] += dv
+        # The accumulator of shard (rank + 1) is here; one more pass takes each one home.
+        dkv = _pass_on(dcurrent, layout.size(rank), rank, world, group) if world > 1 \
+            else dcurrent
+        return dquery, dkv, None, None, None, None, None, None, None
+
+
+def _pairs(query, kv, layout, mask, runs, owner, scale, D):
+    """(query run index, key run, (q, k, v, mask, scale)) for every pair of this rank's
+    query runs with the key runs of ``owner`` (held in kv) that the mask leaves non-empty."""
+    for ka, kb, kl in _runs_of(layout, owner):
+        k = kv[:, :, kl:kl + kb - ka, :D]  # keys at positions ka..kb-1
+        v = kv[:, :, kl:kl + kb - ka, D:]
+        for i, (qa, qb, ql) in enumerate(runs):
+            pair = _pair_mask(mask, qa, qb, ka, kb, layout.T)
+            if pair is not _EMPTY:
+                yield i, (ka, kb, kl), (query[:, :, ql:ql + qb - qa], k, v, pair, scale)
+
+
+def _tiled_plan(q, k, v, mask, scale):
+    return _prepare(q, k, v, mask=mask, scale=scale, q_offset=None, dropout_p=0.0,
+                    generator=None, return_weights=False, return_lse=True, backend="tiled")
+
+
+def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    p, m, choice = _tiled_plan(q, k, v, mask, scale)
+    out, lse = tiled_forward(q, k, v, choice.plan, _mask_tile(m, p, q.device), p.scale)
+    return out.to(q.dtype), lse
+
+
+def _pass_on(x: torch.Tensor, recv_len: int, rank: int, world: int, group: Any
+             ) -> torch.Tensor:
+    """Send x to rank + 1, receive rank - 1's (recv_len positions along dim 2). Plain
+    isend/irecv pairs: gloo's batch_isend_irecv is reported to hang."""
+    shape = list(x.shape)
+    shape[2] = recv_len
+    return _exchange(x, _global(group, (rank + 1) % world), x.new_empty(shape),
+                     _global(group, (rank - 1) % world), group)
 
 
 _EMPTY = object()
@@ -160,27 +225,6 @@ def _pair_mask(mask: Any, qa: int, qb: int, ka: int, kb: int, T: int) -> Any:
     codes = shifted.blocks(mask.batch or 1, 1, qb - qa, kb - ka, block_q=qb - qa,
                            block_k=kb - ka)
     return _EMPTY if (codes == EMPTY).all() else shifted
-
-
-class _RingPass(torch.autograd.Function):
-    """Send x to the next rank and receive the previous rank's (recv_len positions along
-    dim 2); the backward sends the gradient back the other way. Plain isend/irecv pairs:
-    gloo's batch_isend_irecv is reported to hang."""
-
-    @staticmethod
-    def forward(ctx, x, recv_len, group):  # type: ignore[override]
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        ctx.next, ctx.prev = _global(group, (rank + 1) % world), _global(group, (rank - 1) % world)
-        ctx.group, ctx.send_len = group, x.shape[2]
-        shape = list(x.shape)
-        shape[2] = recv_len
-        return _exchange(x, ctx.next, x.new_empty(shape), ctx.prev, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        shape = list(grad.shape)
-        shape[2] = ctx.send_len
-        return _exchange(grad, ctx.prev, grad.new_empty(shape), ctx.next, ctx.group), None, None
 
 
 def _global(group: Any, rank: int) -> int:
