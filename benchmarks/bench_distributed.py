@@ -1,16 +1,31 @@
-"""Balance of context-parallel layouts (docs/distributed.md): scored (128 x 128) blocks per
-rank, max / mean, for the balanced layout and contiguous sharding, at T = 16K and W = 4.
-Runs in one process: layouts are plans, not communication.
+"""Context parallelism's figures (docs/distributed.md).
 
-    python benchmarks/bench_distributed.py
+    python benchmarks/bench_distributed.py            # balance: scored blocks per rank
+    python benchmarks/bench_distributed.py memory     # peak memory, T=65536, ~15 min here
+
+Balance: scored (128 x 128) blocks per rank, max / mean, for the balanced layout and
+contiguous sharding, at T = 16K and W = 4 (layouts are plans: one process). Memory: causal
+attention at T = 65536, H = 8, D = 64, float32, forward + backward; each process's peak
+resident memory (VmHWM) above its baseline (VmRSS once torch is imported and its inputs or
+shards are built), for one process and for each rank of 4 gloo processes per schedule, on
+the head-tail layout (two chunks per rank).
 """
 
+import json
+import socket
+import sys
 import time
+from datetime import timedelta
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import qkv
 
 from qkv import masks
-from qkv.distributed import Layout
+from qkv.distributed import Layout, attention
 
 T, W, BLOCK = 16384, 4, 128
 
@@ -47,5 +62,64 @@ def main() -> None:
               f"{seconds * 1e3:.0f} ms |")
 
 
+def _kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+MEM = dict(T=65536, H=8, D=64)
+
+
+def _single(queue) -> None:
+    T, H, D = MEM["T"], MEM["H"], MEM["D"]
+    q, k, v = (torch.randn(1, H, T, D).requires_grad_() for _ in range(3))
+    base, t0 = _kb("VmRSS"), time.perf_counter()
+    qkv.attention(q, k, v, mask=masks.causal(), backend="tiled").sum().backward()
+    queue.put({"who": "one process", "peak_mb": (_kb("VmHWM") - base) / 1024,
+               "seconds": time.perf_counter() - t0})
+
+
+def _rank(rank, world, port, schedule, queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=1800))
+    T, H, D = MEM["T"], MEM["H"], MEM["D"]
+    layout = Layout.balanced(T, world, masks.causal(), chunks_per_rank=2)  # head-tail
+    n = layout.size(rank)
+    q, k, v = (torch.randn(1, H, n, D).requires_grad_() for _ in range(3))
+    base, t0 = _kb("VmRSS"), time.perf_counter()
+    attention(q, k, v, layout=layout, mask=masks.causal(), schedule=schedule).sum().backward()
+    queue.put({"who": f"{schedule}, rank {rank}/{world}", "peak_mb": (_kb("VmHWM") - base) / 1024,
+               "seconds": time.perf_counter() - t0})
+    dist.destroy_process_group()
+
+
+def memory() -> None:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_single, args=(queue,))
+    p.start()
+    p.join()
+    results = [queue.get()]
+    print(json.dumps(results[-1]), flush=True)
+    for schedule in ("allgather", "ring"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_rank, args=(4, port, schedule, queue), nprocs=4, join=True,
+                           start_method="spawn")
+        for _ in range(4):
+            results.append(queue.get())
+            print(json.dumps(results[-1]), flush=True)
+    single = results[0]["peak_mb"]
+    print(f"| who (T={MEM['T']}, H={MEM['H']}, D={MEM['D']}, causal, fwd+bwd) | peak above "
+          "baseline | ÷ one process | seconds |")
+    print("|---|---|---|---|")
+    for r in results:
+        print(f"| {r['who']} | {r['peak_mb']:.0f} MB | {r['peak_mb'] / single:.2f} | "
+              f"{r['seconds']:.0f} |")
+
+
 if __name__ == "__main__":
-    main()
+    memory() if sys.argv[1:] == ["memory"] else main()

@@ -122,24 +122,21 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, kv, layout, mask, scale, D, rank, world, group):  # type: ignore[override]
         runs = list(_runs_of(layout, rank))
-        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in runs]
+        D_v = kv.shape[-1] - D
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        # Each query run's result so far, merged pair by pair: one partial per run is held,
+        # never one per pair. Before any key: out 0, lse -inf.
+        outs = [query.new_zeros(*query.shape[:2], qb - qa, D_v) for qa, qb, _ in runs]
+        lses = [torch.full((*query.shape[:2], qb - qa), float("-inf"), dtype=acc,
+                           device=query.device) for qa, qb, _ in runs]
         current = kv
         for step in range(world):
             owner = (rank - step) % world
             if step > 0:
                 current = _pass_on(current, layout.size(owner), rank, world, group)
             for i, j, pair in _pairs(query, current, layout, mask, runs, owner, scale, D):
-                parts[i].append(_tiled(*pair))
-        D_v = kv.shape[-1] - D
-        outs, lses = [], []
-        for (qa, qb, _), part in zip(runs, parts):
-            if part:
-                o, l_ = merge_attention([o for o, _ in part], [l_ for _, l_ in part])
-            else:  # no key in the whole sequence: out 0, lse -inf
-                o = query.new_zeros(*query.shape[:2], qb - qa, D_v)
-                l_ = torch.full((*query.shape[:2], qb - qa), float("-inf"), device=query.device)
-            outs.append(o)
-            lses.append(l_.float() if l_.dtype != torch.float64 else l_)
+                o, l_ = _tiled(*pair)
+                outs[i], lses[i] = merge_attention([outs[i], o], [lses[i], l_])
         out = torch.cat(outs, dim=2) if outs else query.new_zeros(*query.shape[:3], D_v)
         lse = torch.cat(lses, dim=2) if lses else query.new_zeros(*query.shape[:3])
         ctx.save_for_backward(query, kv, out, lse)

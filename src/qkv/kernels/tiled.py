@@ -161,6 +161,10 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
 
 
+def _finite_operand(x: torch.Tensor) -> torch.Tensor:
+    return x if bool(torch.isfinite(x).all()) else finite_or_zero(x)
+
+
 def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    plan: Plan, mask_tile: MaskTile | None, scale: float
@@ -179,7 +183,9 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     delta5 = _blocked(delta[..., None], H_kv)
     # +inf for empty rows makes their probabilities exp(-inf) = 0.
     lse5 = _blocked(lse.to(acc).masked_fill(empty, float("inf"))[..., None], H_kv)
-    k0_, q05 = finite_or_zero(k_), finite_or_zero(q5)  # the right operands of dQ and dK
+    # The right operands of dQ and dK, non-finite entries read as 0: a copy only when there
+    # is one, so the common backward holds no second Q or K.
+    k0_, q05 = _finite_operand(k_), _finite_operand(q5)
     dq5, dk, dv = torch.zeros_like(q5), torch.zeros_like(k_), torch.zeros_like(v_)
     G = q5.shape[2]
     for q0, q1, chunks in plan.rows:
