@@ -192,7 +192,7 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         if not chunks:
             continue
         qb, dob = _rows(q5, q0, q1) * scale, _rows(do5, q0, q1)
-        qb0 = _rows(q05, q0, q1) * scale
+        qb0 = qb if q05 is q5 else _rows(q05, q0, q1) * scale  # no second copy if finite
         lse_b, delta_b = _rows(lse5, q0, q1), _rows(delta5, q0, q1)
         dqb = torch.zeros_like(qb)
         for chunk in chunks:
