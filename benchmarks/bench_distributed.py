@@ -2,6 +2,7 @@
 
     python benchmarks/bench_distributed.py            # balance: scored blocks per rank
     python benchmarks/bench_distributed.py memory     # peak memory, T=65536, ~15 min here
+    python benchmarks/bench_distributed.py memory ring  # one process and the ring only
 
 Balance: scored (128 x 128) blocks per rank, max / mean, for the balanced layout and
 contiguous sharding, at T = 16K and W = 4 (layouts are plans: one process). Memory: causal
@@ -82,6 +83,7 @@ def _single(queue) -> None:
 
 
 def _rank(rank, world, port, schedule, queue) -> None:
+    torch.set_num_threads(1)  # 4 processes on this 2-core machine: no oversubscription
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=1800))
     T, H, D = MEM["T"], MEM["H"], MEM["D"]
@@ -95,7 +97,7 @@ def _rank(rank, world, port, schedule, queue) -> None:
     dist.destroy_process_group()
 
 
-def memory() -> None:
+def memory(schedules=("allgather", "ring")) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     p = ctx.Process(target=_single, args=(queue,))
@@ -103,7 +105,7 @@ def memory() -> None:
     p.join()
     results = [queue.get()]
     print(json.dumps(results[-1]), flush=True)
-    for schedule in ("allgather", "ring"):
+    for schedule in schedules:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -122,4 +124,7 @@ def memory() -> None:
 
 
 if __name__ == "__main__":
-    memory() if sys.argv[1:] == ["memory"] else main()
+    if sys.argv[1:2] == ["memory"]:
+        memory(*[sys.argv[2:]] if sys.argv[2:] else [])
+    else:
+        main()
