@@ -90,6 +90,17 @@ def _is_bool(x: Any) -> bool:
     return _dtype_name(x) == "bool"
 
 
+def _symbolic(n: Any) -> bool:
+    """Whether n is a symbolic size of ``torch.compile(dynamic=True)`` (torch.SymInt)."""
+    return type(n).__name__ == "SymInt"
+
+
+def _dim(letter: str, n: Any) -> Any:
+    """A dim's size as an int; a symbolic length stays symbolic (one graph for all lengths),
+    the other dims are specialised."""
+    return n if letter in ("T_q", "T_k") and _symbolic(n) else int(n)
+
+
 def _check_tensor(name: str, x: Any) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be a tensor or array; got {type(x).__name__}")
@@ -107,7 +118,7 @@ def _check_tensor(name: str, x: Any) -> None:
 
 def _expect(name: str, x: Any, letters: tuple[str, ...], want: dict[str, int], why: str) -> None:
     """Raise unless the named dims of ``x`` equal ``want``."""
-    got = dict(zip(letters, (int(d) for d in x.shape)))
+    got = dict(zip(letters, (_dim(c, d) for c, d in zip(letters, x.shape))))
     bad = {k: v for k, v in want.items() if got[k] != v}
     if bad:
         pins = ", ".join(f"{k}={v}" for k, v in want.items())
@@ -126,8 +137,13 @@ def check_attention(
     scale: float | None = None,
     q_offset: int | None = None,
     dropout_p: float = 0.0,
+    validate_mask: bool = True,
 ) -> Problem:
     """Validate one attention call and return its sizes.
+
+    Under ``torch.compile(dynamic=True)`` the lengths T_q and T_k (and q_offset) stay
+    symbolic, so one graph serves every length; ``validate_mask=False`` skips a qkv mask's
+    own checks, which read its arrays (the compiled tiled op runs them at run time).
 
     Raises:
         TypeError: a non-tensor, an integer or bool input, mixed dtypes, a non-bool dense mask.
@@ -157,10 +173,10 @@ def check_attention(
             raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
 
     q_letters = _LAYOUT[rank]
-    qd = dict(zip(q_letters, (int(d) for d in query.shape)))
+    qd = dict(zip(q_letters, (_dim(c, d) for c, d in zip(q_letters, query.shape))))
     B, H, T_q, D = qd.get("B", 1), qd.get("H", 1), qd["T_q"], qd["D"]
     k_letters = tuple({"H": "H_kv", "T_q": "T_k"}.get(c, c) for c in q_letters)
-    kd = dict(zip(k_letters, (int(d) for d in key.shape)))
+    kd = dict(zip(k_letters, (_dim(c, d) for c, d in zip(k_letters, key.shape))))
     _expect("key", key, k_letters, {**({"B": B} if "B" in kd else {}), "D": D}, "to match query")
     H_kv, T_k = kd.get("H_kv", 1), kd["T_k"]
     v_letters = k_letters[:-1] + ("D_v",)
@@ -183,7 +199,8 @@ def check_attention(
 
     if q_offset is None:
         q_offset = T_k - T_q  # bottom-right: the last query sits on the last key
-    elif isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
+    elif isinstance(q_offset, bool) or not (isinstance(q_offset, (int, np.integer))
+                                            or _symbolic(q_offset)):
         raise TypeError(f"q_offset must be an int; got {type(q_offset).__name__}")
     elif not 0 <= q_offset <= T_k - T_q:
         raise ValueError(
@@ -192,8 +209,9 @@ def check_attention(
             f"for T_q={T_q}, T_k={T_k}"
         )
 
-    problem = Problem(rank, B, H, H_kv, T_q, T_k, D, D_v, int(q_offset), float(scale))
-    if hasattr(mask, "validate"):  # a qkv.masks.Mask
+    q_offset = q_offset if _symbolic(q_offset) else int(q_offset)
+    problem = Problem(rank, B, H, H_kv, T_q, T_k, D, D_v, q_offset, float(scale))
+    if hasattr(mask, "validate") and validate_mask:  # a qkv.masks.Mask
         mask.validate(B, H, T_q, T_k)
     elif mask is not None and hasattr(mask, "shape"):
         check_dense_mask(mask, problem, like=query)

@@ -32,6 +32,7 @@ import torch
 from ._checks import Problem
 from .kernels.tiled import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, make_plan
 from .masks import FULL, Mask, _Causal
+from .scores import ScoreMod
 
 MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled")
@@ -50,8 +51,11 @@ class Dispatch:
     backend: str
     reason: str
     plan: Plan | None = field(default=None, repr=False, compare=False)
-    #: How the sdpa kernel receives the mask: "none", "is_causal" or "dense".
+    #: How the sdpa kernel receives the mask: "none", "is_causal", "dense" or "bias".
     sdpa_mask: str = field(default="dense", repr=False, compare=False)
+    #: While compiling, the tiled kernel's recipe: (mask tokens, modification tokens,
+    #: tensors) for the ``qkv::tiled_attention`` op (see ``qkv._compiled``).
+    compiled: tuple | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"{self.backend}: {self.reason}"
@@ -79,10 +83,13 @@ def block_codes(mask: MaskLike, p: Problem) -> np.ndarray:
     return codes.cpu().numpy()
 
 
-def _sdpa_mask(p: Problem, mask: MaskLike) -> str:
+def _sdpa_mask(p: Problem, mask: MaskLike, mod: ScoreMod | None = None) -> str:
     """How SDPA should receive this mask: not at all ("none": no mask, or a qkv mask that is
     FULL over the whole problem, e.g. causal for one query at the end of a KV cache),
-    as ``is_causal`` (top-left causal, T_q == T_k), or as a dense bool tensor."""
+    as ``is_causal`` (top-left causal, T_q == T_k), as a dense bool tensor, or with an
+    additive score modification as one float tensor ("bias")."""
+    if mod is not None:
+        return "bias"
     if mask is None:
         return "none"
     if isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k:
@@ -101,12 +108,21 @@ def _finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum(dtype=acc)))
 
 
-def _describe(mask: MaskLike) -> str:
-    return repr(mask) if isinstance(mask, Mask) else f"tensor{tuple(mask.shape)}"
+def _describe(mask: MaskLike, mod: ScoreMod | None = None) -> str:
+    what = [] if mask is None else [
+        f"mask {mask!r}" if isinstance(mask, Mask) else f"mask tensor{tuple(mask.shape)}"]
+    return " and ".join(what + ([f"score modification {mod!r}"] if mod is not None else []))
+
+
+def _sdpa_takes(mod: ScoreMod) -> bool:
+    """Whether torch's fused kernel can apply a score modification: as a float mask, if it
+    is additive and nothing it reads needs a gradient (SDPA gives the mask none)."""
+    return mod.additive and not any(t.requires_grad for t in mod.tensors())
 
 
 def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
-           generator: Any, return_weights: bool, return_lse: bool, backend: str) -> Dispatch:
+           generator: Any, return_weights: bool, return_lse: bool, backend: str,
+           score_mod: ScoreMod | None = None) -> Dispatch:
     """Apply the rules of this module's docstring; explicit backends are checked."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
@@ -116,14 +132,17 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
         ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
         ("dropout with the log-sum-exp", dropout_p > 0 and generator is None and return_lse),
     ) if asked]
-    cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else []),
+    mod = score_mod
+    unfused = mod is not None and not _sdpa_takes(mod)
+    cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else [])
+              + ([f"{mod!r} (not additive, or it needs a gradient)"] if unfused else []),
               "tiled": materialised + (["dropout"] if dropout_p > 0 else [])}
     if backend in cannot and cannot[backend]:
         raise ValueError(f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
                          "use backend='reference' or 'auto'")
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
-        mode = _sdpa_mask(p, mask) if backend == "sdpa" else "dense"
+        mode = _sdpa_mask(p, mask, mod) if backend == "sdpa" else "dense"
         return Dispatch(backend, f"requested with backend={backend!r}", plan, mode)
     if materialised:
         return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
@@ -131,40 +150,52 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     if return_lse:
         return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
                         "without materialising T_q × T_k", _plan(mask, p))
-    mode = _sdpa_mask(p, mask)
+    if unfused:
+        if dropout_p > 0:
+            return Dispatch("reference", f"score modification {mod!r} with dropout: torch's "
+                            "kernel cannot apply it and the tiled kernel has no dropout")
+        return Dispatch("tiled", f"score modification {mod!r} is not additive or needs a "
+                        "gradient: torch's kernel cannot take it as a float mask; the tiled "
+                        "kernel applies it tile by tile", _plan(mask, p))
+    mode = _sdpa_mask(p, mask, mod)
     drawn = " (dropout drawn from torch's global generator)" if dropout_p > 0 else ""
-    if mask is None:
+    if mask is None and mod is None:
         return Dispatch("sdpa", f"no mask: torch's fused kernel is the fastest dense path{drawn}",
                         sdpa_mask=mode)
     if mode == "none":
         return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
                         f"kernel without a mask{drawn}", sdpa_mask=mode)
     if not _finite(key):
-        why = ("key holds NaN or inf and a mask is given: torch's fused kernel would spread it "
-               "into rows that mask that key out")
+        why = ("key holds NaN or inf and a mask or score modification is given: torch's fused "
+               "kernel would spread it into rows that mask that key out")
         if dropout_p > 0:
             return Dispatch("reference", f"{why}; the tiled kernel has no dropout")
         return Dispatch("tiled", why, _plan(mask, p))
     if dropout_p > 0:
-        how = "is_causal" if mode == "is_causal" else f"the mask {_describe(mask)} as a dense mask"
+        how = {"is_causal": "is_causal", "bias": f"{_describe(mask, mod)} as a float mask"}.get(
+            mode, f"the mask {_describe(mask, mod)} as a dense mask")
         return Dispatch("sdpa", f"dropout without a generator: torch's fused kernel with {how}"
                         f"{drawn}", sdpa_mask=mode)
     if mode == "is_causal":
         return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal",
                         sdpa_mask=mode)
+    kind = "float" if mod is not None else "bool"
     if p.T_q * p.T_k < SMALL_SCORES:
-        return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: mask "
-                        f"{_describe(mask)} passed to torch's fused kernel as a dense bool mask")
-    if isinstance(mask, Mask):
+        return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: "
+                        f"{_describe(mask, mod)} passed to torch's fused kernel as a dense "
+                        f"{kind} mask", sdpa_mask=mode)
+    if isinstance(mask, Mask) or (mask is None and p.T_q * p.T_k >= LONG_SCORES):
         plan = _plan(mask, p)
         if plan.density < SPARSE_DENSITY:
             return Dispatch("tiled", f"mask {mask!r} leaves {plan.density:.1%} of the scores "
                             "to compute: the tiled kernel skips the empty blocks", plan)
         if p.T_q * p.T_k >= LONG_SCORES:
             return Dispatch("tiled", f"T_q × T_k = {p.T_q} × {p.T_k}: torch's fused kernel "
-                            f"could take {mask!r} only as a dense mask", plan)
-    return Dispatch("sdpa", f"mask {_describe(mask)} passed to torch's fused kernel as a "
-                    f"dense bool mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})")
+                            f"could take {_describe(mask, mod)} only as a dense {kind} mask",
+                            plan)
+    return Dispatch("sdpa", f"{_describe(mask, mod)} passed to torch's fused kernel as a "
+                    f"dense {kind} mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})",
+                    sdpa_mask=mode)
 
 
 def _plan(mask: MaskLike, p: Problem) -> Plan:

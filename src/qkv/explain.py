@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from .functional import MaskLike, attention
 from .masks import Mask
+from .scores import ScoreMod, as_score_mod
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Trace:
     output: torch.Tensor  # (T_q, d_out): the module's output (heads merged)
     title: str = "attention"
     notes: dict[str, str] = field(default_factory=dict)
+    modified_scores: torch.Tensor | None = None  # (H, T_q, T_k): score_mod(scaled scores)
 
     def steps(self) -> list[tuple[str, str, torch.Tensor]]:
         """(name, what it is, tensor) for each step, in order."""
@@ -55,6 +57,9 @@ class Trace:
             ("scores", "Q · Kᵀ: row i scores every key for query i", self.scores),
             ("scaled_scores", f"Q · Kᵀ {scale_text}", self.scaled_scores),
         ]
+        if self.modified_scores is not None:
+            steps.append(("modified_scores", f"{self.notes['score_mod']} applied to each scaled "
+                          "score, before the mask", self.modified_scores))
         if self.mask is not None:
             steps.append(("mask", "█ may attend · masked (its weight will be 0)", self.mask))
         steps += [
@@ -72,7 +77,8 @@ class Trace:
             shape = tuple(t.shape[1:] if t.ndim == 3 and t.shape[0] == 1 else t.shape)
             lines.append(f"{n}. {name} — {what}  {shape}")
             rows = self.tokens
-            cols = self.tokens if name in ("scores", "scaled_scores", "mask", "weights") else None
+            square = ("scores", "scaled_scores", "modified_scores", "mask", "weights")
+            cols = self.tokens if name in square else None
             if name == "mask":
                 lines.append(_picture(t, rows))
             elif t.ndim == 3:
@@ -127,7 +133,7 @@ def _picture(mask: torch.Tensor, rows: Sequence[str]) -> str:
 
 def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
             module: nn.Module | None = None, mask: MaskLike = None,
-            title: str | None = None) -> Trace:
+            score_mod: ScoreMod | Callable[..., Any] | None = None, title: str | None = None) -> Trace:
     """Trace one attention computation over one sequence.
 
     Args:
@@ -137,6 +143,8 @@ def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
             MultiHeadAttention, tutorial.SelfAttention_v1); None traces the simplified,
             weightless attention of seed 004 (Q = K = V = x, no scaling).
         mask: a qkv mask or a bool (T, T) tensor; a causal module adds its own.
+        score_mod: a :mod:`qkv.scores` modification; the trace shows the modified scores
+            as a step of their own.
         title: a heading for the text and the heatmap.
 
     Returns:
@@ -170,16 +178,25 @@ def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
             if hasattr(module, "out_proj"):
                 notes["output"] = "heads concatenated, then out_proj"
             merge = lambda context: module.merge(context, like=x)  # noqa: E731
-        context, weights = attention(q, k, v, mask=mask, scale=scale, return_weights=True)
+        context, weights = attention(q, k, v, mask=mask, scale=scale, return_weights=True,
+                                     score_mod=score_mod)
         scores = q @ k.transpose(-2, -1)  # (1, H, T, T)
         H = q.shape[1]
+        modified = None
+        if score_mod is not None:
+            mod = as_score_mod(score_mod)
+            notes["score_mod"] = repr(mod)
+            i = torch.arange(T)
+            modified = mod.apply(scores * scale, torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                                 torch.arange(H).view(1, H, 1, 1), i.view(1, 1, T, 1),
+                                 i.view(1, 1, 1, T), i.view(1, 1, T, 1))[0]  # (H, T, T)
         dense = mask.dense(1, H, T, T)[0, 0] if isinstance(mask, Mask) else mask
         if isinstance(dense, torch.Tensor):
             dense = dense.expand(1, 1, T, T)[0, 0]  # any broadcastable shape -> (T, T)
         return Trace(
             tokens=tokens, inputs=x, queries=q[0], keys=k[0], values=v[0], scores=scores[0],
             scale=scale, scaled_scores=scores[0] * scale, mask=dense, weights=weights[0],
-            context=context[0], output=merge(context),
+            context=context[0], output=merge(context), modified_scores=modified,
             title=title or (type(module).__name__ if module is not None else "simplified"),
             notes=notes,
         )

@@ -9,62 +9,25 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
 
 from ._checks import Problem, check_attention
-from ._dispatch import Dispatch, MaskLike, choose
+from . import _compiled
+from ._dispatch import BACKENDS, Dispatch, MaskLike, choose
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
-from .kernels.tiled import MaskTile, tiled
+from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
+from .kernels.tiled import tiled
 from .masks import Mask
+from .scores import ScoreMod, as_score_mod
 
 Backend = Literal["auto", "reference", "sdpa", "tiled"]
 
 __all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch",
            "merge_attention"]
-
-
-def _dense(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
-    """The mask as a 4-d bool tensor broadcastable to (B, H, T_q, T_k), or None. It keeps
-    size 1 on the dims the mask does not use: kernels broadcast it, and SDPA runs slower
-    on an expanded (B, H, T_q, T_k) view than on the compact mask."""
-    if mask is None:
-        return None
-    if isinstance(mask, Mask):
-        out = mask.block(p.B, p.H, p.q_offset, p.q_offset + p.T_q, 0, p.T_k, device=device)
-        return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
-    return mask[None, None] if mask.ndim == 2 else p.to4d(mask)
-
-
-def _mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | None:
-    """Evaluate the mask on one tile only: the tiled kernel's view of a mask."""
-    if mask is None:
-        return None
-    if isinstance(mask, Mask):
-        o, cache = p.q_offset, {}
-
-        def tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-            if not mask.shift_invariant:
-                return mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
-            # The same pattern recurs along each diagonal: evaluate it once per call.
-            key = (q1 - q0, k1 - k0, o + q0 - k0)
-            if key not in cache:
-                cache[key] = mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
-            return cache[key]
-
-        return tile
-    dense = _dense(mask, p, device)
-
-    def dense_tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        # Size-1 (broadcast) dims are kept whole, not sliced.
-        rows = slice(q0, q1) if dense.shape[-2] > 1 else slice(None)
-        cols = slice(k0, k1) if dense.shape[-1] > 1 else slice(None)
-        return dense[..., rows, cols]
-
-    return dense_tile
 
 
 def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
@@ -82,13 +45,23 @@ def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
 
 
 def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
-             q_offset: int | None, dropout_p: float, **choice: Any
-             ) -> tuple[Problem, MaskLike, Dispatch]:
+             q_offset: int | None, dropout_p: float, score_mod: Any = None, **choice: Any
+             ) -> tuple[Problem, MaskLike, ScoreMod | None, Dispatch]:
     """Validate one call (the torch side of it, then the shared checks) and choose a kernel."""
     mask = _torch_side(mask, query=query, key=key, value=value)
+    mod = as_score_mod(score_mod)
+    compiling = torch.compiler.is_compiling()
     p = check_attention(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-                        dropout_p=dropout_p)
-    return p, mask, choose(p, mask, key, dropout_p=dropout_p, **choice)
+                        dropout_p=dropout_p, validate_mask=not compiling)
+    if mod is not None:
+        mod.validate(p.B, p.H, p.T_q, p.T_k)
+    if compiling:  # decide without reading values: see qkv._compiled
+        if choice["backend"] not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
+                             f"got {choice['backend']!r}")
+        return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
+                                              **choice)
+    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
 
 
 def dispatch(
@@ -104,6 +77,7 @@ def dispatch(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
 ) -> Dispatch:
     """Which kernel :func:`attention` would run on these arguments, and why.
 
@@ -120,7 +94,7 @@ def dispatch(
     """
     return _prepare(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
                     dropout_p=dropout_p, generator=generator, return_weights=return_weights,
-                    return_lse=return_lse, backend=backend)[2]
+                    return_lse=return_lse, backend=backend, score_mod=score_mod)[3]
 
 
 def attention(
@@ -136,6 +110,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: Backend = "auto",
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
 ) -> Any:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale, masked) V``.
 
@@ -158,6 +133,9 @@ def attention(
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores
             (float32 for half-precision inputs), differentiable on every backend.
         backend: "auto" (see :func:`dispatch`), "reference", "sdpa" or "tiled".
+        score_mod: a :mod:`qkv.scores` modification (or a callable ``fn(score, b, h,
+            q_idx, kv_idx)``), applied to the scaled scores before the mask; the weights and
+            the log-sum-exp are those of the modified scores.
 
     Returns:
         ``out`` of shape (…, T_q, D_v), or ``(out, weights?, lse?)`` in that order when
@@ -173,10 +151,10 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    p, mask, choice = _prepare(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-                               dropout_p=dropout_p, generator=generator,
-                               return_weights=return_weights, return_lse=return_lse,
-                               backend=backend)
+    p, mask, mod, choice = _prepare(query, key, value, mask=mask, scale=scale,
+                                    q_offset=q_offset, dropout_p=dropout_p, generator=generator,
+                                    return_weights=return_weights, return_lse=return_lse,
+                                    backend=backend, score_mod=score_mod)
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
     weights = lse = None
     if p.T_k == 0:  # no keys at all: every row is fully masked
@@ -184,15 +162,22 @@ def attention(
         weights = q.new_zeros(p.B, p.H, p.T_q, 0)
         lse = torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device)
     elif choice.backend == "sdpa":
-        dense = _dense(mask, p, q.device) if choice.sdpa_mask == "dense" else None
+        if mod is not None:  # additive: its term and the mask as one float mask
+            dense = float_mask(mask, mod, p, q)
+        else:
+            dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
         out = sdpa(q, k, v, mask=dense, is_causal=choice.sdpa_mask == "is_causal",
                    scale=p.scale, dropout_p=dropout_p)
+    elif choice.backend == "tiled" and choice.compiled is not None:
+        out, lse = _compiled.tiled_op(q, k, v, choice.compiled, p)
     elif choice.backend == "tiled":
-        out, lse = tiled(q, k, v, plan=choice.plan, mask_tile=_mask_tile(mask, p, q.device),
-                         scale=p.scale)
+        out, lse = tiled(q, k, v, plan=choice.plan, mask_tile=mask_tile(mask, p, q.device),
+                         scale=p.scale, mod_tile=mod_tile(mod, p, q.device),
+                         mod_tensors=mod.tensors() if mod is not None else ())
     else:
-        out, weights, lse = reference(q, k, v, mask=_dense(mask, p, q.device), scale=p.scale,
-                                      dropout_p=dropout_p, generator=generator)
+        out, weights, lse = reference(q, k, v, mask=dense_mask(mask, p, q.device), scale=p.scale,
+                                      dropout_p=dropout_p, generator=generator,
+                                      modify=modify(mod, p, q.device))
     extras = ([weights] if return_weights else []) + ([lse] if return_lse else [])
     if not extras:
         return p.restore(out)
@@ -209,6 +194,7 @@ def attention_weights(
     q_offset: int | None = None,
     heads: Sequence[int] | None = None,
     rows: Sequence[int] | slice | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
 ) -> torch.Tensor:
     """The exact attention weights of chosen heads and query rows, recomputed from the
     log-sum-exp of a fast pass: ``exp(Q Kᵀ · scale - lse)``, masked. Memory is
@@ -217,7 +203,7 @@ def attention_weights(
     Args:
         query, key: as given to :func:`attention`.
         lse: the (…, T_q) log-sum-exp it returned (``return_lse=True``).
-        mask, scale, q_offset: as given to :func:`attention`.
+        mask, scale, q_offset, score_mod: as given to :func:`attention`.
         heads: query heads to keep (4-d layout only); None keeps all.
         rows: query rows to keep; None keeps all.
 
@@ -234,7 +220,10 @@ def attention_weights(
         (torch.Size([1, 1, 1, 4096]), 1.0)
     """
     mask = _torch_side(mask, query=query, key=key, lse=lse)
+    mod = as_score_mod(score_mod)
     p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
+    if mod is not None:
+        mod.validate(p.B, p.H, p.T_q, p.T_k)
     if tuple(lse.shape) != p.mask_shape[:-1]:
         letters = ", ".join(p.mask_letters[:-1])
         raise ValueError(f"lse must have shape ({letters}) = {tuple(p.mask_shape[:-1])}; "
@@ -247,12 +236,14 @@ def attention_weights(
     q = q[:, hs][:, :, rs]  # (B, h, r, D)
     k = k[:, hs // (p.H // p.H_kv)]  # (B, h, T_k, D)
     s = (q @ k.transpose(-2, -1)).to(lse4.dtype) * p.scale  # (B, h, r, T_k)
+    if mod is not None:  # at the chosen heads and rows only
+        s = mod.apply(s, *indices(p, query.device, rs, hs, 0, p.T_k)).expand(s.shape)
     if isinstance(mask, Mask):  # evaluated at the chosen rows only: O(rows · T_k)
         kv = torch.arange(p.T_k, device=query.device)
         allowed = mask.at(p.B, p.H, (p.q_offset + rs).to(query.device), kv)
         allowed = allowed.expand(p.B, p.H, len(rs), p.T_k)[:, hs]
     elif mask is not None:
-        allowed = _dense(mask, p, query.device).expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
+        allowed = dense_mask(mask, p, query.device).expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
     if mask is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     l_ = lse4[:, hs][:, :, rs, None]

@@ -70,6 +70,21 @@ def _allowed(mask: Any, p: Problem) -> np.ndarray | None:
     return p.to4d(np.broadcast_to(np.asarray(mask), p.mask_shape))
 
 
+def _modified(scores: np.ndarray, score_mod: Any, p: Problem) -> np.ndarray:
+    """``score_mod`` applied to every scaled score at absolute positions."""
+    if not hasattr(score_mod, "apply"):  # a plain callable, as qkv.scores.function wraps it
+        fn = score_mod
+        apply = lambda s, b, h, q, kv, row: fn(s, b, h, q, kv)  # noqa: E731
+    else:
+        score_mod.validate(p.B, p.H, p.T_q, p.T_k)
+        apply = score_mod.apply
+    b, h = np.arange(p.B).reshape(-1, 1, 1, 1), np.arange(p.H).reshape(1, -1, 1, 1)
+    row = np.arange(p.T_q).reshape(1, 1, -1, 1)
+    kv = np.arange(p.T_k).reshape(1, 1, 1, -1)
+    out = np.asarray(apply(scores, b, h, row + p.q_offset, kv, row), dtype=np.float64)
+    return np.broadcast_to(out, scores.shape)
+
+
 def attention(
     query: Any,
     key: Any,
@@ -80,6 +95,7 @@ def attention(
     q_offset: int | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    score_mod: Any = None,
 ) -> Any:
     """Scaled dot-product attention in float64: the oracle.
 
@@ -93,6 +109,8 @@ def attention(
         q_offset: absolute position of query 0; default T_k - T_q (bottom-right).
         return_weights: also return the (…, T_q, T_k) attention weights.
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores.
+        score_mod: a :mod:`qkv.scores` modification, applied to the scaled scores before
+            the mask; a callable ``fn(score, b, h, q_idx, kv_idx)`` gets NumPy arrays here.
 
     Returns:
         ``out`` of shape (…, T_q, D_v), or a tuple ``(out, weights?, lse?)`` in that order.
@@ -107,6 +125,8 @@ def attention(
     k = np.repeat(k, p.H // p.H_kv, axis=1)  # (B, H, T_k, D)
     v = np.repeat(v, p.H // p.H_kv, axis=1)  # (B, H, T_k, D_v)
     scores = (q @ k.swapaxes(-1, -2)) * p.scale  # (B, H, T_q, T_k)
+    if score_mod is not None:
+        scores = _modified(scores, score_mod, p)
     allowed = _allowed(mask, p)
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._lowering import mask_tile
+from ..functional import _prepare, merge_attention
 from ..functional import attention as local_attention
-from ..functional import _mask_tile, _prepare, merge_attention
 from ..kernels.tiled import tiled_backward, tiled_forward
 from ..masks import EMPTY, Mask, _Shifted
 from .layout import Layout
@@ -160,10 +161,10 @@ class _RingAttention(torch.autograd.Function):
                 qa, qb, ql = runs[i]
                 ka, kb, kl = j
                 rows = slice(ql, ql + qb - qa)
-                p, m, choice = _tiled_plan(q, k, v, pair_mask, s)
+                p, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
                 dq, dk, dv = tiled_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
                                             dout[:, :, rows], None, choice.plan,
-                                            _mask_tile(m, p, q.device), p.scale)
+                                            mask_tile(m, p, q.device), p.scale)
                 dquery[:, :, rows] += dq
                 dcurrent[:, :, kl:kl + kb - ka, :D] += dk
                 dcurrent[:, :, kl:kl + kb - ka, D:] += dv
@@ -191,8 +192,8 @@ def _tiled_plan(q, k, v, mask, scale):
 
 
 def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    p, m, choice = _tiled_plan(q, k, v, mask, scale)
-    out, lse = tiled_forward(q, k, v, choice.plan, _mask_tile(m, p, q.device), p.scale)
+    p, m, _, choice = _tiled_plan(q, k, v, mask, scale)
+    out, lse = tiled_forward(q, k, v, choice.plan, mask_tile(m, p, q.device), p.scale)
     return out.to(q.dtype), lse
 
 

@@ -10,6 +10,8 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -48,6 +50,7 @@ def reference(
     scale: float,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    modify: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Materialised attention.
 
@@ -57,6 +60,8 @@ def reference(
         scale: multiplies the scores.
         dropout_p: drop probability on the weights; kept ones are scaled by 1/(1 - p).
         generator: the source of the dropout pattern.
+        modify: the score modification over the (B, H, T_q, T_k) scaled scores, applied
+            before the mask; or None.
 
     Returns:
         out (B, H, T_q, D_v) in q's dtype; weights (B, H, T_q, T_k) as applied to v (after
@@ -68,6 +73,8 @@ def reference(
     k = k.repeat_interleave(groups, dim=1)  # (B, H, T_k, D)
     v = v.repeat_interleave(groups, dim=1)  # (B, H, T_k, D_v)
     scores = _Scores.apply(q.to(acc), k.to(acc)) * scale  # (B, H, T_q, T_k)
+    if modify is not None:
+        scores = modify(scores)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     # Softmax is unchanged by subtracting any per-row constant, so the max is detached;
@@ -76,8 +83,10 @@ def reference(
     m = m.masked_fill(m == float("-inf"), 0.0)
     e = torch.exp(scores - m)
     s = e.sum(dim=-1, keepdim=True)
-    weights = e / s.masked_fill(s == 0, 1.0)  # (B, H, T_q, T_k); 0 on fully masked rows
-    lse = (m + torch.log(s)).squeeze(-1)  # (B, H, T_q); -inf on fully masked rows
+    empty = s == 0  # fully masked rows: by the mask, or by a score modification's -inf
+    s = s.masked_fill(empty, 1.0)  # so that neither 1/s nor log(s) sends NaN back
+    weights = e / s  # (B, H, T_q, T_k); 0 on fully masked rows
+    lse = (m + torch.log(s)).masked_fill(empty, float("-inf")).squeeze(-1)  # (B, H, T_q)
     if dropout_p > 0.0:
         keep = torch.rand(weights.shape, generator=generator, device=weights.device) >= dropout_p
         weights = weights * keep / (1.0 - dropout_p)

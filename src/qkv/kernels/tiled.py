@@ -24,7 +24,7 @@ length · D head dim · D_v value head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,16 @@ CHUNK_K = 1024
 # mask_tile(q0, q1, k0, k1) -> bool tensor broadcastable to (B, H, q1 - q0, k1 - k0),
 # positions relative to the start of the query and key sequences.
 MaskTile = Callable[[int, int, int, int], torch.Tensor]
+
+
+class ModTile(Protocol):
+    """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries
+    q0..q1-1 and keys k0..k1-1, and its backward (see ``qkv.scores.ScoreMod.vjp``)."""
+
+    def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
+
+    def vjp(self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *,
+            need: bool) -> tuple[torch.Tensor, list]: ...
 
 
 @dataclass(frozen=True)
@@ -98,9 +108,19 @@ def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:
 
 
 def _scores(qb: torch.Tensor, k: torch.Tensor, chunk: Chunk, q0: int, q1: int,
-            mask_tile: MaskTile | None, H_kv: int, G: int) -> torch.Tensor:
-    """Scores of one (pre-scaled) query block against one chunk, -inf where masked."""
+            mask_tile: MaskTile | None, H_kv: int, G: int, mod_tile: ModTile | None = None
+            ) -> torch.Tensor:
+    """Scores of one (pre-scaled) query block against one chunk, modified, -inf where
+    masked."""
     s = qb @ k[:, :, chunk.k0:chunk.k1].transpose(-2, -1)  # (B, H_kv, G·bq, L)
+    if mod_tile is not None:
+        s = mod_tile(s, q0, q1, chunk.k0, chunk.k1)
+    return _masked(s, chunk, q0, q1, mask_tile, H_kv, G)
+
+
+def _masked(s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTile | None,
+            H_kv: int, G: int) -> torch.Tensor:
+    """The tile's scores, -inf (in place) where the mask blocks."""
     if chunk.masked is not None:
         c0, c1 = chunk.masked
         m = mask_tile(q0, q1, c0, c1)
@@ -123,7 +143,8 @@ def _rows(x5: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) in the accumulation dtype and lse (B, H, T_q)."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, _ = q.shape
@@ -141,7 +162,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         # Running row max m, sum l and output o of the online softmax, set by the first chunk.
         m = l = o = None  # noqa: E741
         for chunk in chunks:
-            s = _scores(qb, k, chunk, q0, q1, mask_tile, H_kv, G)  # (B, H_kv, G·bq, L)
+            s = _scores(qb, k, chunk, q0, q1, mask_tile, H_kv, G, mod_tile)  # (B, H_kv, G·bq, L)
             row_max = s.amax(dim=-1, keepdim=True)
             m_new = row_max if m is None else torch.maximum(m, row_max)
             # A row with every score -inf so far keeps max 0: exp(-inf - 0) = 0, not NaN.
@@ -167,10 +188,12 @@ def _finite_operand(x: torch.Tensor) -> torch.Tensor:
 
 def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                   plan: Plan, mask_tile: MaskTile | None, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the loss w.r.t. q, k, v, recomputing each score tile once. ``dlse``
-    is the gradient reaching the log-sum-exp (None when it is unused)."""
+                   plan: Plan, mask_tile: MaskTile | None, scale: float,
+                   mod_tile: ModTile | None = None, mod_tensors: Sequence[torch.Tensor] = (),
+                   need: bool = False) -> tuple[torch.Tensor, ...]:
+    """Gradients of the loss w.r.t. q, k, v and, if ``need``, ``mod_tensors`` (the tensors
+    the score modification reads; else Nones), recomputing each score tile once.
+    ``dlse`` is the gradient reaching the log-sum-exp (None when it is unused)."""
     acc = accumulation_dtype(q.dtype)
     H_kv = k.shape[1]
     q5, k_, v_ = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)
@@ -188,6 +211,7 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     k0_, q05 = _finite_operand(k_), _finite_operand(q5)
     dq5, dk, dv = torch.zeros_like(q5), torch.zeros_like(k_), torch.zeros_like(v_)
     G = q5.shape[2]
+    dmod: list[torch.Tensor | None] = [None] * len(mod_tensors)
     for q0, q1, chunks in plan.rows:
         if not chunks:
             continue
@@ -197,44 +221,59 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         dqb = torch.zeros_like(qb)
         for chunk in chunks:
             ks = slice(chunk.k0, chunk.k1)
-            p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
+            if mod_tile is None:
+                p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
+            else:  # keep the raw scores: the modification's backward needs them
+                raw = qb @ k_[:, :, ks].transpose(-2, -1)  # (B, H_kv, G·bq, L)
+                p = _masked(mod_tile(raw, q0, q1, chunk.k0, chunk.k1), chunk, q0, q1,
+                            mask_tile, H_kv, G).sub_(lse_b).exp_()
             dv[:, :, ks] += p.transpose(-2, -1) @ dob
             ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
+            if mod_tile is not None:  # dS of the raw scores, and of the modification's tensors
+                ds, dts = mod_tile.vjp(ds, raw, q0, q1, chunk.k0, chunk.k1, need=need)
+                for i, dt in enumerate(dts):
+                    if dt is not None:
+                        dmod[i] = dt if dmod[i] is None else dmod[i] + dt
             dqb += ds @ k0_[:, :, ks]
             dk[:, :, ks] += ds.transpose(-2, -1) @ qb0  # qb0 carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
     dq = dq5.view(q.shape) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            *[None if d is None else d.to(t.dtype) for d, t in zip(dmod, mod_tensors)])
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, mask_tile, scale):  # type: ignore[override]
-        out, lse = tiled_forward(q, k, v, plan, mask_tile, scale)
+    def forward(ctx, q, k, v, plan, mask_tile, scale, mod_tile, *mod_tensors):  # type: ignore[override]
+        out, lse = tiled_forward(q, k, v, plan, mask_tile, scale, mod_tile)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.mask_tile, ctx.scale = plan, mask_tile, scale
+        ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
+        ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile = plan, mask_tile, scale, mod_tile
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = tiled_backward(q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile,
-                               ctx.scale)
-        return (*grads, None, None, None)
+        q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
+        dq, dk, dv, *dmod = tiled_backward(
+            q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
+            mod_tensors, need=any(ctx.needs_input_grad[7:]))
+        return (dq, dk, dv, None, None, None, None, *dmod)
 
 
 def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan,
-          mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+          mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None,
+          mod_tensors: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention with its own backward.
 
     Args:
         q: (B, H, T_q, D). k: (B, H_kv, T_k, D). v: (B, H_kv, T_k, D_v), T_k >= 1.
         plan: from :func:`make_plan`. mask_tile: evaluates the mask on a PARTIAL tile.
         scale: multiplies the scores.
+        mod_tile: applies a score modification to every computed tile, before the mask.
+        mod_tensors: the tensors the modification reads; gradients reach them.
 
     Returns:
         out (B, H, T_q, D_v) in q's dtype and lse (B, H, T_q) in the accumulation dtype;
         gradients flow through both.
     """
-    return _TiledAttention.apply(q, k, v, plan, mask_tile, scale)
+    return _TiledAttention.apply(q, k, v, plan, mask_tile, scale, mod_tile, *mod_tensors)
