@@ -4,7 +4,7 @@ Legend used in every docstring and error: B batch · H query heads · H_kv key/v
 T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
-from . import masks, numpy, tutorial
+from . import masks, numpy, scores, tutorial
 from .cache import KVCache
 from .explain import Trace, explain
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
@@ -34,5 +34,6 @@ __all__ = [
     "merge_attention",
     "models",
     "numpy",
+    "scores",
     "tutorial",
 ]
