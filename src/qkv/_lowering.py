@@ -83,20 +83,37 @@ class _ModTile:
 
     def __init__(self, mod: ScoreMod, p: Problem, device: torch.device) -> None:
         self.mod, self.p, self.device, self.heads = mod, p, device, torch.arange(p.H)
+        self.stages, self.terms = _stages(mod), {}
 
     def _view(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int):
         idx = indices(self.p, self.device, torch.arange(q0, q1), self.heads, k0, k1)
         return s.view(self.p.B, self.p.H, q1 - q0, k1 - k0), idx  # (B, H, bq, L)
 
     def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The modified tile; ``s`` (the kernel's own) may be overwritten. A shift-invariant
+        additive term is computed once per diagonal offset and reused."""
         s4, idx = self._view(s, q0, q1, k0, k1)
-        return self.mod.apply(s4, *idx).expand(s4.shape).reshape(s.shape)
+        for i, stage in enumerate(self.stages):
+            if stage.additive and stage.shift_invariant:
+                key = (i, q1 - q0, k1 - k0, self.p.q_offset + q0 - k0)
+                if key not in self.terms:
+                    self.terms[key] = stage.term(*idx, like=s4)
+                s4 = s4.add_(self.terms[key])
+            else:
+                s4 = stage.apply_(s4, *idx).expand(s4.shape)
+        return s4.reshape(s.shape)
 
     def vjp(self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *,
             need: bool) -> tuple[torch.Tensor, list]:
         s4, idx = self._view(s, q0, q1, k0, k1)
         d4, grads = self.mod.vjp(ds.view(s4.shape), s4, *idx, need=need)
         return d4.reshape(s.shape), grads
+
+
+def _stages(mod: ScoreMod) -> list[ScoreMod]:
+    """A chain's modifications in order (nested chains flattened); else [mod]."""
+    inner = getattr(mod, "mods", None)
+    return [s for m in inner for s in _stages(m)] if inner is not None else [mod]
 
 
 def mod_tile(mod: ScoreMod | None, p: Problem, device: torch.device) -> ModTile | None:

@@ -98,6 +98,9 @@ class ScoreMod:
 
     #: ``mod(s) == s + term(…)``: torch's fused kernel can take it as a float mask.
     additive = False
+    #: The term depends on ``kv_idx - q_idx`` (and h) only: kernels may reuse it along a
+    #: diagonal, as they do a shift-invariant mask.
+    shift_invariant = False
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.apply(score, b, h, q_idx, kv_idx, q_idx)
@@ -110,6 +113,13 @@ class ScoreMod:
     def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         """The added term of an additive modification, in ``like``'s array type."""
         raise NotImplementedError(f"{self!r} is not additive")
+
+    def apply_(self, score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+               ) -> torch.Tensor:
+        """:meth:`apply`, free to overwrite ``score`` (a kernel's own tile): no copy."""
+        if self.additive:
+            return score.add_(self.term(b, h, q_idx, kv_idx, row, like=score))
+        return self.apply(score, b, h, q_idx, kv_idx, row)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The tensors the modification reads (a learnable table receives its gradient)."""
@@ -138,7 +148,7 @@ class ScoreMod:
 
 
 class _Alibi(ScoreMod):
-    additive = True
+    additive = shift_invariant = True
 
     def __init__(self, slopes: Any) -> None:
         slopes = torch.as_tensor(slopes)
@@ -180,6 +190,13 @@ class _Softcap(ScoreMod):
         capped = self.cap * xp.tanh(score / self.cap)
         # A score a bias already masked (-inf) stays masked, not -cap.
         return xp.where(score == -math.inf, score, capped)
+
+    def apply_(self, score, b, h, q_idx, kv_idx, row):
+        if bool(score.amin() == -math.inf):  # a bias masked some: keep them -inf
+            return self.apply(score, b, h, q_idx, kv_idx, row)
+        # cap·tanh(x/cap) = 2·cap·sigmoid(2x/cap) - cap, in place: a quarter of torch.tanh's
+        # cost on CPU, within a few units of cap's last place (the capped score's own rounding).
+        return score.mul_(2.0 / self.cap).sigmoid_().mul_(2.0 * self.cap).sub_(self.cap)
 
     def vjp(self, ds, score, b, h, q_idx, kv_idx, row, *, need):
         t = torch.tanh(score / self.cap)  # 1 - tanh² is 0 at a -inf score: no NaN
@@ -228,7 +245,7 @@ def _bucket_table(bidirectional: bool, num_buckets: int, max_distance: int) -> n
 
 
 class _RelativeBias(ScoreMod):
-    additive = True
+    additive = shift_invariant = True
 
     def __init__(self, table: torch.Tensor, bidirectional: bool, max_distance: int) -> None:
         if not isinstance(table, torch.Tensor) or table.ndim != 2 or not table.is_floating_point():
@@ -350,6 +367,7 @@ class _Chain(ScoreMod):
     def __init__(self, mods: Sequence[ScoreMod]) -> None:
         self.mods = tuple(mods)
         self.additive = all(m.additive for m in self.mods)
+        self.shift_invariant = all(m.shift_invariant for m in self.mods)
 
     def apply(self, score, b, h, q_idx, kv_idx, row):
         for m in self.mods:
@@ -358,6 +376,11 @@ class _Chain(ScoreMod):
 
     def term(self, b, h, q_idx, kv_idx, row, *, like):
         return sum(m.term(b, h, q_idx, kv_idx, row, like=like) for m in self.mods)
+
+    def apply_(self, score, b, h, q_idx, kv_idx, row):
+        for m in self.mods:
+            score = m.apply_(score, b, h, q_idx, kv_idx, row)
+        return score
 
     def tensors(self):
         return tuple(t for m in self.mods for t in m.tensors())

@@ -225,7 +225,7 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                 p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
             else:  # keep the raw scores: the modification's backward needs them
                 raw = qb @ k_[:, :, ks].transpose(-2, -1)  # (B, H_kv, G·bq, L)
-                p = _masked(mod_tile(raw, q0, q1, chunk.k0, chunk.k1), chunk, q0, q1,
+                p = _masked(mod_tile(raw.clone(), q0, q1, chunk.k0, chunk.k1), chunk, q0, q1,
                             mask_tile, H_kv, G).sub_(lse_b).exp_()
             dv[:, :, ks] += p.transpose(-2, -1) @ dob
             ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
