@@ -5,18 +5,23 @@ Rules for ``backend="auto"``, first match wins:
 1. weights, dropout from a ``torch.Generator``, or dropout together with the log-sum-exp,
    asked for → ``reference`` (the only kernel that materialises them; tiled has no dropout);
 2. the log-sum-exp asked for → ``tiled`` (it returns it without materialising T_q × T_k);
-3. no mask, or a mask that allows every position of this problem (e.g. causal for one query
-   at the end of a KV cache) → ``sdpa`` without a mask;
-4. a key holding NaN/inf under a mask → ``tiled`` (sdpa would spread it to rows that mask
-   it), or ``reference`` with dropout (tiled has none);
-5. dropout without a generator → ``sdpa`` with its mask (``is_causal`` or dense), drawing
-   from torch's global generator;
-6. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
-7. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
+3. a score modification sdpa cannot take (not additive, or reading a tensor that needs a
+   gradient) → ``tiled``, or ``reference`` with dropout; an additive one continues below as
+   a float mask;
+4. no mask and no modification, or a mask that allows every position of this problem (e.g.
+   causal for one query at the end of a KV cache) → ``sdpa`` without a mask;
+5. a key holding NaN/inf under a mask or a modification → ``tiled`` (sdpa would spread it to
+   rows that mask it), or ``reference`` with dropout (tiled has none);
+6. dropout without a generator → ``sdpa`` with its mask (``is_causal``, dense or float),
+   drawing from torch's global generator;
+7. causal with T_q == T_k → ``sdpa`` with ``is_causal``;
+8. few scores (T_q·T_k < ``SMALL_SCORES``) → ``sdpa`` with the mask lowered densely
    (planning blocks would cost more than it saves);
-8. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
+9. a qkv mask whose block map leaves less than ``SPARSE_DENSITY`` of the scores to compute,
    or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
-9. otherwise → ``sdpa`` with the mask lowered densely.
+10. otherwise → ``sdpa`` with the mask lowered densely.
+
+While ``torch.compile`` traces, ``qkv._compiled.choose`` decides instead, without values.
 
 The thresholds were measured with ``benchmarks/bench_attention.py`` on the project's CPU.
 """
