@@ -194,3 +194,11 @@ def test_the_gpt_compiles_to_one_graph(positions):
     want = torch.autograd.grad(loss(idx), list(model.parameters()))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_an_explicit_backend_that_cannot_apply_a_modification_still_refuses_when_compiled():
+    q, _, _ = inputs(8, 8, grad=False)
+    f = torch.compile(lambda q: qkv.attention(q, q, q, score_mod=scores.softcap(2.0),
+                                              backend="sdpa"), backend="aot_eager")
+    with pytest.raises(ValueError, match="backend='sdpa' cannot give softcap"):
+        f(q)

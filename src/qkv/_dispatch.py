@@ -125,10 +125,10 @@ def _sdpa_takes(mod: ScoreMod) -> bool:
     return mod.additive and not any(t.requires_grad for t in mod.tensors())
 
 
-def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
-           generator: Any, return_weights: bool, return_lse: bool, backend: str,
-           score_mod: ScoreMod | None = None) -> Dispatch:
-    """Apply the rules of this module's docstring; explicit backends are checked."""
+def check_backend(backend: str, *, dropout_p: float, generator: Any, return_weights: bool,
+                  return_lse: bool, score_mod: ScoreMod | None) -> list[str]:
+    """Raise if ``backend`` is unknown or cannot give what the call asks for; return what
+    only the materialised reference kernel can give (empty if nothing)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
                          f"got {backend!r}")
@@ -145,6 +145,18 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     if backend in cannot and cannot[backend]:
         raise ValueError(f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
                          "use backend='reference' or 'auto'")
+    return materialised
+
+
+def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
+           generator: Any, return_weights: bool, return_lse: bool, backend: str,
+           score_mod: ScoreMod | None = None) -> Dispatch:
+    """Apply the rules of this module's docstring; explicit backends are checked."""
+    materialised = check_backend(backend, dropout_p=dropout_p, generator=generator,
+                                 return_weights=return_weights, return_lse=return_lse,
+                                 score_mod=score_mod)
+    mod = score_mod
+    unfused = mod is not None and not _sdpa_takes(mod)
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
         mode = _sdpa_mask(p, mask, mod) if backend == "sdpa" else "dense"

@@ -16,7 +16,7 @@ import torch
 
 from ._checks import Problem, check_attention
 from . import _compiled
-from ._dispatch import BACKENDS, Dispatch, MaskLike, choose
+from ._dispatch import Dispatch, MaskLike, check_backend, choose
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
 from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
@@ -56,9 +56,8 @@ def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None
     if mod is not None:
         mod.validate(p.B, p.H, p.T_q, p.T_k)
     if compiling:  # decide without reading values: see qkv._compiled
-        if choice["backend"] not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
-                             f"got {choice['backend']!r}")
+        check_backend(choice["backend"], dropout_p=dropout_p, score_mod=mod, **{
+            k: v for k, v in choice.items() if k != "backend"})
         return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
                                               **choice)
     return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
