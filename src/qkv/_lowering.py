@@ -69,7 +69,8 @@ def indices(p: Problem, device: torch.device, rows: torch.Tensor, heads: torch.T
     return b, heads.to(device).view(1, -1, 1, 1), row + p.q_offset, kv, row
 
 
-def modify(mod: ScoreMod | None, p: Problem, device: torch.device):
+def modify(mod: ScoreMod | None, p: Problem, device: torch.device
+           ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The score modification over a whole (B, H, T_q, T_k) score matrix (or None)."""
     if mod is None:
         return None
