@@ -3,8 +3,12 @@ alternating sliding-window layers), Mistral (sliding window), Qwen2 (GQA), T5 (r
 position bias) — run on qkv and agree with transformers' eager attention. Small random
 configs built here; nothing is downloaded."""
 
+import copy
+
 import pytest
 import torch
+
+import qkv
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,13 +34,15 @@ def pair(model_class, config):
     """The same random weights under qkv and under eager attention."""
     huggingface.register()
     torch.manual_seed(0)
-    ours = model_class._from_config(config, attn_implementation="qkv").eval()
+    # Each model its own config: _from_config sets the implementation on the config object.
+    ours = model_class._from_config(copy.deepcopy(config), attn_implementation="qkv").eval()
     with torch.no_grad():  # scores of order 1, not the ~1e-3 of a fresh init: caps bite
         for name, param in ours.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight", ".q.weight", ".k.weight")):
                 param.mul_(20.0)
-    eager = model_class._from_config(config, attn_implementation="eager").eval()
+    eager = model_class._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     eager.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == "qkv" != eager.config._attn_implementation
     return ours, eager
 
 
@@ -49,10 +55,13 @@ def batch(T=13):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "mistral", "qwen2"])
-def test_decoder_models_match_eager_on_a_padded_batch(name):
+def test_decoder_models_match_eager_on_a_padded_batch(name, monkeypatch):
     model_class, config = configs()[name]
     ours, eager = pair(model_class, config)
     ids, mask = batch()
+    calls = []  # proof that qkv ran: one call per layer per forward
+    monkeypatch.setattr(huggingface, "attention",
+                        lambda *a, **kw: calls.append(kw) or qkv.attention(*a, **kw))
     with torch.no_grad():
         got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
         want = eager(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -61,6 +70,9 @@ def test_decoder_models_match_eager_on_a_padded_batch(name):
     keep = mask.bool()
     assert (got - want)[keep].abs().max() < TOL
     assert (plain - plain_want).abs().max() < TOL
+    assert len(calls) == 2 * config.num_hidden_layers
+    if name == "gemma2":
+        assert repr(calls[0]["score_mod"]) == "softcap(0.5)"
 
 
 def test_gemma2_softcap_is_applied_not_ignored():
@@ -69,6 +81,7 @@ def test_gemma2_softcap_is_applied_not_ignored():
     ours, eager = pair(model_class, config)
     uncapped_config = type(config)(**{**config.to_dict(), "attn_logit_softcapping": None})
     uncapped = model_class._from_config(uncapped_config, attn_implementation="eager").eval()
+    assert ours.config._attn_implementation == "qkv"
     uncapped.load_state_dict(ours.state_dict())
     ids, _ = batch()
     with torch.no_grad():
