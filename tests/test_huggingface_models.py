@@ -115,3 +115,62 @@ def test_an_argument_qkv_cannot_honour_is_refused():
     out, _ = huggingface.qkv_attention_forward(Module(), q, q, q, None, position_ids=None,
                                                sliding_window=2)
     assert out.shape == (1, 3, 2, 4)
+
+
+def spy_masks(monkeypatch):
+    """The masks qkv's attention function receives, as their reprs."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(repr(kwargs["mask"]))
+        return qkv.attention(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface, "attention", spy)
+    return seen
+
+
+def test_masks_transformers_asks_for_stay_structural(monkeypatch):
+    """Causal, sliding-window and padded masks reach qkv as qkv masks, never T_q × T_k."""
+    seen = spy_masks(monkeypatch)
+    ours, _ = pair(*configs()["gemma2"])  # layers: sliding window, then full causal
+    ids, mask = batch()
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask)
+    assert seen == ["sliding_window(5) & ~padding([0, 4])", "causal() & ~padding([0, 4])"]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_with_caches_matches_eager(name, cache, monkeypatch):
+    """Decoding through transformers' dynamic and static caches (key buffers longer than
+    the tokens seen: the structural mask carries the queries' offset), padded batch."""
+    seen = spy_masks(monkeypatch)
+    model_class = {"gemma2": transformers.Gemma2ForCausalLM,
+                   "mistral": transformers.MistralForCausalLM}[name]
+    ours, eager = pair(model_class, configs()[name][1])
+    ids, mask = batch()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache,
+              output_logits=True, return_dict_in_generate=True)
+    got = ours.generate(input_ids=ids, attention_mask=mask, **kw)
+    want = eager.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max() for a, b in zip(got.logits, want.logits)) < TOL
+    assert seen and all("tensor" not in s for s in seen)
+
+
+def test_a_structural_mask_is_the_dense_mask_to_any_torch_operation():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[1, :3] = False
+    args = dict(batch_size=2, q_length=4, kv_length=9, q_offset=5, attention_mask=padding,
+                mask_function=causal_mask_function, allow_is_causal_skip=False)
+    ours = huggingface.qkv_mask(**args)
+    assert type(ours) is huggingface.StructuralMask and ours.shape == (2, 1, 4, 9)
+    want = sdpa_mask(**args)
+    assert torch.equal(ours.contiguous(), want) and torch.equal(ours & True, want)
+    gaps = padding.clone()
+    gaps[0, 4] = False  # a row whose valid keys are not one run: transformers' dense mask
+    dense = huggingface.qkv_mask(**{**args, "attention_mask": gaps})
+    assert type(dense) is torch.Tensor
+    assert torch.equal(dense, sdpa_mask(**{**args, "attention_mask": gaps}))

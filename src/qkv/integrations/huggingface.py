@@ -4,12 +4,14 @@
     >>> huggingface.register()                            # doctest: +SKIP
     >>> model = AutoModel.from_pretrained(path, attn_implementation="qkv")  # doctest: +SKIP
 
-``register`` adds qkv to transformers' ``AttentionInterface`` *and* its mask builder to
-``AttentionMaskInterface``: without the second, transformers would build no mask for an
-unknown implementation, and padded batches would silently attend to padding.
-
-transformers' masks are boolean with ``True`` = may attend (its ``sdpa_mask``), which is
-qkv's polarity, so they pass through unchanged. The score modifications models pass to the
+``register`` adds qkv to transformers' ``AttentionInterface`` *and* its mask builder
+(:func:`qkv_mask`) to ``AttentionMaskInterface``: without the second, transformers would
+build no mask for an unknown implementation, and padded batches would silently attend to
+padding. The builder keeps the masks qkv recognises — causal, bidirectional, a causal
+sliding window, with padding that leaves each row one run of keys — as qkv masks at the
+queries' place in the key buffer (:class:`StructuralMask`: block-sparse, never T_q × T_k);
+others are transformers' dense bool masks (``sdpa_mask``: ``True`` = may attend, qkv's
+polarity). The score modifications models pass to the
 attention function become :mod:`qkv.scores` modifications: Gemma 2's ``softcap``, T5's
 ``position_bias``.
 
@@ -21,9 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..functional import attention
-from ..masks import causal
+from ..masks import Mask, causal, full
+from ..masks import padding as padding_mask
 from ..masks import sliding_window as sliding_window_mask
 from ..scores import bias, chain
 from ..scores import softcap as scores_softcap
@@ -65,10 +69,15 @@ def qkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if unknown:
         raise ValueError(f"qkv cannot honour the attention argument(s) {', '.join(unknown)} "
                          f"that {type(module).__name__} passes; use another attn_implementation")
-    T_q = query.shape[2]
+    T_q, q_offset = query.shape[2], None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
-    if mask is None and is_causal and T_q > 1:
+    if type(mask) is StructuralMask:  # built by qkv_mask: used as the qkv mask it holds
+        if key.shape[2] != mask.shape[-1] or T_q != mask.shape[-2]:
+            raise ValueError(f"the mask was built for (T_q, T_k) = {tuple(mask.shape[-2:])}; "
+                             f"{type(module).__name__} passes ({T_q}, {key.shape[2]})")
+        mask, q_offset = mask.qkv_mask, mask.q_offset
+    elif mask is None and is_causal and T_q > 1:
         # transformers skipped building a causal mask: it expects is_causal with keys aligned
         # to the queries, and drops cache slots past them (as its sdpa path does).
         key, value = key[:, :, :T_q], value[:, :, :T_q]
@@ -78,20 +87,118 @@ def qkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     config = getattr(module, "config", None)
     want_weights = bool(kwargs.get("output_attentions",
                                    getattr(config, "output_attentions", False)))
-    result = attention(query, key, value, mask=mask, scale=scaling,
+    result = attention(query, key, value, mask=mask, scale=scaling, q_offset=q_offset,
                        dropout_p=dropout if module.training else 0.0,
                        return_weights=want_weights, score_mod=chain(*mods) if mods else None)
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights
 
 
+class StructuralMask(torch.Tensor):
+    """The (B, 1, T_q, T_k) bool mask transformers asked for, held as a qkv mask: the qkv
+    attention function reads the mask underneath (block-sparse, never T_q × T_k); any torch
+    operation on it — transformers preparing it for generation, another implementation —
+    sees the dense bool mask it stands for, built then. So it is never wrong, only lazy."""
+
+    @staticmethod
+    def __new__(cls, qkv_mask: Mask, q_offset: int, shape: tuple, device: Any):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool, device=device)
+
+    def __init__(self, qkv_mask: Mask, q_offset: int, shape: tuple, device: Any) -> None:
+        self.qkv_mask, self.q_offset = qkv_mask, q_offset
+
+    def dense(self) -> torch.Tensor:
+        B, _, T_q, T_k = self.shape
+        return self.qkv_mask.dense(B, 1, T_q, T_k, q_offset=self.q_offset, device=self.device)
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        return (f"StructuralMask({self.qkv_mask!r}, q_offset={self.q_offset}, "
+                f"shape={tuple(self.shape)})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        dense = lambda x: x.dense() if isinstance(x, StructuralMask) else x  # noqa: E731
+        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
+
+
+def _structure(mask_function: Any) -> Mask | None:
+    """The qkv mask equal to one of transformers' mask functions, if it is one qkv knows:
+    causal, bidirectional, or a causal sliding window (recognised by its closure)."""
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return causal()
+    if mask_function is mu.bidirectional_mask_function:
+        return full()
+    parts = _closure(mask_function, "mask_functions")  # and_masks(overlay, causal)
+    if (getattr(mask_function, "__qualname__", "").startswith("and_masks.")
+            and isinstance(parts, tuple) and len(parts) == 2
+            and parts[1] is mu.causal_mask_function
+            and getattr(parts[0], "__qualname__", "").startswith("sliding_window_overlay.")):
+        window = _closure(parts[0], "sliding_window")
+        if isinstance(window, int) and window >= 1:
+            return sliding_window_mask(window)
+    return None
+
+
+def _closure(fn: Any, name: str) -> Any:
+    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+                     getattr(fn, "__closure__", None) or ()))
+    return cells[name].cell_contents if name in cells else None
+
+
+def _valid_keys(padding: torch.Tensor) -> list[Mask] | None:
+    """A (B, T_k) key-validity mask as qkv masks to combine (none if every key is valid), if
+    each row's valid keys are one run [start, end): ``~padding(start)``, ``padding(end)``;
+    None if some row's are not."""
+    valid = padding.bool()
+    T_k = valid.shape[-1]
+    count = valid.sum(-1)
+    start = torch.where(count > 0, valid.int().argmax(-1), 0)
+    end = torch.where(count > 0, T_k - valid.flip(-1).int().argmax(-1), 0)
+    if not bool((end - start == count).all()):
+        return None
+    return ([~padding_mask(start)] if bool(start.any()) else []) + (
+        [padding_mask(end)] if bool((end < T_k).any()) else [])
+
+
+def qkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+             kv_offset: Any = 0, mask_function: Any = None, attention_mask: Any = None,
+             allow_is_causal_skip: bool = True, device: Any = "cpu", **kwargs: Any) -> Any:
+    """transformers' mask builder for qkv: a causal, bidirectional or causal sliding-window
+    mask whose padding leaves each row one run of keys becomes a :class:`StructuralMask`;
+    anything else (and everything while compiling) is transformers' own ``sdpa_mask``."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    dense = lambda: sdpa_mask(  # noqa: E731
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip, device=device, **kwargs)
+    structure = _structure(mask_function)
+    if structure is None or torch.compiler.is_compiling():
+        return dense()
+    offset = int(q_offset) - int(kv_offset)  # the queries' place in the layer's key buffer
+    if not 0 <= offset <= kv_length - q_length:
+        return dense()
+    if attention_mask is not None:
+        padding = attention_mask[:, int(kv_offset):int(kv_offset) + kv_length]
+        if padding.shape[-1] < kv_length:  # key slots past the 2D mask (a static cache)
+            padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[-1]))
+        valid = _valid_keys(padding)
+        if valid is None:
+            return dense()
+        for part in valid:
+            structure = structure & part
+    return StructuralMask(structure, offset, (batch_size, 1, q_length, kv_length), device)
+
+
 def register(name: str = NAME) -> None:
     """Make ``attn_implementation=name`` run on qkv in every transformers model."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:  # transformers is an optional extra
         raise ImportError('the Hugging Face integration needs transformers >= 5: '
                           'pip install "qkv[huggingface]"') from err
     AttentionInterface.register(name, qkv_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, qkv_mask)
