@@ -3,6 +3,7 @@
     python benchmarks/bench_distributed.py            # balance: scored blocks per rank
     python benchmarks/bench_distributed.py memory     # peak memory, T=65536, ~15 min here
     python benchmarks/bench_distributed.py memory ring  # one process and the ring only
+    python benchmarks/bench_distributed.py memory ring --piece 512   # the ring's piece length
 
 Balance: scored (128 x 128) blocks per rank, max / mean, for the balanced layout and
 contiguous sharding, at T = 16K and W = 4 (layouts are plans: one process). Memory: causal
@@ -82,7 +83,7 @@ def _single(queue) -> None:
                "seconds": time.perf_counter() - t0})
 
 
-def _rank(rank, world, port, schedule, queue) -> None:
+def _rank(rank, world, port, schedule, queue, piece=2048) -> None:
     torch.set_num_threads(1)  # 4 processes on this 2-core machine: no oversubscription
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=1800))
@@ -91,13 +92,15 @@ def _rank(rank, world, port, schedule, queue) -> None:
     n = layout.size(rank)
     q, k, v = (torch.randn(1, H, n, D).requires_grad_() for _ in range(3))
     base, t0 = _kb("VmRSS"), time.perf_counter()
-    attention(q, k, v, layout=layout, mask=masks.causal(), schedule=schedule).sum().backward()
-    queue.put({"who": f"{schedule}, rank {rank}/{world}", "peak_mb": (_kb("VmHWM") - base) / 1024,
+    attention(q, k, v, layout=layout, mask=masks.causal(), schedule=schedule,
+              ring_piece=piece).sum().backward()
+    queue.put({"who": f"{schedule}{f' (ring_piece={piece})' if schedule == 'ring' else ''}, "
+                      f"rank {rank}/{world}", "peak_mb": (_kb("VmHWM") - base) / 1024,
                "seconds": time.perf_counter() - t0})
     dist.destroy_process_group()
 
 
-def memory(schedules=("allgather", "ring")) -> None:
+def memory(schedules=("allgather", "ring"), piece=2048) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     p = ctx.Process(target=_single, args=(queue,))
@@ -109,7 +112,7 @@ def memory(schedules=("allgather", "ring")) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(4, port, schedule, queue), nprocs=4, join=True,
+        mp.start_processes(_rank, args=(4, port, schedule, queue, piece), nprocs=4, join=True,
                            start_method="spawn")
         for _ in range(4):
             results.append(queue.get())
@@ -125,6 +128,9 @@ def memory(schedules=("allgather", "ring")) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["memory"]:
-        memory(*[sys.argv[2:]] if sys.argv[2:] else [])
+        args = sys.argv[2:]
+        piece = int(args[args.index("--piece") + 1]) if "--piece" in args else 2048
+        names = [a for a in args if a in ("allgather", "ring")] or ["allgather", "ring"]
+        memory(names, piece)
     else:
         main()

@@ -51,7 +51,10 @@ def check_case(rank, world, mask_name, layout_kind, schedule):
     want = qkv.attention(*full, mask=mask)
     (want * w).sum().backward()
     local = [layout.shard(x, 2, rank).requires_grad_() for x in (q, k, v)]
-    out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule)
+    # The ring streams pieces of at most ring_piece positions: one piece a shard with the
+    # contiguous layout, pieces that cut the balanced layout's runs with it.
+    piece = {"contiguous": 2048, "balanced": 5}[layout_kind]
+    out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule, ring_piece=piece)
     (out * layout.shard(w, 2, rank)).sum().backward()
     what = f"rank {rank}/{world}, {mask_name}, {layout_kind}, {schedule}"
     torch.testing.assert_close(out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0,
@@ -177,6 +180,8 @@ def check_errors(rank, world):
     cases = [
         (dict(schedule="zigzag"), "schedule must be one of"),
         (dict(schedule="ring", dropout_p=0.1), "the ring schedule has no dropout"),
+        (dict(schedule="ring", ring_piece=0), "ring_piece must be an int >= 1; got 0"),
+        (dict(schedule="ring", ring_piece=8 if rank else 16), "differ in ring_piece"),
         (dict(mask=masks.causal() if rank else masks.sliding_window(3)), "differ in mask"),
         (dict(query=x.float() if rank == 0 else x), "differ in dtype"),
         (dict(layout=qd.Layout.contiguous(40, world + 1)), "the layout is for"),
@@ -241,7 +246,7 @@ def worker_float32(rank, world, port, T, names):
                 with pytest.MonkeyPatch.context() as mp_:
                     counter = ByteCounter(mp_)
                     out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule,
-                                       check=False)
+                                       check=False, ring_piece=50)  # 3 pieces a shard
                     out.sum().backward()
                 what = f"{name}, {schedule}, rank {rank}/{world}, T={T}"
                 torch.testing.assert_close(out, layout.shard(want.detach(), 2), atol=1e-5,

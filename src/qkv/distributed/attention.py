@@ -33,7 +33,8 @@ SCHEDULES = ("allgather", "ring")
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
               layout: Layout, mask: Any = None, schedule: str = "allgather",
               scale: float | None = None, dropout_p: float = 0.0,
-              group: dist.ProcessGroup | None = None, check: bool = True) -> torch.Tensor:
+              group: dist.ProcessGroup | None = None, check: bool = True,
+              ring_piece: int = 2048) -> torch.Tensor:
     """Attention over the whole sequence, each rank passing and receiving its own positions.
 
     Args:
@@ -49,6 +50,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
         check: first compare every rank's call (shapes, dtype, layout, mask) in one small
             all_gather, so inputs that differ between ranks end in the same clear error on
             every rank instead of a hang or a wrong answer. ``False`` saves that collective.
+        ring_piece: the most positions of keys and values one ring step carries: the ring
+            streams each shard in pieces this long, so a rank holds about two pieces in
+            flight rather than whole shards (smaller: less memory, more steps).
 
     Returns:
         (B, H, T_r, D_v): the output at this rank's positions, equal to one process attending
@@ -59,30 +63,36 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             ``check``) a call that differs between ranks — raised on every rank.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem = _local_problem(query, key, value, layout, mask, schedule, rank, world)
+    problem = _local_problem(query, key, value, layout, mask, schedule, rank, world,
+                             ring_piece)
     if check:  # before anything can raise on one rank only and leave the others waiting
-        _check_same_call(query, key, value, layout, mask, schedule, problem, group)
+        _check_same_call(query, key, value, layout, mask, schedule, problem, group,
+                         ring_piece)
     if problem is not None:
         raise ValueError(problem)
     # Keys and values travel together: one collective (or one ring pass) for both, so every
     # rank issues the same calls in the same order, forward and backward.
-    kv = torch.cat([key, value], dim=-1)  # (B, H_kv, T_r, D + D_v)
     if schedule == "allgather":
+        kv = torch.cat([key, value], dim=-1)  # (B, H_kv, T_r, D + D_v)
         outs = _allgather(query, kv, layout, mask, rank, group, key.shape[-1],
                           scale=scale, dropout_p=dropout_p)
     else:
-        outs = _ring(query, kv, layout, mask, rank, world, group, key.shape[-1],
-                     scale=scale, dropout_p=dropout_p)
+        outs = _ring(query, key, value, layout, mask, rank, world, group, scale=scale,
+                     dropout_p=dropout_p, piece=ring_piece)
     if not outs:  # this rank holds no position
         return query.new_zeros(*query.shape[:3], value.shape[-1])
-    return torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
 
 
-def _runs_of(layout: Layout, rank: int):
-    """(start, stop, where the run starts in the rank's local tensors) for each of its runs."""
+def _runs_of(layout: Layout, rank: int, longest: int | None = None):
+    """(start, stop, where the run starts in the rank's local tensors) for each of its runs,
+    cut into pieces of at most ``longest`` positions if given."""
     local = 0
     for a, b in layout.runs[rank]:
-        yield a, b, local
+        step = b - a if longest is None else longest
+        for start in range(a, b, max(step, 1)):
+            stop = min(start + step, b)
+            yield start, stop, local + start - a
         local += b - a
 
 
@@ -98,86 +108,119 @@ def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tens
     return outs
 
 
-def _ring(query, kv, layout, mask, rank, world, group, D, *, scale, dropout_p
+def _ring(query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece
           ) -> list[torch.Tensor]:
     if dropout_p > 0:
         raise ValueError("the ring schedule has no dropout (its pairs run the tiled kernel); "
                          "use schedule='allgather'")
-    out = _RingAttention.apply(query, kv, layout, mask, scale, D, rank, world, group)
+    out = _RingAttention.apply(query, key, value, layout, mask, scale, rank, world, group,
+                               piece)
     return [out] if out.shape[2] else []
 
 
-class _RingAttention(torch.autograd.Function):
-    """The ring, with a backward that passes the keys and values around again instead of
-    saving what it received: each rank keeps only its own shards, its output and its
-    log-sum-exp.
+def _pieces(layout: Layout, piece: int) -> list[list[tuple[int, int]]]:
+    """Each rank's local positions cut into the same number of consecutive pieces of at most
+    ``piece`` positions (as even as possible): [(lo, hi), …] per rank."""
+    count = max(1, -(-max(layout.size(r) for r in range(layout.world_size)) // piece))
+    cuts = [[n * i // count for i in range(count + 1)]
+            for n in (layout.size(r) for r in range(layout.world_size))]
+    return [list(zip(c[:-1], c[1:])) for c in cuts]
 
-    Forward: step s attends this rank's query runs to the key runs of rank (r - s) mod W,
-    then passes those keys and values on to rank r + 1; pairs the mask leaves empty are
-    skipped, and each query run's partial results are merged by their log-sum-exps.
-    Backward: the keys and values travel the ring again, each with a dK/dV accumulator; every
-    rank adds the gradients of its queries against them (the tiled kernel's backward against
-    the merged output and log-sum-exp, FlashAttention-2 style), and one last pass brings each
+
+class _RingAttention(torch.autograd.Function):
+    """The ring, streamed: each rank's keys and values travel in pieces of at most ``piece``
+    positions, one ring per piece, so a rank holds one piece in flight (and the next one
+    arriving), never a whole foreign shard. The backward pass sends the pieces around again
+    instead of saving what it received: each rank keeps only its own shards, its output and
+    its log-sum-exp.
+
+    Forward, for each piece p: step s attends this rank's query runs to piece p of rank
+    (r - s) mod W, then passes it on to rank r + 1; pairs the mask leaves empty are skipped,
+    and each query run's partial results are merged by their log-sum-exps. Backward, for each
+    piece: the piece travels the ring again with a dK/dV accumulator; every rank adds the
+    gradients of its queries against it (the tiled kernel's backward against the merged
+    output and log-sum-exp, FlashAttention-2 style), and one last pass brings the
     accumulator home."""
 
     @staticmethod
-    def forward(ctx, query, kv, layout, mask, scale, D, rank, world, group):  # type: ignore[override]
-        runs = list(_runs_of(layout, rank))
-        D_v = kv.shape[-1] - D
+    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece):  # type: ignore[override]
+        runs = list(_runs_of(layout, rank, piece))  # query runs, no longer than a piece
+        D, D_v = key.shape[-1], value.shape[-1]
         acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        # Each query run's result so far, merged pair by pair: one partial per run is held,
-        # never one per pair. Before any key: out 0, lse -inf.
+        # Each query run's result so far, merged pair by pair. Before any key: 0, lse -inf.
         outs = [query.new_zeros(*query.shape[:2], qb - qa, D_v) for qa, qb, _ in runs]
         lses = [torch.full((*query.shape[:2], qb - qa), float("-inf"), dtype=acc,
                            device=query.device) for qa, qb, _ in runs]
-        current = kv
-        for step in range(world):
-            owner = (rank - step) % world
-            if step > 0:
-                current = _pass_on(current, layout.size(owner), rank, world, group)
-            for i, j, pair in _pairs(query, current, layout, mask, runs, owner, scale, D):
-                o, l_ = _tiled(*pair)
-                outs[i], lses[i] = merge_attention([outs[i], o], [lses[i], l_])
+        pieces = _pieces(layout, piece)
+        for p, (lo, hi) in enumerate(pieces[rank]):
+            current = torch.cat([key[:, :, lo:hi], value[:, :, lo:hi]], dim=-1)
+            for step in range(world):
+                owner = (rank - step) % world
+                if step > 0:
+                    current = _pass_on(current, _length(pieces[owner][p]), rank, world, group)
+                for i, _, pair in _pairs(query, current, layout, mask, runs, owner,
+                                         pieces[owner][p], scale, D):
+                    o, l_ = _tiled(*pair)
+                    outs[i], lses[i] = merge_attention([outs[i], o], [lses[i], l_])
         out = torch.cat(outs, dim=2) if outs else query.new_zeros(*query.shape[:3], D_v)
         lse = torch.cat(lses, dim=2) if lses else query.new_zeros(*query.shape[:3])
-        ctx.save_for_backward(query, kv, out, lse)
-        ctx.args = (layout, mask, scale, D, rank, world, group)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.args = (layout, mask, scale, rank, world, group, piece)
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        query, kv, out, lse = ctx.saved_tensors
-        layout, mask, scale, D, rank, world, group = ctx.args
-        runs = list(_runs_of(layout, rank))
-        dquery = torch.zeros_like(query)
-        current, dcurrent = kv, torch.zeros_like(kv)
-        for step in range(world):
-            owner = (rank - step) % world
-            if step > 0:
-                current = _pass_on(current, layout.size(owner), rank, world, group)
-                dcurrent = _pass_on(dcurrent, layout.size(owner), rank, world, group)
-            for i, j, (q, k, v, pair_mask, s) in _pairs(query, current, layout, mask, runs,
-                                                         owner, scale, D):
-                qa, qb, ql = runs[i]
-                ka, kb, kl = j
-                rows = slice(ql, ql + qb - qa)
-                p, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
-                dq, dk, dv = tiled_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
-                                            dout[:, :, rows], None, choice.plan,
-                                            mask_tile(m, p, q.device), p.scale)
-                dquery[:, :, rows] += dq
-                dcurrent[:, :, kl:kl + kb - ka, :D] += dk
-                dcurrent[:, :, kl:kl + kb - ka, D:] += dv
-        # The accumulator of shard (rank + 1) is here; one more pass takes each one home.
-        dkv = _pass_on(dcurrent, layout.size(rank), rank, world, group) if world > 1 \
-            else dcurrent
-        return dquery, dkv, None, None, None, None, None, None, None
+        query, key, value, out, lse = ctx.saved_tensors
+        layout, mask, scale, rank, world, group, piece = ctx.args
+        runs = list(_runs_of(layout, rank, piece))
+        D = key.shape[-1]
+        dquery, dkey, dvalue = (torch.zeros_like(x) for x in (query, key, value))
+        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T_r): once, not once a pair
+        pieces = _pieces(layout, piece)
+        for p, (lo, hi) in enumerate(pieces[rank]):
+            current = torch.cat([key[:, :, lo:hi], value[:, :, lo:hi]], dim=-1)
+            dcurrent = torch.zeros_like(current)
+            for step in range(world):
+                owner = (rank - step) % world
+                if step > 0:
+                    length = _length(pieces[owner][p])
+                    current = _pass_on(current, length, rank, world, group)
+                    dcurrent = _pass_on(dcurrent, length, rank, world, group)
+                for i, (ka, kb, kl), (q, k, v, pair_mask, s) in _pairs(
+                        query, current, layout, mask, runs, owner, pieces[owner][p], scale, D):
+                    qa, qb, ql = runs[i]
+                    rows = slice(ql, ql + qb - qa)
+                    pr, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
+                    dq, dk, dv = tiled_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
+                                                dout[:, :, rows], None, choice.plan,
+                                                mask_tile(m, pr, q.device), pr.scale,
+                                                delta=delta[:, :, rows])
+                    dquery[:, :, rows] += dq
+                    dcurrent[:, :, kl:kl + kb - ka, :D] += dk
+                    dcurrent[:, :, kl:kl + kb - ka, D:] += dv
+            # The accumulator of rank (r + 1)'s piece is here; one more pass takes it home.
+            if world > 1:
+                dcurrent = _pass_on(dcurrent, hi - lo, rank, world, group)
+            dkey[:, :, lo:hi], dvalue[:, :, lo:hi] = dcurrent[..., :D], dcurrent[..., D:]
+        return dquery, dkey, dvalue, None, None, None, None, None, None, None
 
 
-def _pairs(query, kv, layout, mask, runs, owner, scale, D):
+def _length(bounds: tuple[int, int]) -> int:
+    return bounds[1] - bounds[0]
+
+
+def _pairs(query, kv, layout, mask, runs, owner, bounds, scale, D):
     """(query run index, key run, (q, k, v, mask, scale)) for every pair of this rank's
-    query runs with the key runs of ``owner`` (held in kv) that the mask leaves non-empty."""
+    query runs with the key runs in piece ``bounds`` = (lo, hi) of ``owner``'s local
+    positions (held in kv) that the mask leaves non-empty; key runs as (start, stop, where
+    the run starts in kv)."""
+    lo, hi = bounds
     for ka, kb, kl in _runs_of(layout, owner):
+        ka, kb, kl = ka + max(lo - kl, 0), kb - max(kl + kb - ka - hi, 0), max(kl, lo)
+        if kb <= ka:  # the run lies outside this piece
+            continue
+        kl -= lo  # where the clipped run starts in kv
         k = kv[:, :, kl:kl + kb - ka, :D]  # keys at positions ka..kb-1
         v = kv[:, :, kl:kl + kb - ka, D:]
         for i, (qa, qb, ql) in enumerate(runs):
@@ -238,10 +281,13 @@ def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, grou
     return recv
 
 
-def _local_problem(query, key, value, layout, mask, schedule, rank, world) -> str | None:
+def _local_problem(query, key, value, layout, mask, schedule, rank, world, ring_piece
+                   ) -> str | None:
     """What is wrong with this rank's call on its own, in words; None if nothing."""
     if schedule not in SCHEDULES:
         return f"schedule must be one of {SCHEDULES}; got {schedule!r}"
+    if isinstance(ring_piece, bool) or not isinstance(ring_piece, int) or ring_piece < 1:
+        return f"ring_piece must be an int >= 1; got {ring_piece!r}"
     if not isinstance(layout, Layout):
         return f"layout must be a qkv.distributed.Layout; got {type(layout).__name__}"
     if layout.world_size != world:
@@ -261,10 +307,10 @@ def _local_problem(query, key, value, layout, mask, schedule, rank, world) -> st
 
 
 _SIGNATURE = ("valid input", "schedule", "B", "H", "H_kv", "D", "D_v", "dtype", "T",
-              "layout", "mask")
+              "layout", "mask", "ring_piece")
 
 
-def _signature(query, key, value, layout, mask, schedule, problem) -> list[int]:
+def _signature(query, key, value, layout, mask, schedule, problem, ring_piece) -> list[int]:
     """What must agree across ranks, as integers (CRC-32 where a value is not one)."""
     crc = lambda text: zlib.crc32(str(text).encode())  # noqa: E731
     if problem is not None:  # shapes may not even exist: only the failure is compared
@@ -274,12 +320,14 @@ def _signature(query, key, value, layout, mask, schedule, problem) -> list[int]:
     else:
         described = repr(mask)
     return [1, crc(schedule), query.shape[0], query.shape[1], key.shape[1], key.shape[-1],
-            value.shape[-1], crc(query.dtype), layout.T, crc(layout.runs), crc(described)]
+            value.shape[-1], crc(query.dtype), layout.T, crc(layout.runs), crc(described),
+            ring_piece]
 
 
-def _check_same_call(query, key, value, layout, mask, schedule, problem, group) -> None:
-    mine = torch.tensor(_signature(query, key, value, layout, mask, schedule, problem),
-                        dtype=torch.int64)
+def _check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece
+                     ) -> None:
+    mine = torch.tensor(_signature(query, key, value, layout, mask, schedule, problem,
+                                   ring_piece), dtype=torch.int64)
     every = torch.stack(_all_gather(mine, group))  # (world, fields)
     failed = (every[:, 0] == 0).nonzero().flatten().tolist()
     if failed and problem is None:
@@ -290,7 +338,8 @@ def _check_same_call(query, key, value, layout, mask, schedule, problem, group) 
     for name, column in zip(_SIGNATURE, every.T):
         if (column != column[0]).any():
             raise ValueError(f"the ranks' calls differ in {name}: every rank must pass the "
-                             f"same schedule, B, H, H_kv, D, D_v, dtype, layout and mask "
+                             f"same schedule, B, H, H_kv, D, D_v, dtype, layout, mask and "
+                             f"ring_piece "
                              f"(per rank: {column.tolist()})")
 
 

@@ -190,9 +190,11 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    plan: Plan, mask_tile: MaskTile | None, scale: float,
                    mod_tile: ModTile | None = None, mod_tensors: Sequence[torch.Tensor] = (),
-                   need: bool = False) -> tuple[torch.Tensor, ...]:
+                   need: bool = False, delta: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, ...]:
     """Gradients of the loss w.r.t. q, k, v and, if ``need``, ``mod_tensors`` (the tensors
-    the score modification reads; else Nones), recomputing each score tile once.
+    the score modification reads; else Nones), recomputing each score tile once. ``delta``,
+    rowsum(dout ∘ out) in the accumulation dtype, is computed here unless given.
     ``dlse`` is the gradient reaching the log-sum-exp (None when it is unused)."""
     acc = accumulation_dtype(q.dtype)
     H_kv = k.shape[1]
@@ -200,7 +202,9 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     do = dout.to(acc)
     do5 = _blocked(do, H_kv)
     empty = lse == float("-inf")  # rows that saw no key: P = 0, nothing flows back
-    delta = (do * out.to(acc)).sum(-1)  # (B, H, T_q)
+    if delta is None:  # rowsum(dO ∘ O); a caller that backpropagates many parts passes it
+        delta = (do * out.to(acc)).sum(-1)  # (B, H, T_q)
+    delta = delta.contiguous()  # viewed per block below
     if dlse is not None:
         delta = delta - dlse.to(acc).masked_fill(empty, 0.0)
     delta5 = _blocked(delta[..., None], H_kv)
@@ -237,7 +241,7 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             dqb += ds @ k0_[:, :, ks]
             dk[:, :, ks] += ds.transpose(-2, -1) @ qb0  # qb0 carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
-    dq = dq5.view(q.shape) * scale
+    dq = dq5.view(q.shape).mul_(scale)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
             *[None if d is None else d.to(t.dtype) for d, t in zip(dmod, mod_tensors)])
 
