@@ -246,7 +246,7 @@ def worker_float32(rank, world, port, T, names):
                 with pytest.MonkeyPatch.context() as mp_:
                     counter = ByteCounter(mp_)
                     out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule,
-                                       check=False, ring_piece=50)  # 3 pieces a shard
+                                       check=False, ring_piece=max(50, T // 16))
                     out.sum().backward()
                 what = f"{name}, {schedule}, rank {rank}/{world}, T={T}"
                 torch.testing.assert_close(out, layout.shard(want.detach(), 2), atol=1e-5,
@@ -287,6 +287,9 @@ def test_four_ranks_float32_and_the_bytes_they_send():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("T", [1000, 4096])
-def test_four_ranks_float32_every_mask(T):
-    run_ranks(worker_float32, 4, T, FLOAT32_MASKS, timeout=900)
+def test_float32_every_mask(T, world):
+    """The issue's matrix: every mask kind, T in {1000, 4096}, 2 and 4 ranks, both
+    schedules (the ring in pieces of T/16 positions), outputs, gradients and bytes."""
+    run_ranks(worker_float32, world, T, FLOAT32_MASKS, timeout=900)
