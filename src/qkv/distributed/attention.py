@@ -14,6 +14,8 @@ positions this rank holds · D head dim · D_v value head dim.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import zlib
 from typing import Any
 
@@ -162,6 +164,7 @@ class _RingAttention(torch.autograd.Function):
                                          pieces[owner][p], scale, D):
                     o, l_ = _tiled(*pair)
                     outs[i], lses[i] = merge_attention([outs[i], o], [lses[i], l_])
+                _trim()
         out = torch.cat(outs, dim=2) if outs else query.new_zeros(*query.shape[:3], D_v)
         lse = torch.cat(lses, dim=2) if lses else query.new_zeros(*query.shape[:3])
         ctx.save_for_backward(query, key, value, out, lse)
@@ -199,11 +202,31 @@ class _RingAttention(torch.autograd.Function):
                     dquery[:, :, rows] += dq
                     dcurrent[:, :, kl:kl + kb - ka, :D] += dk
                     dcurrent[:, :, kl:kl + kb - ka, D:] += dv
+                _trim()
             # The accumulator of rank (r + 1)'s piece is here; one more pass takes it home.
             if world > 1:
                 dcurrent = _pass_on(dcurrent, hi - lo, rank, world, group)
             dkey[:, :, lo:hi], dvalue[:, :, lo:hi] = dcurrent[..., :D], dcurrent[..., D:]
         return dquery, dkey, dvalue, None, None, None, None, None, None, None
+
+
+def _find_malloc_trim() -> Any:
+    """glibc's malloc_trim, or None (another C library)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim()
+
+
+def _trim() -> None:
+    """Give the memory a ring step freed back to the system. glibc keeps freed buffers of a
+    few MB for reuse, so without this a rank's resident memory remembers every piece and
+    partial it has held (at T = 65536 on 4 ranks: 0.40 of one process instead of 0.32)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _length(bounds: tuple[int, int]) -> int:
