@@ -79,7 +79,10 @@ def _sdpa_twin(model: GPT) -> GPT:
     for block in twin.blocks:
         attn = block.attn
 
-        def forward(x, context=None, *, mask=None, cache=None, attn=attn):
+        def forward(x, context=None, *, mask=None, cache=None, layout=None, attn=attn,
+                    **_unused_context_parallel):  # one process: layout is None here
+            if context is not None or mask is not None or cache is not None or layout:
+                raise ValueError("the SDPA twin runs plain causal self-attention only")
             q, k, v = attn.project(x)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=q.shape[1] != k.shape[1])
