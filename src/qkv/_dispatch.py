@@ -59,7 +59,7 @@ class Dispatch:
     #: How the sdpa kernel receives the mask: "none", "is_causal", "dense" or "bias".
     sdpa_mask: str = field(default="dense", repr=False, compare=False)
     #: While compiling, the tiled kernel's recipe: (mask tokens, modification tokens,
-    #: tensors) for the ``qkv::tiled_attention`` op (see ``qkv._compiled``).
+    #: tensors, ints) for the ``qkv::tiled_attention`` op (see ``qkv._compiled``).
     compiled: tuple | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:

@@ -14,12 +14,12 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from ._checks import Problem, check_attention
 from . import _compiled
+from ._checks import Problem, check_attention
 from ._dispatch import Dispatch, MaskLike, check_backend, choose
+from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
-from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
 from .kernels.tiled import tiled
 from .masks import Mask
 from .scores import ScoreMod, as_score_mod
