@@ -179,7 +179,11 @@ class _RingAttention(torch.autograd.Function):
         D = key.shape[-1]
         dquery, dkey, dvalue = (torch.zeros_like(x) for x in (query, key, value))
         acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T_r): once, not once a pair
+        # rowsum(dO ∘ O), (B, H, T_r): once, not once a pair, and a run at a time, so no
+        # (B, H, T_r, D_v) product is ever held.
+        delta = torch.cat([(dout[:, :, ql:ql + qb - qa].to(acc) * out[:, :, ql:ql + qb - qa]
+                            .to(acc)).sum(-1) for qa, qb, ql in runs], dim=2) if runs else \
+            out.new_zeros(out.shape[:3], dtype=acc)
         pieces = _pieces(layout, piece)
         for p, (lo, hi) in enumerate(pieces[rank]):
             current = torch.cat([key[:, :, lo:hi], value[:, :, lo:hi]], dim=-1)
