@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .._lowering import mask_tile
 from ..functional import _prepare, merge_attention
 from ..functional import attention as local_attention
+from ..kernels.reference import accumulation_dtype
 from ..kernels.tiled import tiled_backward, tiled_forward
 from ..masks import EMPTY, Mask, _Shifted
 from .layout import Layout
@@ -148,7 +149,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece):  # type: ignore[override]
         runs = list(_runs_of(layout, rank, piece))  # query runs, no longer than a piece
         D, D_v = key.shape[-1], value.shape[-1]
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(query.dtype)
         # Each query run's result so far, merged pair by pair. Before any key: 0, lse -inf.
         outs = [query.new_zeros(*query.shape[:2], qb - qa, D_v) for qa, qb, _ in runs]
         lses = [torch.full((*query.shape[:2], qb - qa), float("-inf"), dtype=acc,
@@ -178,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
         runs = list(_runs_of(layout, rank, piece))
         D = key.shape[-1]
         dquery, dkey, dvalue = (torch.zeros_like(x) for x in (query, key, value))
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(query.dtype)
         # rowsum(dO ∘ O), (B, H, T_r): once, not once a pair, and a run at a time, so no
         # (B, H, T_r, D_v) product is ever held.
         delta = torch.cat([(dout[:, :, ql:ql + qb - qa].to(acc) * out[:, :, ql:ql + qb - qa]
