@@ -4,7 +4,7 @@ Legend used in every docstring and error: B batch · H query heads · H_kv key/v
 T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
-from . import masks, numpy, scores, tutorial
+from . import heads, masks, numpy, scores, tutorial
 from .cache import KVCache
 from .explain import Trace, explain
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
@@ -30,6 +30,7 @@ __all__ = [
     "dispatch",
     "distributed",
     "explain",
+    "heads",
     "masks",
     "merge_attention",
     "models",

@@ -96,6 +96,10 @@ def dispatch(
                     return_lse=return_lse, backend=backend, score_mod=score_mod)[3]
 
 
+#: The active :func:`qkv.heads.record` blocks (innermost last).
+RECORDERS: list[Any] = []
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -150,9 +154,16 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
+    # A qkv.heads.record() block keeps every call's inputs and log-sum-exp (not while
+    # compiling: a graph has no side effects). There, "auto" picks a backend that returns
+    # the log-sum-exp (the tiled kernel: no T_q × T_k).
+    recorders = RECORDERS if RECORDERS and not torch.compiler.is_compiling() else ()
+    user_mask = mask
     p, mask, mod, choice = _prepare(query, key, value, mask=mask, scale=scale,
                                     q_offset=q_offset, dropout_p=dropout_p, generator=generator,
-                                    return_weights=return_weights, return_lse=return_lse,
+                                    return_weights=return_weights,
+                                    return_lse=return_lse or bool(
+                                        recorders and backend == "auto" and dropout_p == 0),
                                     backend=backend, score_mod=score_mod)
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
     weights = lse = None
@@ -177,6 +188,9 @@ def attention(
         out, weights, lse = reference(q, k, v, mask=dense_mask(mask, p, q.device), scale=p.scale,
                                       dropout_p=dropout_p, generator=generator,
                                       modify=modify(mod, p, q.device))
+    for recorder in recorders:
+        recorder.add(query, key, value, None if lse is None else p.restore(lse),
+                     mask=user_mask, scale=scale, q_offset=q_offset, score_mod=score_mod)
     extras = ([weights] if return_weights else []) + ([lse] if return_lse else [])
     if not extras:
         return p.restore(out)
@@ -219,35 +233,50 @@ def attention_weights(
         (torch.Size([1, 1, 1, 4096]), 1.0)
     """
     mask = _torch_side(mask, query=query, key=key, lse=lse)
-    mod = as_score_mod(score_mod)
     p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
-    if mod is not None:
-        mod.validate(p.B, p.H, p.T_q, p.T_k)
     if tuple(lse.shape) != p.mask_shape[:-1]:
         letters = ", ".join(p.mask_letters[:-1])
         raise ValueError(f"lse must have shape ({letters}) = {tuple(p.mask_shape[:-1])}; "
                          f"got {tuple(lse.shape)}")
+    _, s, allowed, hs, rs = row_scores(query, key, p, mask, score_mod, heads, rows,
+                                       dtype=lse.dtype)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
+    l_ = p.to4d(lse)[:, hs][:, :, rs, None]
+    w = torch.exp(s - l_.masked_fill(l_ == float("-inf"), float("inf")))
+    return p.restore(w.to(query.dtype))
+
+
+def row_scores(query: torch.Tensor, key: torch.Tensor, p: Problem, mask: MaskLike,
+               score_mod: Any, heads: Sequence[int] | None, rows: Sequence[int] | slice | None,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                            torch.Tensor, torch.Tensor]:
+    """The scores of chosen heads and rows, (B, h, r, T_k) each, in 4-d layout: scaled,
+    then modified (the same tensor without a score modification); the mask there (None
+    for no mask); the head and row indices. O(h · r · T_k) memory."""
+    mod = as_score_mod(score_mod)
+    if mod is not None:
+        mod.validate(p.B, p.H, p.T_q, p.T_k)
     if heads is not None and p.rank != 4:
         raise ValueError("heads can be chosen only for (B, H, T_q, D) inputs")
-    q, k, lse4 = p.to4d(query), p.to4d(key), p.to4d(lse)
+    q, k = p.to4d(query), p.to4d(key)
     hs = torch.arange(p.H) if heads is None else torch.as_tensor(list(heads))
     rs = torch.arange(p.T_q)[rows if rows is not None else slice(None)].reshape(-1)
     q = q[:, hs][:, :, rs]  # (B, h, r, D)
     k = k[:, hs // (p.H // p.H_kv)]  # (B, h, T_k, D)
-    s = (q @ k.transpose(-2, -1)).to(lse4.dtype) * p.scale  # (B, h, r, T_k)
+    scaled = (q @ k.transpose(-2, -1)).to(dtype) * p.scale  # (B, h, r, T_k)
+    modified = scaled
     if mod is not None:  # at the chosen heads and rows only
-        s = mod.apply(s, *indices(p, query.device, rs, hs, 0, p.T_k)).expand(s.shape)
+        modified = mod.apply(scaled, *indices(p, query.device, rs, hs, 0, p.T_k)
+                             ).expand(scaled.shape)
+    allowed = None
     if isinstance(mask, Mask):  # evaluated at the chosen rows only: O(rows · T_k)
         kv = torch.arange(p.T_k, device=query.device)
         allowed = mask.at(p.B, p.H, (p.q_offset + rs).to(query.device), kv)
         allowed = allowed.expand(p.B, p.H, len(rs), p.T_k)[:, hs]
     elif mask is not None:
         allowed = dense_mask(mask, p, query.device).expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
-    if mask is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    l_ = lse4[:, hs][:, :, rs, None]
-    w = torch.exp(s - l_.masked_fill(l_ == float("-inf"), float("inf")))
-    return p.restore(w.to(query.dtype))
+    return scaled, modified, allowed, hs, rs
 
 
 def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
