@@ -22,7 +22,8 @@ def prompt(B=2, T=7, V=61, seed=0):
 
 @pytest.mark.parametrize("kw", [{}, {"positions": "rope"}, {"n_kv_head": 2},
                                 {"n_kv_head": 1, "positions": "rope"},
-                                {"attention_only": True}])
+                                {"attention_only": True},
+                                {"layer_norm": False, "tie_embeddings": False}])
 def test_cached_forward_equals_full_forward(kw):
     model, idx = model64(**kw), prompt(T=11)
     full = model(idx)  # (B, T, V)
@@ -121,6 +122,16 @@ def test_structure_tied_head_and_gpt2_init():
     only = GPT(GPTConfig(attention_only=True, n_layer=2))
     assert all(b.mlp is None for b in only.blocks)
     assert only.num_params() < GPT(GPTConfig(n_layer=2)).num_params()
+
+
+def test_no_layer_norm_and_an_untied_head():
+    model = GPT(GPTConfig(**SMALL, layer_norm=False, tie_embeddings=False))
+    norms = [model.ln_f] + [b.ln_1 for b in model.blocks] + [b.ln_2 for b in model.blocks]
+    assert all(isinstance(n, torch.nn.Identity) for n in norms)
+    assert model.lm_head.weight is not model.wte.weight
+    tied = GPT(GPTConfig(**SMALL, layer_norm=False))
+    assert model.num_params() - tied.num_params() == SMALL["vocab_size"] * SMALL["n_embd"]
+    assert GPTConfig.from_dict(model.config.to_dict()) == model.config
 
 
 def test_uniform_attention_averages_the_past():

@@ -44,6 +44,9 @@ class GPTConfig:
         attention: "softmax", or "uniform": every position averages its past equally
             (seed 001's ``xbow``), the baseline that shows what attention adds.
         gelu: "tanh" (GPT-2's approximation) or "erf" (exact).
+        layer_norm: LayerNorm before each branch and at the end; False for none (the
+            attention-only models of interpretability studies have none).
+        tie_embeddings: the LM head reads the token embedding's table; False gives it its own.
         layer_norm_eps: epsilon of every LayerNorm.
         rope_base: RoPE's wavelength base, when positions = "rope".
     """
@@ -60,6 +63,8 @@ class GPTConfig:
     attention_only: bool = False
     attention: str = "softmax"
     gelu: str = "tanh"
+    layer_norm: bool = True
+    tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
     rope_base: float = 10000.0
 
@@ -108,6 +113,11 @@ class UniformAttention(MultiHeadAttention):
         return torch.zeros_like(q), k, v
 
 
+def _norm(config: GPTConfig) -> nn.Module:
+    E = config.n_embd
+    return nn.LayerNorm(E, eps=config.layer_norm_eps) if config.layer_norm else nn.Identity()
+
+
 class MLP(nn.Module):
     """E -> mlp_width -> GELU -> E."""
 
@@ -129,14 +139,14 @@ class Block(nn.Module):
         super().__init__()
         E = config.n_embd
         attention = UniformAttention if config.attention == "uniform" else MultiHeadAttention
-        self.ln_1 = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.ln_1 = _norm(config)
         self.attn = attention(E, E, config.n_head, num_kv_heads=config.n_kv_head, causal=True,
                               dropout=config.dropout, qkv_bias=True, rope=rope)
         self.drop = nn.Dropout(config.dropout)
         if config.attention_only:
             self.ln_2 = self.mlp = None
         else:
-            self.ln_2 = nn.LayerNorm(E, eps=config.layer_norm_eps)
+            self.ln_2 = _norm(config)
             self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
@@ -174,9 +184,10 @@ class GPT(nn.Module):
                 if config.positions == "rope" else None)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, rope) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(E, eps=config.layer_norm_eps)
+        self.ln_f = _norm(config)
         self.lm_head = nn.Linear(E, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one (V, E) table reads and writes tokens
+        if config.tie_embeddings:  # one (V, E) table reads and writes tokens
+            self.lm_head.weight = self.wte.weight
         self._init_weights()
 
     def _init_weights(self) -> None:
