@@ -41,6 +41,20 @@ def test_scores_find_the_head_that_does_each_thing():
         assert (row[torch.arange(4) != h] < 0.1).all(), (name, row)
 
 
+def test_scores_over_blocks_of_rows_equal_scores_over_all_rows():
+    L = 300  # 2L = 600 > one block of heads.ROW_BLOCK rows
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=2 * L, n_layer=2, n_head=4, n_embd=32)).eval()
+    tokens = heads.repeated_tokens(256, L, batch=2)
+    blocked = heads.head_scores(model, tokens=tokens)
+    calls = heads.run(model, tokens)
+    for layer, call in enumerate(calls):
+        whole = heads.scores_from_weights(call.weights(rows=slice(L, 2 * L)), L)
+        for name in heads.SCORES:
+            torch.testing.assert_close(blocked[name][layer], whole[name], atol=1e-6,
+                                       rtol=1e-5)
+
+
 def test_recording_leaves_the_output_alone_and_stops_with_the_block():
     model, idx = small_gpt(), torch.randint(0, 256, (2, 30))
     before = model(idx)

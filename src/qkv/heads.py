@@ -35,6 +35,9 @@ from .functional import _torch_side, attention_weights, row_scores
 
 SCORES = ("previous_token", "duplicate_token", "induction", "first_token")
 
+#: query rows whose weights are recomputed at once
+ROW_BLOCK = 256
+
 
 @dataclass
 class Call:
@@ -140,27 +143,35 @@ def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int =
     return torch.cat([segment, segment], dim=1)
 
 
-def scores_from_weights(weights: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-    """The four scores of each head from the weights of the second copy's rows.
+def scores_from_weights(weights: torch.Tensor, length: int, start: int | None = None
+                        ) -> dict[str, torch.Tensor]:
+    """The four scores of each head from the weights of rows of the second copy.
 
     Args:
-        weights: (B, H, L, T) — the rows of positions L … 2L - 1 over all T keys.
+        weights: (B, H, r, T) — the rows of positions start … start + r - 1 over all T keys.
         length: L.
+        start: the first row's position, in L … 2L - 1; default L (all of the second copy).
 
     Returns:
-        score name -> (H,) mean weights.
+        score name -> (H,) mean weights over those rows.
     """
     L = length
-    j = torch.arange(L)
-    targets = {"previous_token": L + j - 1, "duplicate_token": j, "induction": j + 1,
+    start = L if start is None else start
+    i = torch.arange(start, start + weights.shape[2])  # query positions
+    j = i - L  # their earlier occurrences
+    targets = {"previous_token": i - 1, "duplicate_token": j, "induction": j + 1,
                "first_token": torch.zeros_like(j)}
-    return {name: weights[:, :, j, t].mean(dim=(0, 2)) for name, t in targets.items()}
+    rows = torch.arange(len(i))
+    return {name: weights[:, :, rows, t].mean(dim=(0, 2)) for name, t in targets.items()}
 
 
 def head_scores(model: Any, *, length: int | None = None, batch: int = 8, seed: int = 0,
                 vocab_size: int | None = None, tokens: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor]:
     """Score every layer and head of a model whose attention runs on qkv.
+
+    Weights are recomputed a block of :data:`ROW_BLOCK` rows at a time, so memory stays
+    O(B · H · ROW_BLOCK · T) per layer at any length.
 
     Args:
         model: a :class:`qkv.models.GPT`, or any module called as ``model(ids)`` whose
@@ -183,9 +194,15 @@ def head_scores(model: Any, *, length: int | None = None, batch: int = 8, seed: 
             tokens[:, :tokens.shape[1] // 2], tokens[:, tokens.shape[1] // 2:]):
         raise ValueError("tokens must be (B, 2L): each row a segment followed by itself")
     L = tokens.shape[1] // 2
-    calls = run(model, tokens)
-    per_layer = [scores_from_weights(c.weights(rows=slice(L, 2 * L)).float(), L)
-                 for c in calls]
+    per_layer = []
+    for call in run(model, tokens):
+        total = dict.fromkeys(SCORES, 0.0)
+        for r0 in range(L, 2 * L, ROW_BLOCK):
+            r1 = min(2 * L, r0 + ROW_BLOCK)
+            part = scores_from_weights(call.weights(rows=slice(r0, r1)).float(), L, r0)
+            for name in SCORES:
+                total[name] = total[name] + part[name] * (r1 - r0) / L
+        per_layer.append(total)
     return {name: torch.stack([s[name] for s in per_layer]) for name in SCORES}
 
 
