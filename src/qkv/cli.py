@@ -96,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Train a qkv GPT on the bytes of the Python standard "
                         "library's sources (or --text) and keep a checkpoint in --out.")
     tr.add_argument("--preset", default=None,
-                    help="model and recipe: tiny (seconds) or cpu-10min (the default, about "
-                    "ten minutes on a 2-core CPU); on --resume, the checkpoint's")
+                    help="model and recipe: tiny (seconds), cpu-10min (the default, about "
+                    "ten minutes on a 2-core CPU) or induction (docs/induction.md); on "
+                    "--resume, the checkpoint's")
     tr.add_argument("--text", type=Path, help="a UTF-8 file or folder to train on instead")
     tr.add_argument("--out", type=Path, default=Path("runs/gpt"),
                     help="checkpoint directory (default runs/gpt)")
@@ -123,7 +124,100 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument("--top-p", type=float, help="sample from the smallest set reaching p")
     ge.add_argument("--no-cache", action="store_true",
                     help="recompute the context every step instead of using KV caches")
+    hd = sub.add_parser("heads", help="score every head of a trained GPT",
+                        description="Score every layer and head of a checkpoint on a random "
+                        "sequence repeated twice: previous-token, duplicate-token, induction "
+                        "and first-token scores (mean attention weights, 0 to 1).")
+    hd.add_argument("--checkpoint", type=Path, required=True,
+                    help="a directory written by qkv train")
+    hd.add_argument("--length", type=positive,
+                    help="length of the repeated segment (default: half the context)")
+    hd.add_argument("--batch", type=positive, default=16, help="sequences averaged (16)")
+    hd.add_argument("--seed", type=int, default=0, help="draws the sequences (0)")
+    hd.add_argument("--json", action="store_true", help="print the scores as JSON")
+    hd.add_argument("--png", type=Path, default=Path("heads.png"),
+                    help="where to write the layers × heads heatmap (default heads.png)")
+    hd.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
+
+    vw = sub.add_parser("view", help="write an interactive HTML view of a GPT's heads",
+                        description="Write one self-contained HTML file (works offline) "
+                        "showing what every head of a checkpoint attends to over a prompt, "
+                        "with a slider over the run's snapshots when it kept them.")
+    vw.add_argument("--checkpoint", type=Path, required=True,
+                    help="a directory written by qkv train")
+    vw.add_argument("--prompt", help="text to show (models trained on bytes)")
+    vw.add_argument("--tokens", type=_ids,
+                    help="token ids to show instead, '3,14,15' (default for a model trained "
+                    "on repeated segments: a random segment of half the context, twice)")
+    vw.add_argument("--query", type=int, help="position shown step by step (default: last)")
+    vw.add_argument("--out", type=Path, default=Path("heads.html"),
+                    help="the HTML file to write (default heads.html)")
+    vw.add_argument("--no-snapshots", action="store_true",
+                    help="show the final weights only, not the run's snapshots")
     return parser
+
+
+def _heads(args: argparse.Namespace) -> None:
+    from .heads import head_scores
+    from .train import load_checkpoint
+
+    model = load_checkpoint(args.checkpoint)
+    if args.length is not None and 2 * args.length > model.config.block_size:
+        raise ValueError(f"--length {args.length}: twice it must fit the context "
+                         f"(block_size={model.config.block_size})")
+    scores = head_scores(model, length=args.length, batch=args.batch, seed=args.seed)
+    if args.json:
+        print(json.dumps({name: s.tolist() for name, s in scores.items()}))
+    else:
+        for name, s in scores.items():
+            layer, head = divmod(int(s.argmax()), s.shape[1])
+            print(f"{name:>16}: best layer {layer} head {head}: {s.max():.3f}")
+    if not args.no_png:
+        from .viz import head_scores_heatmap
+
+        try:
+            head_scores_heatmap(scores, title=f"head scores: {args.checkpoint}", path=args.png)
+            print(f"heatmap written to {args.png}", file=sys.stderr)
+        except ImportError as err:
+            print(f"no heatmap: {err}", file=sys.stderr)
+
+
+def _view(args: argparse.Namespace) -> None:
+    from .heads import repeated_tokens
+    from .train import load_checkpoint, snapshots
+    from .view import byte_labels, view
+
+    model = load_checkpoint(args.checkpoint)
+    on_bytes = json.loads((args.checkpoint / "config.json").read_text())["train"].get(
+        "data", "text") == "text"
+    if args.prompt is not None and args.tokens is not None:
+        raise ValueError("give --prompt or --tokens, not both")
+    labels = None
+    if args.prompt is not None:
+        if not on_bytes:
+            raise ValueError(f"this checkpoint was not trained on bytes (its vocabulary is "
+                             f"{model.config.vocab_size} tokens): give --tokens instead")
+        data = args.prompt.encode("utf-8")
+        tokens, labels = list(data), byte_labels(data)
+    elif args.tokens is not None:
+        tokens = args.tokens
+        if max(tokens) >= model.config.vocab_size or min(tokens) < 0:
+            raise ValueError(f"--tokens: ids must be in 0 … {model.config.vocab_size - 1}; "
+                             f"got {tokens}")
+    elif on_bytes:
+        raise ValueError("give --prompt TEXT: the text to show")
+    else:
+        tokens = repeated_tokens(model.config.vocab_size, model.config.block_size // 2,
+                                 batch=1, seed=1)[0].tolist()
+    kept = [] if args.no_snapshots else snapshots(args.checkpoint)
+    frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
+    if frames:
+        final = json.loads((args.checkpoint / "state.json").read_text())["step"]
+        frames = [f for f, (step, _) in zip(frames, kept) if step != final]
+    page = view(model, tokens, labels=labels, snapshots=frames, query=args.query,
+                title=f"qkv: {args.checkpoint}")
+    page.save(args.out)
+    print(f"view written to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
 
 
 def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
@@ -254,7 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = _parser()
     args = parser.parse_args(argv)
-    commands = {"explain": _explain, "mask": _mask, "train": _train, "generate": _generate}
+    commands = {"explain": _explain, "mask": _mask, "train": _train, "generate": _generate,
+                "heads": _heads, "view": _view}
     try:
         return commands[args.command](args) or 0
     except (ValueError, TypeError, OSError) as err:

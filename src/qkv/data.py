@@ -176,3 +176,46 @@ def bigram_loss(corpus: Corpus, smoothing: float = 0.5) -> float:
     counts = counts.view(256, 256) + smoothing
     logp = counts.log() - counts.sum(dim=1, keepdim=True).log()  # (prev, next)
     return -logp[val[:-1], val[1:]].mean().item()
+
+
+@dataclass(frozen=True)
+class RepeatedSegments:
+    """Synthetic sequences for the induction experiment: each a uniformly random segment of
+    tokens, its length drawn from [min_length, max_length], repeated to fill the window. The
+    first copy cannot be predicted; every later token can, by looking back one segment — what
+    an induction head learns. Random lengths leave no positional shortcut.
+
+    Example:
+        >>> import torch
+        >>> from qkv.data import RepeatedSegments
+        >>> x, y = RepeatedSegments(16, 3, 3).batch(1, 8, torch.Generator().manual_seed(0))
+        >>> x[0, :3].tolist() == x[0, 3:6].tolist(), torch.equal(x[0, 1:], y[0, :-1])
+        (True, True)
+    """
+
+    vocab_size: int
+    min_length: int
+    max_length: int
+    #: seeds the held-out sequences, the same for every run
+    held_out_seed: int = 1_000_003
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_length <= self.max_length:
+            raise ValueError(f"segment lengths must satisfy 1 <= min <= max; got "
+                             f"({self.min_length}, {self.max_length})")
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2; got {self.vocab_size}")
+
+    def batch(self, batch_size: int, block_size: int, generator: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (B, T) and targets (B, T), the inputs shifted by one token, int64."""
+        lengths = torch.randint(self.min_length, self.max_length + 1, (batch_size, 1),
+                                generator=generator)
+        segments = torch.randint(0, self.vocab_size, (batch_size, self.max_length),
+                                 generator=generator)
+        seq = segments.gather(1, torch.arange(block_size + 1) % lengths)  # (B, T + 1)
+        return seq[:, :-1], seq[:, 1:]
+
+    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` fixed sequences drawn from their own generator: never trained on."""
+        return self.batch(count, block_size, torch.Generator().manual_seed(self.held_out_seed))

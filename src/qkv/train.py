@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .data import check_context, eval_windows, load_corpus, random_batch
+from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
+from .heads import head_scores
 from .models import GPT, GPTConfig
 
 
@@ -53,6 +54,11 @@ class TrainConfig:
         eval_windows: validation windows per evaluation (the same ones every time).
         autocast: "bfloat16" runs the matmuls under CPU autocast in bfloat16 (the weights
             and the optimiser stay float32); None for float32 throughout.
+        data: "text" (bytes of a corpus) or "repeated_segments" (random segments repeated,
+            :class:`qkv.data.RepeatedSegments`: the induction experiment).
+        segment_lengths: (shortest, longest) segment for "repeated_segments".
+        snapshots: also keep the weights at every evaluation, in ``snapshots/`` (a few KB
+            for small models: the viewer's slider over training).
     """
 
     steps: int = 2000
@@ -66,13 +72,21 @@ class TrainConfig:
     eval_interval: int = 250
     eval_windows: int = 64
     autocast: str | None = None
+    data: str = "text"
+    segment_lengths: tuple[int, int] = (4, 32)
+    snapshots: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.eval_interval < 1:
             raise ValueError("steps, batch_size and eval_interval must be >= 1")
         if self.autocast not in (None, "bfloat16"):
             raise ValueError(f"autocast must be None or 'bfloat16'; got {self.autocast!r}")
+        if self.data not in ("text", "repeated_segments"):
+            raise ValueError(f"data must be 'text' or 'repeated_segments'; got {self.data!r}")
 
+
+#: The induction preset's vocabulary: tokens 0 … 63.
+INDUCTION_VOCAB = 64
 
 #: name -> (model, training). Named for what they are; ``cpu-10min`` is the default.
 PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
@@ -84,6 +98,14 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
                             positions="rope"),
                   TrainConfig(steps=1800, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
                               eval_interval=200, eval_windows=64, autocast="bfloat16")),
+    # The induction experiment (docs/induction.md): a 2-layer attention-only model on
+    # random segments repeated, until an induction head forms.
+    "induction": (GPTConfig(vocab_size=INDUCTION_VOCAB, block_size=64, n_layer=2, n_head=4,
+                            n_embd=64, attention_only=True, positions="rope"),
+                  TrainConfig(steps=1500, batch_size=32, lr=1e-3, min_lr=1e-4, warmup=50,
+                              weight_decay=0.0, eval_interval=50, eval_windows=256,
+                              data="repeated_segments", segment_lengths=(4, 32),
+                              snapshots=True)),
 }
 DEFAULT_PRESET = "cpu-10min"
 
@@ -132,7 +154,12 @@ def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
 def evaluate(model: GPT, data: torch.Tensor, windows: int, block_size: int,
              batch_size: int = 32, autocast: str | None = None) -> float:
     """Mean loss (nats per byte) over ``windows`` fixed windows of data."""
-    x, y = eval_windows(data, windows, block_size)
+    return _loss_on(model, *eval_windows(data, windows, block_size), batch_size, autocast)
+
+
+def _loss_on(model: GPT, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32,
+             autocast: str | None = None) -> float:
+    """Mean next-token loss of inputs x against targets y, both (N, T)."""
     was_training = model.training
     model.eval()
     total = 0.0
@@ -195,9 +222,9 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
     if tcfg.steps < state["step"]:
         raise ValueError(f"--steps {tcfg.steps} is below the step the checkpoint reached "
                          f"({state['step']})")
-    corpus = load_corpus(text)
-    check_context(corpus, mcfg.block_size)
-    wanted["data"]["source"] = corpus.source
+    data = _data(tcfg, mcfg, text)
+    wanted["data"]["source"] = data.source
+    held_out = data.held_out(tcfg.eval_windows, mcfg.block_size)
 
     torch.manual_seed(seed)
     model = GPT(mcfg)
@@ -219,7 +246,7 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
             lr = learning_rate(step, tcfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = random_batch(corpus.train, tcfg.batch_size, mcfg.block_size, batches)
+            x, y = data.batch(tcfg.batch_size, mcfg.block_size, batches)
             with _autocast(tcfg.autocast):
                 logits = runner(x)  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
@@ -231,10 +258,15 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
             step += 1
             record: dict[str, float] = {"step": step, "loss": loss.item(), "lr": lr}
             if step % tcfg.eval_interval == 0 or step == tcfg.steps:
-                record["val_loss"] = evaluate(model, corpus.val, tcfg.eval_windows,
-                                              mcfg.block_size, autocast=tcfg.autocast)
+                record["val_loss"] = _loss_on(model, *held_out, autocast=tcfg.autocast)
+                scores = ""
+                if tcfg.data == "repeated_segments":  # the best head's, on held-out tokens
+                    record["induction"] = induction_score(model)
+                    scores = f", induction {record['induction']:.3f}"
+                if tcfg.snapshots:
+                    save_snapshot(out, model, step)
                 bar.note(f"step {step}: train {record['loss']:.4f}, val "
-                         f"{record['val_loss']:.4f} nats/byte")
+                         f"{record['val_loss']:.4f} nats/{data.unit}{scores}")
             state["history"].append(record)
             state["step"] = step
             state["tokens"] += x.numel()
@@ -252,6 +284,65 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
         bar.note(f"interrupted: checkpoint at step {state['step']} in {out} "
                  "(continue with --resume)")
     return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out)
+
+
+class _Text:
+    """Bytes of a corpus: random windows to train on, fixed validation windows."""
+
+    unit = "byte"
+
+    def __init__(self, text: str | Path | None, block_size: int) -> None:
+        self.corpus = load_corpus(text)
+        check_context(self.corpus, block_size)
+        self.source = self.corpus.source
+
+    def batch(self, batch_size: int, block_size: int, generator: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_batch(self.corpus.train, batch_size, block_size, generator)
+
+    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return eval_windows(self.corpus.val, count, block_size)
+
+
+class _Repeats(RepeatedSegments):
+    unit = "token"
+
+    @property
+    def source(self) -> str:
+        return (f"random segments of {self.min_length}-{self.max_length} tokens (of "
+                f"{self.vocab_size}), repeated")
+
+
+def _data(tcfg: TrainConfig, mcfg: GPTConfig, text: Any) -> Any:
+    if tcfg.data == "text":
+        return _Text(text, mcfg.block_size)
+    if text is not None:
+        raise ValueError("--text does not apply to data='repeated_segments' (the induction "
+                         "preset makes its own sequences)")
+    return _Repeats(mcfg.vocab_size, *tcfg.segment_lengths)
+
+
+def induction_score(model: GPT, seed: int = 0) -> float:
+    """The highest induction score of any head (:func:`qkv.heads.head_scores`), on
+    sequences of half the context repeated."""
+    return head_scores(model, batch=16, seed=seed)["induction"].max().item()
+
+
+def save_snapshot(out: Path, model: GPT, step: int) -> None:
+    """The weights alone, as ``snapshots/step-NNNNNN.safetensors``."""
+    from safetensors.torch import save_model
+
+    folder = out / "snapshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:06d}.safetensors"
+    _replace(path, lambda p: save_model(model, str(p), metadata={"step": str(step)}))
+
+
+def snapshots(path: str | Path) -> list[tuple[int, Path]]:
+    """(step, file) of each snapshot a run kept (``TrainConfig.snapshots``), in order."""
+    folder = Path(path) / "snapshots"
+    files = sorted(folder.glob("step-*.safetensors")) if folder.is_dir() else []
+    return [(int(f.stem.split("-")[1]), f) for f in files]
 
 
 def _catch_sigint(stop: dict[str, bool]) -> Any:
@@ -327,7 +418,7 @@ def save_checkpoint(out: Path, model: GPT, optimizer: torch.optim.Optimizer,
     _replace(out / "optimizer.safetensors", lambda p: save_file(tensors, str(p), metadata=meta))
     _replace(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     _replace(out / "state.json", lambda p: p.write_text(json.dumps(state) + "\n"))
-    _plot(out, state["history"])
+    _plot(out, state["history"], "token" if config["train"]["data"] != "text" else "byte")
 
 
 def _load_training_state(out: Path, model: GPT, optimizer: torch.optim.Optimizer,
@@ -352,20 +443,30 @@ def _load_training_state(out: Path, model: GPT, optimizer: torch.optim.Optimizer
         optimizer.state[p][name] = value.reshape(()) if name == "step" else value
 
 
-def load_checkpoint(path: str | Path) -> GPT:
-    """The trained :class:`qkv.models.GPT` of a checkpoint directory, in eval mode."""
+def load_checkpoint(path: str | Path, step: int | None = None) -> GPT:
+    """The trained :class:`qkv.models.GPT` of a checkpoint directory, in eval mode; with
+    ``step``, the snapshot kept at that step instead."""
     from safetensors.torch import load_model
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint: {str(path)!r} is not a directory")
     config = _read_json(path / "config.json")
     model = GPT(GPTConfig.from_dict(config["model"]))
-    if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"no checkpoint: {path / 'model.safetensors'} is missing")
-    load_model(model, str(path / "model.safetensors"))
+    weights = path / "model.safetensors"
+    if step is not None:
+        kept = dict(snapshots(path))
+        if step not in kept:
+            raise ValueError(f"{path} kept no snapshot at step {step}; it has "
+                             f"{sorted(kept) or 'none'}")
+        weights = kept[step]
+    if not weights.exists():
+        raise FileNotFoundError(f"no checkpoint: {weights} is missing")
+    load_model(model, str(weights))
     return model.eval()
 
 
-def _plot(out: Path, history: list[dict[str, float]]) -> None:
+def _plot(out: Path, history: list[dict[str, float]], unit: str = "byte") -> None:
     try:
         import matplotlib
 
@@ -379,9 +480,18 @@ def _plot(out: Path, history: list[dict[str, float]]) -> None:
     val = [h for h in history if "val_loss" in h]
     ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per byte)")
-    ax.legend()
+    ax.set_ylabel(f"loss (nats per {unit})")
     ax.grid(alpha=0.3)
+    scored = [h for h in history if "induction" in h]
+    if scored:  # the induction experiment: the best head's score on a second axis
+        right = ax.twinx()
+        right.plot([h["step"] for h in scored], [h["induction"] for h in scored], "s-",
+                   color="tab:green", ms=3, label="induction score")
+        right.set_ylabel("best induction score")
+        right.set_ylim(0, 1)
+        fig.legend(loc="upper right", bbox_to_anchor=(0.85, 0.9))
+    else:
+        ax.legend()
     fig.tight_layout()
     _replace(out / "loss.png", lambda p: fig.savefig(p, format="png", dpi=100))
     plt.close(fig)
@@ -426,5 +536,6 @@ def _clock(seconds: float) -> str:
     return f"{m}:{s:02d}"
 
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "Result", "TrainConfig", "evaluate", "learning_rate",
-           "load_checkpoint", "save_checkpoint", "train"]
+__all__ = ["DEFAULT_PRESET", "PRESETS", "Result", "TrainConfig", "evaluate", "induction_score",
+           "learning_rate", "load_checkpoint", "save_checkpoint", "save_snapshot", "snapshots",
+           "train"]

@@ -55,11 +55,47 @@ def heatmap(weights: torch.Tensor, queries: Sequence[str], keys: Sequence[str], 
         if H > 1:
             ax.set_title(f"head {h}")
         if T_q * T_k <= 400:  # write each weight in its cell while they stay legible
-            for i, j in zip(*np.nonzero(allowed)):
-                value = float(w[h, i, j])
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                        color="black" if value > 0.6 else "white")
+            _label_cells(ax, w[h].numpy(), allowed)
     fig.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
+    if path is not None:
+        fig.savefig(path, dpi=150)
+    return fig
+
+
+def _label_cells(ax: Any, values: np.ndarray, where: np.ndarray) -> None:
+    """Write each value in [0, 1] in its cell (where ``where`` is True), legible on viridis."""
+    for i, j in zip(*np.nonzero(where)):
+        value = float(values[i, j])
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                color="black" if value > 0.6 else "white")
+
+
+def head_scores_heatmap(scores: dict[str, torch.Tensor], *, title: str = "head scores",
+                        path: str | Path | None = None) -> Any:
+    """Draw :func:`qkv.heads.head_scores`: one layers × heads panel per score, 0 to 1,
+    each cell labelled with its value.
+
+    Returns:
+        The ``matplotlib.figure.Figure``; written to ``path`` as PNG when given.
+    """
+    Figure, colormaps = _matplotlib()
+    names = list(scores)
+    L, H = scores[names[0]].shape
+    fig = Figure(figsize=(len(names) * (H * 0.55 + 1.2) + 0.8, L * 0.55 + 1.6),
+                 layout="constrained")
+    fig.suptitle(title)
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        values = scores[name].detach().float().cpu().numpy()
+        image = ax.imshow(values, cmap=colormaps["viridis"], vmin=0.0, vmax=1.0)
+        ax.set_title(name.replace("_", " "))
+        ax.set_xticks(range(H))
+        ax.set_yticks(range(L))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        if L * H <= 256:
+            _label_cells(ax, values, np.ones_like(values, dtype=bool))
+    fig.colorbar(image, ax=list(axes), label="mean attention weight", shrink=0.8)
     if path is not None:
         fig.savefig(path, dpi=150)
     return fig
