@@ -118,3 +118,51 @@ def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch):
     q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)
     qkv.attention(q, k, v, mask=mask, backend="tiled")
     assert mask.shift_invariant and len(calls) == 1
+
+
+@pytest.mark.parametrize("H, H_kv, T_q, mask", [(8, 8, 1, None), (8, 8, 1, "causal"),
+                                                (32, 8, 1, "causal"), (4, 2, 5, None),
+                                                (4, 1, 3, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_plain_decode_path_is_the_full_path(H, H_kv, T_q, mask, dtype, monkeypatch):
+    # A decode step skips the full checks and dispatch (issue: ~15 µs of Python); it must
+    # give exactly what they give: torch's fused kernel on the same arguments.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H, T_q, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, H_kv, 37, 16, generator=g).to(dtype) for _ in range(2))
+    m = masks.causal() if mask == "causal" else None
+    full = qkv.attention(q, k, v, mask=m, backend="sdpa", scale=0.3)
+    monkeypatch.setattr(qkv.functional, "choose", None)  # the plain path never dispatches
+    fast = qkv.attention(q, k, v, mask=m, scale=0.3)
+    assert torch.equal(fast, full)
+    expected = oracle(q.float(), k.float(), v.float(), mask=m, scale=0.3)
+    np.testing.assert_allclose(fast.double().numpy(), expected,
+                               atol=1e-5 if dtype != torch.bfloat16 else 2e-2)
+
+
+@pytest.mark.parametrize("case, error", [
+    (lambda q, k, v: (q, k.double(), v.double()), TypeError),  # mixed dtypes
+    (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError),  # D differs
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError),  # B differs
+    (lambda q, k, v: (q[:, :3], k, v), ValueError),  # H not a multiple of H_kv
+    (lambda q, k, v: (q, k, v[:, :, :5]), ValueError),  # T_k differs
+    (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError),  # not floating point
+])
+def test_decode_calls_the_plain_path_refuses_still_get_their_errors(case, error):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g) for _ in range(2))
+    with pytest.raises(error):
+        qkv.attention(*case(q, k, v), mask=masks.causal())
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        qkv.attention(q, k, v, scale=float("nan"))
+
+
+def test_calls_the_plain_path_does_not_take_go_the_full_way():
+    # A causal mask with more than one query, a q_offset, a padding mask: dispatched.
+    q, k, v = make_qkv(1, 2, 2, 3, 9, 8, 8, dtype=torch.float32)
+    for kw in ({"mask": masks.causal()}, {"mask": masks.causal(), "q_offset": 2},
+               {"mask": masks.padding([5])}):
+        out = qkv.attention(q, k, v, **kw)
+        expected = oracle(q, k, v, **kw)
+        np.testing.assert_allclose(out.double().numpy(), expected, atol=1e-5)

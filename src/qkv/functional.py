@@ -9,6 +9,7 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, mod
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
 from .kernels.tiled import tiled
-from .masks import Mask
+from .masks import Mask, _Causal
 from .scores import ScoreMod, as_score_mod
 
 Backend = Literal["auto", "reference", "sdpa", "tiled"]
@@ -154,6 +155,11 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
+    if not (RECORDERS or dropout_p or return_weights or return_lse) and backend == "auto" \
+            and score_mod is None and q_offset is None:
+        out = _plain_call(query, key, value, mask, scale)
+        if out is not None:
+            return out
     # A qkv.heads.record() block keeps every call's inputs and log-sum-exp (not while
     # compiling: a graph has no side effects). There, "auto" picks a backend that returns
     # the log-sum-exp (the tiled kernel: no T_q × T_k).
@@ -195,6 +201,39 @@ def attention(
     if not extras:
         return p.restore(out)
     return tuple(p.restore(x) for x in [out, *extras])
+
+
+_PLAIN_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+
+
+def _plain_call(query: Any, key: Any, value: Any, mask: Any, scale: Any
+                ) -> torch.Tensor | None:
+    """The most common call — a decode step — with as little Python as it can have:
+    (B, H, T, D) tensors of one float dtype and device whose sizes agree, and no mask, or
+    causal with one query (which allows every key before it). It runs torch's fused kernel,
+    which is what the full path would choose, on the same arguments. Anything else
+    returns None and takes the full path, which checks, explains and dispatches."""
+    if type(query) is not torch.Tensor or type(key) is not torch.Tensor or \
+            type(value) is not torch.Tensor or query.ndim != 4 or key.ndim != 4 or \
+            value.ndim != 4 or torch.compiler.is_compiling():
+        return None
+    B, H, T_q, D = query.shape
+    B_k, H_kv, T_k, D_k = key.shape
+    B_v, H_v, T_v, _ = value.shape
+    if not (mask is None or (type(mask) is _Causal and T_q == 1)):
+        return None
+    if not (B == B_k == B_v and H_kv == H_v and T_k == T_v and D == D_k and T_q and T_k
+            and D and H % H_kv == 0):
+        return None
+    dtype = query.dtype
+    if dtype not in _PLAIN_DTYPES or key.dtype != dtype or value.dtype != dtype or \
+            key.device != query.device or value.device != query.device:
+        return None
+    if scale is None:
+        scale = D ** -0.5
+    elif type(scale) is not float or not 0.0 < scale < math.inf:
+        return None
+    return sdpa(query, key, value, mask=None, is_causal=False, scale=scale)
 
 
 def attention_weights(
