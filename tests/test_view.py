@@ -4,7 +4,6 @@ qkv heads / qkv view on checkpoints; the induction preset at a size CI can affor
 import base64
 import io
 import json
-import math
 import os
 import re
 
@@ -143,10 +142,11 @@ def induction_run(tmp_path_factory):
 def test_the_induction_preset_trains_on_repeated_segments(induction_run):
     out, result = induction_run
     vals = [h for h in result.history if "val_loss" in h]
-    # What 40 steps can honestly show: the loss falls below a uniform guess over the 64
-    # tokens, every evaluation scores the heads, and a snapshot is kept at each one. (The
-    # induction head itself needs the full run: docs/induction.md.)
-    assert vals[-1]["val_loss"] < math.log(PRESETS["induction"][0].vocab_size)
+    # What 40 steps can honestly show: the held-out loss falls (from well above a uniform
+    # guess: the unit-scale init starts with confident logits), every evaluation scores the
+    # heads, and a snapshot is kept at each one. The induction head itself needs ~800 steps:
+    # the slow test below, and docs/induction.md.
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"] - 0.3
     assert all(0.0 <= h["induction"] <= 1.0 for h in vals)
     assert [s for s, _ in snapshots(out)] == [10, 20, 30, 40]
     early, final = load_checkpoint(out, 10), load_checkpoint(out)
@@ -189,3 +189,13 @@ def test_command_errors(induction_run, argv, message, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_induction_preset_forms_an_induction_head(tmp_path):
+    # The real experiment, cut at step 1,000 (~30 s): the transition comes at ~800
+    # (docs/induction.md). Scored on sequences the run never saw.
+    result = train(tmp_path, preset="induction", steps=1000, progress=False)
+    scores = heads.head_scores(result.model, batch=32, seed=123)
+    assert scores["induction"].max() >= 0.4, scores["induction"]
+    assert result.val_loss < 3.0

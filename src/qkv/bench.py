@@ -240,15 +240,18 @@ def decode(lengths: list[int], repeats: int) -> str:
 
 def _interleaved(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
     """Median time of each function, the functions taking turns within every repeat so
-    that a drift in the machine's speed reaches all of them alike."""
+    that a drift in the machine's speed reaches all of them alike, in an order rotated at
+    each repeat so that none always runs after the same one (whose memory traffic leaves
+    the caches warm or cold for it)."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()  # warm-up
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
+    for r in range(repeats):
+        for i in range(len(fns)):
+            j = (i + r) % len(fns)
             t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+            fns[j]()
+            times[j].append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
 
 

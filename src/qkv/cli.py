@@ -310,7 +310,8 @@ def _train(args: argparse.Namespace) -> int:
         return 130  # the shell's code for a run stopped by Ctrl-C
     val = result.val_loss
     print(f"trained to step {result.step}: validation loss "
-          f"{'n/a' if val is None else f'{val:.4f} nats/byte'}; checkpoint in {result.out}")
+          f"{'n/a' if val is None else f'{val:.4f} nats/{result.unit}'}; checkpoint in "
+          f"{result.out}")
     return 0
 
 

@@ -98,13 +98,15 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
                             positions="rope"),
                   TrainConfig(steps=1800, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
                               eval_interval=200, eval_windows=64, autocast="bfloat16")),
-    # The induction experiment (docs/induction.md): a 2-layer attention-only model on
-    # random segments repeated, until an induction head forms.
+    # The induction experiment (docs/induction.md): a 2-layer attention-only model, no
+    # LayerNorm, untied, unit-scale init, on random segments repeated, until an induction
+    # head forms; a constant learning rate after warm-up.
     "induction": (GPTConfig(vocab_size=INDUCTION_VOCAB, block_size=64, n_layer=2, n_head=4,
-                            n_embd=64, attention_only=True, positions="rope"),
-                  TrainConfig(steps=1500, batch_size=32, lr=1e-3, min_lr=1e-4, warmup=50,
-                              weight_decay=0.0, eval_interval=50, eval_windows=256,
-                              data="repeated_segments", segment_lengths=(4, 32),
+                            n_embd=64, attention_only=True, layer_norm=False,
+                            tie_embeddings=False, init="fan_in"),
+                  TrainConfig(steps=2000, batch_size=64, lr=1e-3, min_lr=1e-3, warmup=50,
+                              weight_decay=0.0, eval_interval=100, eval_windows=256,
+                              data="repeated_segments", segment_lengths=(12, 32),
                               snapshots=True)),
 }
 DEFAULT_PRESET = "cpu-10min"
@@ -122,6 +124,7 @@ class Result:
     history: list[dict[str, float]]
     interrupted: bool
     out: Path
+    unit: str = "byte"  # what the loss is per: "byte" (text) or "token"
 
     @property
     def val_loss(self) -> float | None:
@@ -283,7 +286,8 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
     if stop["asked"]:
         bar.note(f"interrupted: checkpoint at step {state['step']} in {out} "
                  "(continue with --resume)")
-    return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out)
+    return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out,
+                  data.unit)
 
 
 class _Text:
