@@ -6,8 +6,9 @@
 
 Prints the transition (the first evaluation whose best induction score reaches 0.4: its step
 and the run's wall time there) and writes docs/induction-loss.png (the loss with the best
-head's induction score) and docs/induction-head.png (that head's pattern on a repeated
-random segment, at the first snapshot and at the end).
+head's induction score), docs/induction-head.png (that head's pattern on a repeated random
+segment, at the first snapshot and at the end) and docs/viewer.png (`qkv view` of the run in
+headless Chromium, the best head clicked and a token of the second copy hovered).
 """
 
 import json
@@ -45,6 +46,23 @@ def main(out: Path) -> None:
                                             for r in scores["induction"].tolist()])
     _plot_loss(evals, history)
     _plot_head(out, model, layer, head)
+    _screenshot(out, layer, head)
+
+
+def _screenshot(out, layer, head) -> None:
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from browser import Browser
+
+    page = Path(tempfile.mkdtemp()) / "view.html"
+    subprocess.run(["qkv", "view", "--checkpoint", str(out), "--out", str(page)], check=True)
+    with Browser(width=1300, height=900) as b:
+        b.open(page)
+        b.click(f"#qkv-cell-{layer}-{head}")
+        b.hover('.qkv-tok[data-i="45"]')
+        (DOCS / "viewer.png").write_bytes(b.screenshot())
 
 
 def _plot_loss(evals, history) -> None:

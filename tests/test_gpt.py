@@ -134,6 +134,19 @@ def test_no_layer_norm_and_an_untied_head():
     assert GPTConfig.from_dict(model.config.to_dict()) == model.config
 
 
+def test_fan_in_initialisation():
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, init="fan_in",
+                          tie_embeddings=False))
+    assert abs(model.wte.weight.std().item() - 1.0) < 0.05
+    tied = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, init="fan_in"))
+    assert abs(tied.wte.weight.std().item() * 8 - 1.0) < 0.05  # the LM head's N(0, 1/E)
+    for lin in (model.blocks[0].attn.W_query, model.blocks[1].attn.out_proj,
+                model.blocks[0].mlp.fc, model.blocks[0].mlp.proj, model.lm_head):
+        assert abs(lin.weight.std().item() * lin.in_features ** 0.5 - 1.0) < 0.05
+    with pytest.raises(ValueError, match="init must be one of"):
+        GPTConfig(init="xavier")
+
+
 def test_uniform_attention_averages_the_past():
     torch.manual_seed(0)
     attn = UniformAttention(8, 8, 2, causal=True).double()

@@ -48,8 +48,9 @@ class GPTConfig:
             attention-only models of interpretability studies have none).
         tie_embeddings: the LM head reads the token embedding's table; False gives it its own.
         init: "gpt2" (N(0, 0.02) weights, residual projections scaled by 1/sqrt(their
-            number)) or "fan_in" (embeddings N(0, 1), each Linear N(0, 1/fan_in): activations
-            of unit scale from the start; a small model on a synthetic task leaves its loss
+            number)) or "fan_in" (embeddings N(0, 1), each Linear N(0, 1/fan_in), a tied table
+            the LM head's: activations of unit scale from the start; a small model on a
+            synthetic task leaves its loss
             plateau far sooner — the induction preset's head forms at ~700 steps with it and
             not within 8,000 with "gpt2", docs/induction.md).
         layer_norm_eps: epsilon of every LayerNorm.
