@@ -21,6 +21,9 @@ Rules for ``backend="auto"``, first match wins:
    or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
 10. otherwise → ``sdpa`` with the mask lowered densely.
 
+``flex`` (torch's FlexAttention, :mod:`qkv.kernels.flex`) runs only when asked for: on CPU
+it compiles for seconds per mask structure and has neither a backward nor the log-sum-exp.
+
 While ``torch.compile`` traces, ``qkv._compiled.choose`` decides instead, without values.
 
 The thresholds were measured with ``benchmarks/bench_attention.py`` on the project's CPU.
@@ -40,7 +43,7 @@ from .masks import FULL, Mask, _Causal
 from .scores import ScoreMod
 
 MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
-BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled")
+BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled", "flex")
 # Below this many scores per (batch, head), planning blocks costs more than it saves.
 SMALL_SCORES = 512 * 512
 # Below this fraction of scores, skipping blocks beats SDPA over a dense mask.
@@ -141,7 +144,8 @@ def check_backend(backend: str, *, dropout_p: float, generator: Any, return_weig
     unfused = mod is not None and not _sdpa_takes(mod)
     cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else [])
               + ([f"{mod!r} (not additive, or it needs a gradient)"] if unfused else []),
-              "tiled": materialised + (["dropout"] if dropout_p > 0 else [])}
+              "tiled": materialised + (["dropout"] if dropout_p > 0 else []),
+              "flex": materialised + (["dropout"] if dropout_p > 0 else [])}
     if backend in cannot and cannot[backend]:
         raise ValueError(f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
                          "use backend='reference' or 'auto'")
@@ -157,6 +161,9 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
                                  score_mod=score_mod)
     mod = score_mod
     unfused = mod is not None and not _sdpa_takes(mod)
+    if backend == "flex" and isinstance(mask, (torch.Tensor, np.ndarray)):
+        raise ValueError("backend='flex' takes a qkv mask (a predicate with a block map), not "
+                         "a dense tensor: use backend='sdpa', 'tiled' or 'auto' for a tensor mask")
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
         mode = _sdpa_mask(p, mask, mod) if backend == "sdpa" else "dense"
@@ -205,7 +212,9 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
         plan = _plan(mask, p)
         if plan.density < SPARSE_DENSITY:
             return Dispatch("tiled", f"mask {mask!r} leaves {plan.density:.1%} of the scores "
-                            "to compute: the tiled kernel skips the empty blocks", plan)
+                            "to compute: the tiled kernel skips the empty blocks (as would "
+                            "backend='flex', run only when asked for: it compiles per mask)",
+                            plan)
         if p.T_q * p.T_k >= LONG_SCORES:
             return Dispatch("tiled", f"T_q × T_k = {p.T_q} × {p.T_k}: torch's fused kernel "
                             f"could take {_describe(mask, mod)} only as a dense {kind} mask",

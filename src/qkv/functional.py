@@ -19,13 +19,14 @@ from . import _compiled
 from ._checks import Problem, check_attention
 from ._dispatch import Dispatch, MaskLike, check_backend, choose
 from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
+from .kernels.flex import flex
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
 from .kernels.tiled import tiled
 from .masks import Mask, _Causal
 from .scores import ScoreMod, as_score_mod
 
-Backend = Literal["auto", "reference", "sdpa", "tiled"]
+Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
 __all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch",
            "merge_attention"]
@@ -57,6 +58,10 @@ def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None
     if mod is not None:
         mod.validate(p.B, p.H, p.T_q, p.T_k)
     if compiling:  # decide without reading values: see qkv._compiled
+        if choice["backend"] == "flex":
+            raise ValueError("backend='flex' plans its BlockMask from the mask's values, "
+                             "which a torch.compile trace cannot read: call it outside the "
+                             "compiled function, or use backend='auto' inside")
         check_backend(choice["backend"], dropout_p=dropout_p, score_mod=mod, **{
             k: v for k, v in choice.items() if k != "backend"})
         return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
@@ -136,7 +141,8 @@ def attention(
             dropout, so ``out == weights @ value``).
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores
             (float32 for half-precision inputs), differentiable on every backend.
-        backend: "auto" (see :func:`dispatch`), "reference", "sdpa" or "tiled".
+        backend: "auto" (see :func:`dispatch`), "reference", "sdpa", "tiled" or "flex"
+            (torch's FlexAttention, asked for only: :mod:`qkv.kernels.flex`).
         score_mod: a :mod:`qkv.scores` modification (or a callable ``fn(score, b, h,
             q_idx, kv_idx)``), applied to the scaled scores before the mask; the weights and
             the log-sum-exp are those of the modified scores.
@@ -165,11 +171,11 @@ def attention(
     # the log-sum-exp (the tiled kernel: no T_q × T_k).
     recorders = RECORDERS if RECORDERS and not torch.compiler.is_compiling() else ()
     user_mask = mask
+    lse_for_recorders = bool(recorders and backend == "auto" and dropout_p == 0)
     p, mask, mod, choice = _prepare(query, key, value, mask=mask, scale=scale,
                                     q_offset=q_offset, dropout_p=dropout_p, generator=generator,
                                     return_weights=return_weights,
-                                    return_lse=return_lse or bool(
-                                        recorders and backend == "auto" and dropout_p == 0),
+                                    return_lse=return_lse or lse_for_recorders,
                                     backend=backend, score_mod=score_mod)
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
     weights = lse = None
@@ -184,6 +190,9 @@ def attention(
             dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
         out = sdpa(q, k, v, mask=dense, is_causal=choice.sdpa_mask == "is_causal",
                    scale=p.scale, dropout_p=dropout_p)
+    elif choice.backend == "flex":
+        out, lse = flex(q, k, v, mask=mask, mod=mod, q_offset=p.q_offset, scale=p.scale,
+                        return_lse=return_lse or lse_for_recorders)
     elif choice.backend == "tiled" and choice.compiled is not None:
         out, lse = _compiled.tiled_op(q, k, v, choice.compiled, p)
     elif choice.backend == "tiled":
