@@ -121,7 +121,7 @@ def test_not_a_tensor():
 def test_backend_errors():
     q = t(1, 1, 3, 4)
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'reference', 'sdpa', "
-                                         "'tiled'; got 'flash'"):
+                                         "'tiled', 'flex'; got 'flash'"):
         qkv.attention(q, q, q, backend="flash")
     with pytest.raises(ValueError, match="backend='sdpa' cannot give the attention weights; "
                                          "use backend='reference' or 'auto'"):

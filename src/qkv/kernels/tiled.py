@@ -145,7 +145,101 @@ def _rows(x5: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
                   mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, H, T_q, D_v) in the accumulation dtype and lse (B, H, T_q)."""
+    """out (B, H, T_q, D_v) and lse (B, H, T_q) in the accumulation dtype: the fused step
+    (:func:`fused_forward`) where it applies, else the loop over tiles
+    (:func:`loop_forward`)."""
+    if mod_tile is None and fusable(q, k, v):
+        return fused_forward(q, k, v, plan, mask_tile, scale)
+    return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
+
+
+# torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
+# online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+#: the fused step is used when True (tests turn it off to compare it with the loop)
+FUSED = True
+
+
+def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`fused_forward` can run this call: torch's CPU kernel exists, the
+    tensors are on the CPU, D_v = D (the kernel's requirement), and K is finite — the
+    kernel adds the mask to the scores, and NaN + (-inf) would carry a masked-out NaN key
+    into the rows that mask it (the loop masks by assignment instead)."""
+    return (FUSED and _FLASH is not None and q.device.type == "cpu"
+            and v.shape[-1] == q.shape[-1] and bool(torch.isfinite(k).all()))
+
+
+def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
+                  mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward pass with one fused call per query block: torch's CPU flash kernel over
+    the block's key span (its first chunk's start to its last chunk's end), with the mask of
+    that span as an additive float mask — -inf where the mask blocks and over EMPTY blocks
+    inside the span, 0 elsewhere; no mask at all when every block of the span is FULL. The
+    query block holds the G query heads of each key/value head as rows (GQA reads each
+    key/value head once). Matmuls run in the inputs' dtype (bfloat16 at its own speed), the
+    softmax state in float32. out in q's dtype, lse in the accumulation dtype."""
+    acc = accumulation_dtype(q.dtype)
+    B, H, T_q, D = q.shape
+    H_kv, G = k.shape[1], H // k.shape[1]
+    q5 = _blocked(q, H_kv)
+    out = q.new_empty(B, H_kv, G, T_q, D)
+    lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
+    for q0, q1, chunks in plan.rows:
+        bq = q1 - q0
+        if not chunks:  # every key masked: out 0, lse -inf
+            out[:, :, :, q0:q1] = 0.0
+            lse[:, :, :, q0:q1] = float("-inf")
+            continue
+        k0, k1 = chunks[0].k0, chunks[-1].k1
+        allowed = _span_mask(chunks, q0, q1, mask_tile)
+        bias = None
+        if allowed is not None:
+            allowed = _fit(allowed.expand(allowed.shape[0], allowed.shape[1], bq, k1 - k0),
+                           H_kv, G)
+            # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
+            # (silently wrong numbers), so the dtypes must match.
+            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~allowed, float("-inf"))
+        o, l_ = _FLASH(_rows(q5, q0, q1), k[:, :, k0:k1], v[:, :, k0:k1], 0.0, False,
+                       attn_mask=bias, scale=scale)
+        if allowed is not None:  # the kernel gives a row with no key lse 0: make it -inf
+            l_ = l_.masked_fill(~allowed.any(-1), float("-inf"))
+        out[:, :, :, q0:q1] = o.view(B, H_kv, G, bq, D)
+        lse[:, :, :, q0:q1] = l_.view(B, H_kv, G, bq)
+    return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+
+
+def _span_mask(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
+               ) -> torch.Tensor | None:
+    """The mask of queries q0..q1-1 over the keys from the first chunk's start to the last
+    chunk's end, (B|1, H|1, bq, span) bool, or None if it allows everything there."""
+    gaps = any(a.k1 != b.k0 for a, b in zip(chunks, chunks[1:]))
+    if not gaps and all(c.masked is None for c in chunks):
+        return None
+    bq, pieces, at = q1 - q0, [], chunks[0].k0
+    ones = lambda n: torch.ones(1, 1, bq, n, dtype=torch.bool)  # noqa: E731
+    for c in chunks:
+        if c.k0 > at:  # EMPTY blocks between chunks
+            pieces.append(~ones(c.k0 - at))
+        if c.masked is None:
+            pieces.append(ones(c.k1 - c.k0))
+        else:
+            m0, m1 = c.masked
+            t = mask_tile(q0, q1, m0, m1)
+            t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
+            pieces += [ones(m0 - c.k0), t.expand(t.shape[0], t.shape[1], bq, m1 - m0),
+                       ones(c.k1 - m1)]
+        at = c.k1
+    B, H = max(p.shape[0] for p in pieces), max(p.shape[1] for p in pieces)
+    return torch.cat([p.expand(B, H, bq, p.shape[3]) for p in pieces], dim=-1)
+
+
+def loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
+                 mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable kernel and the fallback: online softmax over the plan's chunks in
+    PyTorch, one tile at a time. out (B, H, T_q, D_v) and lse (B, H, T_q), both in the
+    accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, _ = q.shape
     H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]

@@ -1,0 +1,84 @@
+"""The tiled kernel's fused step (torch's CPU flash kernel per query block over its key
+span) against the NumPy float64 oracle and against the loop it replaces: every mask kind,
+odd sizes, T_q != T_k, GQA, fully masked rows, gaps inside a span, every dtype."""
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import masks
+from qkv import numpy as qnp
+from qkv.kernels import tiled as K
+
+from helpers import make_qkv, mask_zoo, use_small_tiles
+from tolerances import FLOAT64, LOW_PRECISION
+
+pytestmark = pytest.mark.skipif(K._FLASH is None, reason="this torch has no fused CPU kernel")
+
+TOL = {torch.float64: FLOAT64, **LOW_PRECISION}
+
+
+def oracle(q, k, v, mask):
+    if isinstance(mask, torch.Tensor):
+        mask = mask.numpy()
+    return qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask,
+                         return_lse=True)
+
+
+def run(q, k, v, mask, fused, monkeypatch):
+    monkeypatch.setattr(K, "FUSED", fused)
+    calls = []
+    real = K.fused_forward
+    monkeypatch.setattr(K, "fused_forward", lambda *a: calls.append(1) or real(*a))
+    out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    return out, lse, bool(calls)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
+@pytest.mark.parametrize("name", list(mask_zoo(2, 53, 37)))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
+    if small:  # 8 x 8 tiles, 16-key chunks: many blocks, spans with EMPTY gaps
+        use_small_tiles(monkeypatch)
+    T_q, T_k = 37, 53
+    mask = mask_zoo(2, T_k, T_q)[name]
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 8, 8, dtype=dtype, seed=3)
+    out, lse, fused = run(q, k, v, mask, True, monkeypatch)
+    assert fused
+    want, want_lse = oracle(q, k, v, mask)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse.double().numpy(), want_lse, atol=tol * 4, rtol=tol)
+    loop_out, loop_lse, fused = run(q, k, v, mask, False, monkeypatch)
+    assert not fused
+    np.testing.assert_allclose(out.double().numpy(), loop_out.double().numpy(),
+                               atol=2 * tol, rtol=2 * tol)
+    assert torch.equal(lse == float("-inf"), loop_lse == float("-inf"))  # the same empty rows
+
+
+def test_rows_with_no_key_give_zero_and_minus_infinity(monkeypatch):
+    use_small_tiles(monkeypatch)
+    q, k, v = make_qkv(2, 2, 2, 20, 30, 8, 8, dtype=torch.float32)
+    mask = masks.padding([0, 30]) | masks.predicate(lambda b, h, qi, kv: qi == kv + 100)
+    out, lse, fused = run(q, k, v, mask, True, monkeypatch)
+    assert fused and (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 8, 8, dtype=torch.float32)
+    _, _, fused = run(q, k, v[..., :4], masks.causal(), True, monkeypatch)  # D_v != D
+    assert not fused
+    k_nan = k.clone()
+    k_nan[0, 0, 30] = float("nan")  # masked out for rows < 30: must not reach them
+    out, _, fused = run(q, k_nan, v, masks.causal(), True, monkeypatch)
+    assert not fused and torch.isfinite(out[0, 0, :30]).all()
+    with torch.no_grad():
+        _, _, fused = run(q, k, v, masks.causal(), True, monkeypatch)
+        assert fused
+    out = qkv.attention(q, k, v, mask=masks.causal(), backend="tiled",
+                        score_mod=qkv.scores.softcap(2.0))  # modifications: the loop
+    want = qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=masks.causal(),
+                         score_mod=qkv.scores.softcap(2.0))
+    np.testing.assert_allclose(out.double().numpy(), want, atol=1e-5)
