@@ -47,6 +47,8 @@ def mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | No
                 cache[key] = mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
             return cache[key]
 
+        tile.shift_invariant = mask.shift_invariant  # type: ignore[attr-defined]
+        tile.q_offset = o  # type: ignore[attr-defined]
         return tile
     dense = dense_mask(mask, p, device)
 

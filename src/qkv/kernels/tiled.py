@@ -184,6 +184,9 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     q5 = _blocked(q, H_kv)
     out = q.new_empty(B, H_kv, G, T_q, D)
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
+    # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
+    # per layout of the span relative to the queries, not one per block.
+    cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
     for q0, q1, chunks in plan.rows:
         bq = q1 - q0
         if not chunks:  # every key masked: out 0, lse -inf
@@ -191,22 +194,84 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             lse[:, :, :, q0:q1] = float("-inf")
             continue
         k0, k1 = chunks[0].k0, chunks[-1].k1
-        allowed = _span_mask(chunks, q0, q1, mask_tile)
-        bias = None
-        if allowed is not None:
-            allowed = _fit(allowed.expand(allowed.shape[0], allowed.shape[1], bq, k1 - k0),
-                           H_kv, G)
-            # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
-            # (silently wrong numbers), so the dtypes must match.
-            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-            bias.masked_fill_(~allowed, float("-inf"))
+        bias, empty = _span_bias(chunks, q0, q1, mask_tile, H_kv, G, q.dtype, cache)
         o, l_ = _FLASH(_rows(q5, q0, q1), k[:, :, k0:k1], v[:, :, k0:k1], 0.0, False,
                        attn_mask=bias, scale=scale)
-        if allowed is not None:  # the kernel gives a row with no key lse 0: make it -inf
-            l_ = l_.masked_fill(~allowed.any(-1), float("-inf"))
+        if empty is not None:  # the kernel gives a row with no key lse 0: make it -inf
+            l_ = l_.masked_fill(empty, float("-inf"))
         out[:, :, :, q0:q1] = o.view(B, H_kv, G, bq, D)
         lse[:, :, :, q0:q1] = l_.view(B, H_kv, G, bq)
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+
+
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                          None)
+
+
+def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
+                   mask_tile: MaskTile | None, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward pass with one fused call per query block (torch's CPU flash backward)
+    over the span and float mask of :func:`fused_forward`: dQ of the block, dK and dV of
+    the span, accumulated over blocks in the accumulation dtype. Used where the forward was
+    fused and nothing reaches the log-sum-exp."""
+    acc = accumulation_dtype(q.dtype)
+    B, H, T_q, D = q.shape
+    H_kv, G = k.shape[1], H // k.shape[1]
+    q5, o5 = _blocked(q, H_kv), _blocked(out.to(q.dtype), H_kv)
+    do5 = _blocked(dout.to(q.dtype), H_kv)
+    # A row with no key: the kernel's own forward gave it lse 0 (and P = 0 through the mask).
+    lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
+                    H_kv)
+    dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
+    dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
+    cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
+    for q0, q1, chunks in plan.rows:
+        if not chunks:
+            continue
+        bq, k0, k1 = q1 - q0, chunks[0].k0, chunks[-1].k1
+        bias, _ = _span_bias(chunks, q0, q1, mask_tile, H_kv, G, q.dtype, cache)
+        l_ = _rows(lse5, q0, q1)[..., 0]
+        dqb, dkb, dvb = _FLASH_BACKWARD(
+            _rows(do5, q0, q1), _rows(q5, q0, q1), k[:, :, k0:k1], v[:, :, k0:k1],
+            _rows(o5, q0, q1), l_, 0.0, False, attn_mask=bias, scale=scale)
+        dq5[:, :, :, q0:q1] = dqb.view(B, H_kv, G, bq, D)
+        dk[:, :, k0:k1] += dkb
+        dv[:, :, k0:k1] += dvb
+    return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _span_key(chunks: Sequence[Chunk], q0: int, q1: int) -> tuple:
+    """What a shift-invariant mask's span bias depends on: the block's size and the span's
+    layout relative to the queries."""
+    k0 = chunks[0].k0
+    return (q1 - q0, q0 - k0, tuple(
+        (c.k0 - k0, c.k1 - k0, None if c.masked is None else
+         (c.masked[0] - k0, c.masked[1] - k0)) for c in chunks))
+
+
+def _span_bias(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None,
+               H_kv: int, G: int, dtype: torch.dtype, cache: dict | None
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The additive float mask of a query block over its key span in the kernel's
+    (B|1, H_kv|1, G·bq, span) layout, and the rows it leaves no key; (None, None) when the
+    span is all FULL. ``cache`` (a shift-invariant mask's) keeps one per span layout."""
+    key = None if cache is None else _span_key(chunks, q0, q1)
+    if key is not None and key in cache:
+        return cache[key]
+    allowed = _span_mask(chunks, q0, q1, mask_tile)
+    if allowed is None:
+        found: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    else:
+        allowed = _fit(allowed, H_kv, G)
+        # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
+        # (silently wrong numbers), so the dtypes must match.
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        found = bias, ~allowed.any(-1)
+    if key is not None:
+        cache[key] = found
+    return found
 
 
 def _span_mask(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
@@ -352,6 +417,11 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
+        if ctx.mod_tile is None and _FLASH_BACKWARD is not None and fusable(q, k, v) and (
+                dlse is None or not bool(dlse.any())):
+            dq, dk, dv = fused_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile,
+                                        ctx.scale)
+            return dq, dk, dv, None, None, None, None
         dq, dk, dv, *dmod = tiled_backward(
             q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
             mod_tensors, need=any(ctx.needs_input_grad[7:]))
