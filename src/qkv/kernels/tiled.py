@@ -149,7 +149,15 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     (:func:`fused_forward`) where it applies, else the loop over tiles
     (:func:`loop_forward`)."""
     if mod_tile is None and fusable(q, k, v):
-        return fused_forward(q, k, v, plan, mask_tile, scale)
+        # Measured (docs/kernels.md): the fused call wins over short spans (a window); over
+        # long ones (causal, long documents) the loop's unmasked FULL chunks win.
+        short, long = _split(plan, FUSED_SPAN)
+        if not long.rows:
+            return fused_forward(q, k, v, short, mask_tile, scale)
+        out, lse = loop_forward(q, k, v, long, mask_tile, scale)
+        if short.rows:
+            fused_forward(q, k, v, short, mask_tile, scale, into=(out, lse))
+        return out, lse
     return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
 
 
@@ -170,20 +178,26 @@ def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask_tile: MaskTile | None, scale: float,
+                  into: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass with one fused call per query block: torch's CPU flash kernel over
     the block's key span (its first chunk's start to its last chunk's end), with the mask of
     that span as an additive float mask — -inf where the mask blocks and over EMPTY blocks
     inside the span, 0 elsewhere; no mask at all when every block of the span is FULL. The
     query block holds the G query heads of each key/value head as rows (GQA reads each
     key/value head once). Matmuls run in the inputs' dtype (bfloat16 at its own speed), the
-    softmax state in float32. out in q's dtype, lse in the accumulation dtype."""
+    softmax state in float32. out in q's dtype, lse in the accumulation dtype; with
+    ``into`` = (out, lse) of the full problem, only the plan's rows are written there."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
-    out = q.new_empty(B, H_kv, G, T_q, D)
-    lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
+    if into is None:
+        out = q.new_empty(B, H_kv, G, T_q, D)
+        lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
+    else:
+        out, lse = into[0].view(B, H_kv, G, T_q, D), into[1].view(B, H_kv, G, T_q)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of the span relative to the queries, not one per block.
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
@@ -240,6 +254,20 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         dk[:, :, k0:k1] += dkb
         dv[:, :, k0:k1] += dvb
     return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+#: the longest key span (keys) a query block runs fused, forward and backward; longer ones
+#: run the loop
+FUSED_SPAN = FUSED_BACKWARD_SPAN = 1024
+
+
+def _split(plan: Plan, span: int) -> tuple[Plan, Plan]:
+    """The plan's query blocks whose key span is at most ``span`` keys, and the others
+    (blocks with no key among them)."""
+    fits = [bool(r[2]) and r[2][-1].k1 - r[2][0].k0 <= span for r in plan.rows]
+    short = tuple(r for r, f in zip(plan.rows, fits) if f)
+    long = tuple(r for r, f in zip(plan.rows, fits) if not f)
+    return Plan(plan.T_q, plan.T_k, short), Plan(plan.T_q, plan.T_k, long)
 
 
 def _span_key(chunks: Sequence[Chunk], q0: int, q1: int) -> tuple:
@@ -417,10 +445,17 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
-        if ctx.mod_tile is None and _FLASH_BACKWARD is not None and fusable(q, k, v) and (
-                dlse is None or not bool(dlse.any())):
-            dq, dk, dv = fused_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile,
-                                        ctx.scale)
+        no_dlse = dlse is None or not bool(dlse.any())
+        if ctx.mod_tile is None and _FLASH_BACKWARD is not None and no_dlse and \
+                q.dtype in (torch.float32, torch.float64) and fusable(q, k, v):
+            # Measured (docs/kernels.md): torch's fused backward beats the loop over short
+            # spans only; bfloat16 keeps the loop (which computes in float32) too.
+            short, long = _split(ctx.plan, FUSED_BACKWARD_SPAN)
+            dq, dk, dv = fused_backward(q, k, v, out, lse, dout, short, ctx.mask_tile, ctx.scale)
+            if long.rows:
+                rest = tiled_backward(q, k, v, out, lse, dout, None, long, ctx.mask_tile,
+                                      ctx.scale)
+                dq, dk, dv = dq + rest[0], dk + rest[1], dv + rest[2]
             return dq, dk, dv, None, None, None, None
         dq, dk, dv, *dmod = tiled_backward(
             q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
