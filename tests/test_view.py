@@ -72,6 +72,8 @@ def test_bad_requests_get_clear_errors():
         view(model, [1, 2, 3], labels=["a"])
     with pytest.raises(ValueError, match="query must be a position"):
         view(model, [1, 2, 3], query=3)
+    with pytest.raises(ValueError, match="at most 65535 tokens"):
+        view(torch.nn.Identity(), list(range(65536)))
 
 
 needs_browser = pytest.mark.skipif(

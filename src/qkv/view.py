@@ -28,6 +28,9 @@ import torch
 
 from .heads import ROW_BLOCK, SCORES, head_scores, run
 
+#: the longest prompt a page can hold (key indices are 16-bit)
+MAX_TOKENS = 65535
+
 @dataclass
 class Frame:
     """One model's view of the prompt (one snapshot of a run)."""
@@ -117,6 +120,8 @@ def view(model: Any, tokens: torch.Tensor | Sequence[int], *, labels: Sequence[s
     T = ids.shape[1]
     if T == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    if T > MAX_TOKENS:  # key indices travel as 16-bit integers
+        raise ValueError(f"the viewer shows at most {MAX_TOKENS} tokens; got {T}")
     block = getattr(getattr(model, "config", None), "block_size", None)
     if isinstance(block, int) and T > block:
         raise ValueError(f"the prompt has {T} tokens; the model's context holds "
