@@ -8,6 +8,9 @@ sliding window or packed documents cost what they attend to, and memory is O(T·
 For each query block, consecutive non-empty key blocks are fused into chunks of up to
 ``chunk_k`` keys, one matmul each (fewer, larger matmuls run closer to the CPU's peak). The
 running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
+On the CPU, a query block whose key span is short (a window) runs as one call of torch's
+fused flash kernel instead, forward and backward (:func:`fused_forward`,
+:func:`fused_backward`); the loop stays the fallback and the readable reference.
 
 The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
 style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O) + dlse)``,
