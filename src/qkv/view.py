@@ -21,6 +21,7 @@ import html
 import json
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -68,9 +69,8 @@ class View:
                             css=(assets / "view.css").read_text(encoding="utf-8"),
                             data=payload, js=(assets / "view.js").read_text(encoding="utf-8"))
 
-    def save(self, path: Any) -> None:
-        from pathlib import Path
-
+    def save(self, path: str | Path) -> None:
+        """Write the page to ``path``."""
         Path(path).write_text(self.html(), encoding="utf-8")
 
     def _repr_html_(self) -> str:
