@@ -8,8 +8,8 @@ sliding window or packed documents cost what they attend to, and memory is O(T·
 For each query block, consecutive non-empty key blocks are fused into chunks of up to
 ``chunk_k`` keys, one matmul each (fewer, larger matmuls run closer to the CPU's peak). The
 running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
-On the CPU, a query block whose key span is short (a window) runs as one call of torch's
-fused flash kernel instead, forward and backward (:func:`fused_forward`,
+On the CPU in float32/float64, a query block whose key span is short (a window) runs as one
+call of torch's fused flash kernel instead, forward and backward (:func:`fused_forward`,
 :func:`fused_backward`); the loop stays the fallback and the readable reference.
 
 The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
@@ -173,10 +173,14 @@ FUSED = True
 
 def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`fused_forward` can run this call: torch's CPU kernel exists, the
-    tensors are on the CPU, D_v = D (the kernel's requirement), and K is finite — the
-    kernel adds the mask to the scores, and NaN + (-inf) would carry a masked-out NaN key
-    into the rows that mask it (the loop masks by assignment instead)."""
+    tensors are float32 or float64 on the CPU, D_v = D (the kernel's requirement), and K is
+    finite — the kernel adds the mask to the scores, and NaN + (-inf) would carry a
+    masked-out NaN key into the rows that mask it (the loop masks by assignment instead).
+    Half precision keeps the loop: the kernel rounds the probabilities to the inputs' dtype
+    before ·V, which breaks the accuracy docs/semantics.md promises (within 1.5× the
+    output's own rounding; a property test found 1.05 for 1.0407 in bfloat16)."""
     return (FUSED and _FLASH is not None and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64)
             and v.shape[-1] == q.shape[-1] and bool(torch.isfinite(k).all()))
 
 
@@ -189,8 +193,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     that span as an additive float mask — -inf where the mask blocks and over EMPTY blocks
     inside the span, 0 elsewhere; no mask at all when every block of the span is FULL. The
     query block holds the G query heads of each key/value head as rows (GQA reads each
-    key/value head once). Matmuls run in the inputs' dtype (bfloat16 at its own speed), the
-    softmax state in float32. out in q's dtype, lse in the accumulation dtype; with
+    key/value head once). out in q's dtype, lse in the accumulation dtype; with
     ``into`` = (out, lse) of the full problem, only the plan's rows are written there."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
@@ -450,9 +453,9 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         no_dlse = dlse is None or not bool(dlse.any())
         if ctx.mod_tile is None and _FLASH_BACKWARD is not None and no_dlse and \
-                q.dtype in (torch.float32, torch.float64) and fusable(q, k, v):
+                fusable(q, k, v):
             # Measured (docs/kernels.md): torch's fused backward beats the loop over short
-            # spans only; bfloat16 keeps the loop (which computes in float32) too.
+            # spans only.
             short, long = _split(ctx.plan, FUSED_BACKWARD_SPAN)
             dq, dk, dv = fused_backward(q, k, v, out, lse, dout, short, ctx.mask_tile, ctx.scale)
             if long.rows:
