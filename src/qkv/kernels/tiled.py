@@ -178,7 +178,7 @@ def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     masked-out NaN key into the rows that mask it (the loop masks by assignment instead).
     Half precision keeps the loop: the kernel rounds the probabilities to the inputs' dtype
     before ·V, which breaks the accuracy docs/semantics.md promises (within 1.5× the
-    output's own rounding; a property test found 1.05 for 1.0407 in bfloat16)."""
+    output's own rounding; a property test found 1.6× in bfloat16)."""
     return (FUSED and _FLASH is not None and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64)
             and v.shape[-1] == q.shape[-1] and bool(torch.isfinite(k).all()))
