@@ -10,12 +10,12 @@ import torch
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
-from qkv.kernels import tiled as K
+from qkv.kernels import fused as K
 
 from helpers import make_qkv, mask_zoo, use_small_tiles
 from tolerances import FLOAT64, LOW_PRECISION
 
-pytestmark = pytest.mark.skipif(K._FLASH is None, reason="this torch has no fused CPU kernel")
+pytestmark = pytest.mark.skipif(K.FLASH is None, reason="this torch has no fused CPU kernel")
 
 TOL = {torch.float64: FLOAT64, **LOW_PRECISION}
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ._checks import Problem
-from .kernels.tiled import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, make_plan
+from .kernels.blocks import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, make_plan
 from .masks import FULL, Mask, _Causal
 from .scores import ScoreMod
 

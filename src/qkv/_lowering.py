@@ -14,7 +14,7 @@ import torch
 
 from ._checks import Problem
 from ._dispatch import MaskLike
-from .kernels.tiled import MaskTile, ModTile
+from .kernels.blocks import MaskTile, ModTile
 from .masks import Mask
 from .scores import ScoreMod
 
