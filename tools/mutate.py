@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ["kernels/reference.py", "kernels/sdpa.py", "kernels/tiled.py", "masks.py",
-           "_dispatch.py", "functional.py", "modules.py", "cache.py", "rope.py"]
+TARGETS = ["kernels/reference.py", "kernels/sdpa.py", "kernels/tiled.py", "kernels/blocks.py",
+           "kernels/fused.py", "masks.py", "_dispatch.py", "functional.py", "modules.py",
+           "cache.py", "rope.py"]
 # Tests of the apps (training loop, command line, benchmark harness): they exercise none of
 # the core files' logic that the rest of the suite does not, and take half its time.
 APP_TESTS = ["--ignore=tests/test_train.py", "--ignore=tests/test_cli_errors.py",
