@@ -43,15 +43,6 @@ RECOMPILE_LIMIT = 256
 _COMPILED: Any = None
 
 
-def available() -> bool:
-    """Whether this torch has FlexAttention."""
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def block_mask(mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: int,
                device: torch.device) -> Any:
     """The ``BlockMask`` of a qkv mask (None: every block FULL), from its block map."""

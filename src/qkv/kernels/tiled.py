@@ -61,12 +61,15 @@ def _masked(s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTile
 
 
 def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None,
+                  fuse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) and lse (B, H, T_q) in the accumulation dtype: the fused step
     (:func:`qkv.kernels.fused.fused_forward`) where it applies, else the loop over tiles
-    (:func:`loop_forward`)."""
-    if mod_tile is None and fused.fusable(q, k, v):
+    (:func:`loop_forward`). ``fuse``: whether the fused step may run, if the caller has
+    decided it already (:func:`_fusable`)."""
+    if fuse is None:
+        fuse = _fusable(q, k, v, mod_tile)
+    if fuse:
         # Measured (docs/kernels.md): the fused call wins over short spans (a window); over
         # long ones (causal, long documents) the loop's unmasked FULL chunks win.
         short, long = fused.split(plan, fused.FUSED_SPAN)
@@ -77,6 +80,13 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             fused.fused_forward(q, k, v, short, mask_tile, scale, into=(out, lse))
         return out, lse
     return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
+
+
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod_tile: ModTile | None
+             ) -> bool:
+    """Whether the fused steps may run: no score modification (the loop applies those) and
+    what :func:`qkv.kernels.fused.fusable` asks of the tensors."""
+    return mod_tile is None and fused.fusable(q, k, v)
 
 
 def loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
@@ -188,7 +198,9 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, mask_tile, scale, mod_tile, *mod_tensors):  # type: ignore[override]
-        out, lse = tiled_forward(q, k, v, plan, mask_tile, scale, mod_tile)
+        # Decided once (it reads all of K): the backward reuses it, on the same saved tensors.
+        ctx.fuse = _fusable(q, k, v, mod_tile)
+        out, lse = tiled_forward(q, k, v, plan, mask_tile, scale, mod_tile, fuse=ctx.fuse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
         ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile = plan, mask_tile, scale, mod_tile
@@ -198,8 +210,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         no_dlse = dlse is None or not bool(dlse.any())
-        if ctx.mod_tile is None and fused.FLASH_BACKWARD is not None and no_dlse and \
-                fused.fusable(q, k, v):
+        if ctx.fuse and fused.FLASH_BACKWARD is not None and no_dlse:
             # Measured (docs/kernels.md): torch's fused backward beats the loop over short
             # spans only.
             short, long = fused.split(ctx.plan, fused.FUSED_BACKWARD_SPAN)
