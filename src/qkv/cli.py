@@ -210,10 +210,10 @@ def _view(args: argparse.Namespace) -> None:
         tokens = repeated_tokens(model.config.vocab_size, model.config.block_size // 2,
                                  batch=1, seed=1)[0].tolist()
     kept = [] if args.no_snapshots else snapshots(args.checkpoint)
-    frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
-    if frames:
+    if kept:  # the snapshot of the last step is the final model itself: not loaded twice
         final = json.loads((args.checkpoint / "state.json").read_text())["step"]
-        frames = [f for f, (step, _) in zip(frames, kept) if step != final]
+        kept = [(step, path) for step, path in kept if step != final]
+    frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
     page = view(model, tokens, labels=labels, snapshots=frames, query=args.query,
                 title=f"qkv: {args.checkpoint}")
     page.save(args.out)
