@@ -97,13 +97,50 @@ def test_chunks_never_span_an_empty_block(monkeypatch):
     np.testing.assert_allclose(out.numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64, rtol=0)
 
 
+def _plan_by_rows(codes, T_q, T_k, bq, bk, chunk):
+    """The plan, written row by row: runs of non-empty blocks, each cut into
+    ceil(n / per) near-equal chunks; the mask applies from the first PARTIAL block to the
+    last."""
+    per, out = max(1, chunk // bk), []
+    for i, row in enumerate(codes):
+        blocks = np.flatnonzero(row != masks.EMPTY)
+        runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1) if len(blocks) else []
+        chunks = []
+        for run in runs:
+            for piece in np.array_split(run, -(-len(run) // per)):
+                part = piece[row[piece] == masks.PARTIAL]
+                chunks.append((int(piece[0]) * bk, min((int(piece[-1]) + 1) * bk, T_k),
+                               (int(part[0]) * bk, min((int(part[-1]) + 1) * bk, T_k))
+                               if len(part) else None))
+        out.append((i * bq, min((i + 1) * bq, T_q), chunks))
+    return out
+
+
+@pytest.mark.parametrize("T_q,T_k", [(37, 37), (13, 50), (300, 900), (1, 1)])
+@pytest.mark.parametrize("bq,bk,chunk", [(4, 4, 16), (8, 5, 20), (3, 2, 7)])
+def test_plan_equals_the_row_by_row_plan(T_q, T_k, bq, bk, chunk):
+    from qkv.kernels.blocks import make_plan
+    for name, m in mask_zoo(2, T_k).items():
+        if not isinstance(m, masks.Mask):
+            continue
+        codes = m.blocks(2, 3, T_q, T_k, block_q=bq, block_k=bk)
+        plan = make_plan(*m.sparse_blocks(2, 3, T_q, T_k, block_q=bq, block_k=bk), T_q, T_k,
+                         block_q=bq, block_k=bk, chunk_k=chunk)
+        got = [(q0, q1, [tuple(c) for c in chunks]) for q0, q1, chunks in plan.rows]
+        assert got == _plan_by_rows(codes, T_q, T_k, bq, bk, chunk), name
+        done = sum((q1 - q0) * (c[1] - c[0]) for q0, q1, cs in got for c in cs)
+        assert plan.density == pytest.approx(done / (T_q * T_k)), name
+
+
 def test_plans_are_immutable_values():
     q, k, v = make_qkv(1, 1, 1, 8, 8, 4, 4)
     plan = qkv.dispatch(q, k, v, mask=masks.causal(), backend="tiled").plan
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.rows = ()
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # a Chunk is a named tuple
         plan.rows[0][2][0].k0 = 1
+    with pytest.raises(ValueError):  # its arrays are read-only
+        plan.k0[0] = 1
 
 
 def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch):

@@ -157,6 +157,46 @@ def test_block_map_agrees_with_dense(T_q, T_k, q_offset, bq, bk):
                 assert not tile.any(), (name, i, j)
 
 
+@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
+                                              (20, 41, 7), (5, 40, -20), (5, 40, 60)])
+@pytest.mark.parametrize("bq,bk", [(4, 4), (8, 5), (3, 2)])
+def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
+    # sparse_blocks reaches only the tiles a mask's structure may leave non-empty; it must
+    # find every one of them, with the same code. Ids out of order keep the full reach.
+    B, H = 2, 3
+    rng = np.random.default_rng(T_q * T_k)
+    zoo = zoo_for(B, T_k) | {
+        "ids_descending": masks.document(np.sort(rng.integers(0, 5, T_k))[::-1].copy()),
+        "ids_shuffled": masks.document(rng.integers(0, 3, T_k)),
+        "ids_per_row": masks.document(np.sort(rng.integers(0, 5, (B, T_k)), -1)),
+        "not_window_and_causal": ~masks.sliding_window(5) & masks.causal(),
+        "window_at_an_offset": masks._Shifted(masks.sliding_window(6), 9, 3, 200),
+    }
+    for name, m in zoo.items():
+        dense = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
+        rows, cols, codes = m.sparse_blocks(B, H, T_q, T_k, block_q=bq, block_k=bk,
+                                            q_offset=q_offset)
+        want_rows, want_cols = np.nonzero(dense)
+        np.testing.assert_array_equal(rows, want_rows, err_msg=name)
+        np.testing.assert_array_equal(cols, want_cols, err_msg=name)
+        np.testing.assert_array_equal(codes, dense[want_rows, want_cols], err_msg=name)
+
+
+def test_sparse_block_map_scales_with_what_is_attended():
+    # A window over 4M positions: its band is ~200K tiles, the dense map 2 G cells.
+    import tracemalloc
+    T = 1 << 22
+    tracemalloc.start()
+    try:
+        rows, cols, codes = masks.sliding_window(256).sparse_blocks(
+            1, 1, T, T, block_q=128, block_k=64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(rows) == 196_602  # 32768 rows × 6 tiles, less the first rows' missing keys
+    assert peak < 50e6, peak
+
+
 def test_block_map_is_tight_for_structured_masks():
     # Exactly the diagonal tiles are partial for causal; a window of 8 over 8-wide tiles
     # touches two tiles per row; documents aligned to tiles leave nothing partial.

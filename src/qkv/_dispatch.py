@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ._checks import Problem
-from .kernels.blocks import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, make_plan
+from .kernels.blocks import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
 from .masks import FULL, Mask, _Causal
 from .scores import ScoreMod
 
@@ -225,5 +225,9 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
 
 
 def _plan(mask: MaskLike, p: Problem) -> Plan:
-    return make_plan(block_codes(mask, p), p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
-                     chunk_k=CHUNK_K)
+    if isinstance(mask, Mask) and p.T_q and p.T_k:
+        tiles = mask.sparse_blocks(p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
+                                   q_offset=p.q_offset)
+    else:
+        tiles = dense_to_sparse(block_codes(mask, p))
+    return make_plan(*tiles, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K, chunk_k=CHUNK_K)

@@ -98,20 +98,44 @@ class Mask:
         evaluating it position by position: EMPTY (0, skip), PARTIAL (1, evaluate the
         predicate there) or FULL (2, attend everywhere). Shape (ceil(T_q / block_q),
         ceil(T_k / block_k)), int8. A mask of unknown structure (predicate) is PARTIAL."""
-        self.validate(B, H, T_q, T_k)
-        q_offset = T_k - T_q if q_offset is None else q_offset
-        q_first = np.arange(0, T_q, block_q) + q_offset
-        k_first = np.arange(0, T_k, block_k)
-        tiles = _Tiles(
-            q_first[:, None], np.minimum(q_first + block_q, q_offset + T_q)[:, None] - 1,
-            k_first[None, :], np.minimum(k_first + block_k, T_k)[None, :] - 1,
-        )
-        codes = self._classify(tiles)
-        shape = (len(q_first), len(k_first))
+        t = self._tiles(B, H, T_q, T_k, block_q, block_k, q_offset)
+        rows, cols = np.arange(len(t.qa))[:, None], np.arange(len(t.ka))[None, :]
+        codes = self._classify(t.at(rows, cols))
+        shape = (len(t.qa), len(t.ka))
         return codes if codes.shape == shape else np.broadcast_to(codes, shape).copy()
 
+    def sparse_blocks(self, B: int, H: int, T_q: int, T_k: int, *, block_q: int, block_k: int,
+                      q_offset: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The non-EMPTY tiles of :meth:`blocks` as (rows, cols, codes), sorted by row and
+        then column, in time and memory that grow with the tiles the mask's structure may
+        leave non-empty, not with T_q × T_k: a window's band, causal's triangle, the
+        documents' squares. A mask of unknown structure considers every tile."""
+        t = self._tiles(B, H, T_q, T_k, block_q, block_k, q_offset)
+        lo, hi = self._reach(t)
+        c_lo = np.clip(lo // block_k, 0, len(t.ka))
+        c_hi = np.maximum(np.clip(-(-hi // block_k), 0, len(t.ka)), c_lo)
+        count = c_hi - c_lo
+        rows = np.repeat(np.arange(len(t.qa)), count)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count - c_lo, count)
+        codes = np.broadcast_to(self._classify(t.at(rows, cols)), rows.shape)
+        keep = codes != EMPTY
+        return rows[keep], cols[keep], codes[keep]
+
+    def _tiles(self, B: int, H: int, T_q: int, T_k: int, block_q: int, block_k: int,
+               q_offset: int | None) -> _Tiles:
+        self.validate(B, H, T_q, T_k)
+        q_offset = T_k - T_q if q_offset is None else q_offset
+        qa, ka = np.arange(0, T_q, block_q) + q_offset, np.arange(0, T_k, block_k)
+        return _Tiles(qa, np.minimum(qa + block_q, q_offset + T_q) - 1,
+                      ka, np.minimum(ka + block_k, T_k) - 1)
+
     def _classify(self, t: _Tiles) -> np.ndarray:
-        return np.full((1, 1), PARTIAL, dtype=np.int8)
+        return np.full((), PARTIAL, dtype=np.int8)
+
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
+        """Per query block, the keys [lo, hi) (absolute positions) outside which every tile is
+        EMPTY; unknown structure reaches every key."""
+        return np.full(len(t.qa), -_FAR), np.full(len(t.qa), _FAR)
 
     def dense(self, B: int, H: int, T_q: int, T_k: int, *, q_offset: int | None = None,
               device: torch.device | str | None = None) -> torch.Tensor:
@@ -145,15 +169,43 @@ class Mask:
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
+_FAR = 1 << 62  # beyond any position: the reach of a mask that bounds nothing
+
+
 @dataclass(frozen=True)
 class _Tiles:
-    """Absolute positions bounding each tile: first/last query of each query block
-    (column vectors) and first/last key of each key block (row vectors)."""
+    """Absolute positions bounding the tiles: first/last query of each query block (qa, qb)
+    and first/last key of each key block (ka, kb), 1-d; ``rows`` and ``cols`` (broadcastable
+    index arrays, set by :meth:`at`) pick the tiles to classify."""
 
-    q_first: np.ndarray
-    q_last: np.ndarray
-    k_first: np.ndarray
-    k_last: np.ndarray
+    qa: np.ndarray
+    qb: np.ndarray
+    ka: np.ndarray
+    kb: np.ndarray
+    rows: Any = None
+    cols: Any = None
+
+    def at(self, rows: Any, cols: Any) -> _Tiles:
+        return _Tiles(self.qa, self.qb, self.ka, self.kb, rows, cols)
+
+    def shifted(self, dq: int, dk: int) -> _Tiles:
+        return _Tiles(self.qa + dq, self.qb + dq, self.ka + dk, self.kb + dk, self.rows, self.cols)
+
+    @property
+    def q_first(self) -> np.ndarray:
+        return self.qa[self.rows]
+
+    @property
+    def q_last(self) -> np.ndarray:
+        return self.qb[self.rows]
+
+    @property
+    def k_first(self) -> np.ndarray:
+        return self.ka[self.cols]
+
+    @property
+    def k_last(self) -> np.ndarray:
+        return self.kb[self.cols]
 
 
 def _codes(full: Any, empty: Any) -> np.ndarray:
@@ -211,7 +263,7 @@ class _Full(Mask):
         return kv_idx >= 0
 
     def _classify(self, t):
-        return np.full((1, 1), FULL, dtype=np.int8)
+        return np.full((), FULL, dtype=np.int8)
 
     def __repr__(self) -> str:
         return "full()"
@@ -225,6 +277,9 @@ class _Causal(Mask):
 
     def _classify(self, t):
         return _codes(t.k_last <= t.q_first, t.k_first > t.q_last)
+
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), t.qb + 1
 
     def __repr__(self) -> str:
         return "causal()"
@@ -243,6 +298,9 @@ class _SlidingWindow(Mask):
         w = self.window
         return _codes((t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
                       (t.k_first > t.q_last) | (t.k_last <= t.q_first - w))
+
+    def _reach(self, t):
+        return t.qa - self.window + 1, t.qb + 1
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window})"
@@ -270,6 +328,9 @@ class _Padding(Mask):
 
     def _classify(self, t):
         return _codes(t.k_last < self.lengths.min(), t.k_first >= self.lengths.max())
+
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), np.full(len(t.qa), self.lengths.max(initial=0))
 
     def __repr__(self) -> str:
         return f"padding({_short(self.lengths)})"
@@ -299,25 +360,32 @@ class _Document(Mask):
             return q_in & (ids[q_safe] == ids[kv_idx])
         return q_in & (ids[b, q_safe] == ids[b, kv_idx])
 
+    def _rows(self) -> np.ndarray:
+        return self.ids if self.ids.ndim == 2 else self.ids[None]  # (B or 1, T_k)
+
     def _classify(self, t):
-        ids = self.ids if self.ids.ndim == 2 else self.ids[None]  # (B or 1, T_k)
+        ids = self._rows()
         n = ids.shape[-1]
-
-        def span(first, last):  # min and max document id over each block, per batch row
-            lo, hi = np.clip(first, 0, n - 1).ravel(), np.clip(last, 0, n - 1).ravel()
-            mins = np.stack([ids[:, a:b + 1].min(-1) for a, b in zip(lo, hi)], -1)
-            maxs = np.stack([ids[:, a:b + 1].max(-1) for a, b in zip(lo, hi)], -1)
-            return mins, maxs  # (B, blocks)
-
-        q_min, q_max = span(t.q_first, t.q_last)
-        k_min, k_max = span(t.k_first, t.k_last)
-        q_min, q_max = q_min[:, :, None], q_max[:, :, None]  # (B, nq, 1)
-        k_min, k_max = k_min[:, None, :], k_max[:, None, :]  # (B, 1, nk)
+        q_min, q_max = _spans(ids, t.qa, t.qb)  # (B, query blocks)
+        k_min, k_max = _spans(ids, t.ka, t.kb)  # (B, key blocks)
+        q_min, q_max = q_min[:, t.rows], q_max[:, t.rows]  # per tile
+        k_min, k_max = k_min[:, t.cols], k_max[:, t.cols]
         inside = ((t.q_first >= 0) & (t.q_last < n))  # every query of the block has an id
         full = inside & ((q_min == q_max) & (k_min == k_max) & (q_min == k_min)).all(0)
         q_out = (t.q_last < 0) | (t.q_first >= n)  # no query of the block has an id
         empty = q_out | ((q_max < k_min) | (k_max < q_min)).all(0)
         return _codes(full, empty)
+
+    def _reach(self, t):
+        ids = self._rows()
+        if (np.diff(ids, axis=-1) < 0).any():  # ids out of order: any key may share an id
+            return super()._reach(t)
+        # Sorted ids: a query block's keys are those with ids between its first and last.
+        n = ids.shape[-1]
+        first, last = ids[:, np.clip(t.qa, 0, n - 1)], ids[:, np.clip(t.qb, 0, n - 1)]
+        lo = [np.searchsorted(row, a, "left") for row, a in zip(ids, first)]
+        hi = [np.searchsorted(row, b, "right") for row, b in zip(ids, last)]
+        return np.min(lo, 0), np.max(hi, 0)
 
     def __repr__(self) -> str:
         return f"document({_short(self.ids)})"
@@ -334,8 +402,22 @@ class _PrefixLM(Mask):
         n = self.prefix
         return _codes((t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last))
 
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), np.maximum(t.qb + 1, self.prefix)
+
     def __repr__(self) -> str:
         return f"prefix_lm({self.prefix})"
+
+
+def _spans(ids: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Min and max of each row of ids (B, n) over positions first..last (clipped to the ids),
+    for every block at once: one reduceat over the ids, not a loop over blocks."""
+    n = ids.shape[-1]
+    lo, hi = np.clip(first, 0, n - 1), np.clip(last, 0, n - 1)
+    at = np.stack([lo, hi + 1], -1).ravel()  # [lo0, hi0 + 1, lo1, ...]; keep the even ones
+    padded = np.concatenate([ids, ids[:, -1:]], -1)  # so that hi + 1 == n is an index
+    return (np.minimum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
+            np.maximum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0])
 
 
 class _Predicate(Mask):
@@ -370,6 +452,10 @@ class _And(_Binary):
     def _classify(self, t):
         return np.minimum(self.left._classify(t), self.right._classify(t))
 
+    def _reach(self, t):
+        (a, b), (c, d) = self.left._reach(t), self.right._reach(t)
+        return np.maximum(a, c), np.minimum(b, d)
+
     def __call__(self, b, h, q_idx, kv_idx):
         return self.left(b, h, q_idx, kv_idx) & self.right(b, h, q_idx, kv_idx)
 
@@ -381,6 +467,10 @@ class _And(_Binary):
 class _Or(_Binary):
     def _classify(self, t):
         return np.maximum(self.left._classify(t), self.right._classify(t))
+
+    def _reach(self, t):
+        (a, b), (c, d) = self.left._reach(t), self.right._reach(t)
+        return np.minimum(a, c), np.maximum(b, d)
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.left(b, h, q_idx, kv_idx) | self.right(b, h, q_idx, kv_idx)
@@ -432,8 +522,11 @@ class _Shifted(Mask):
         return self.inner(b, h, q_idx + self.dq, kv_idx + self.dk)
 
     def _classify(self, t):
-        return self.inner._classify(_Tiles(t.q_first + self.dq, t.q_last + self.dq,
-                                           t.k_first + self.dk, t.k_last + self.dk))
+        return self.inner._classify(t.shifted(self.dq, self.dk))
+
+    def _reach(self, t):
+        lo, hi = self.inner._reach(t.shifted(self.dq, self.dk))
+        return lo - self.dk, hi - self.dk
 
     def __repr__(self) -> str:
         return f"({self.inner!r} at queries +{self.dq}, keys +{self.dk})"

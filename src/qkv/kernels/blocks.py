@@ -8,7 +8,8 @@ length · D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from functools import cached_property
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -37,8 +38,7 @@ class ModTile(Protocol):
             need: bool) -> tuple[torch.Tensor, list]: ...
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """Keys k0..k1-1 for one query block, and the key range (from the first PARTIAL block
     to the last) where the mask must be evaluated, or None if every block is FULL."""
 
@@ -47,40 +47,101 @@ class Chunk:
     masked: tuple[int, int] | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """What to compute: for each query block (q0, q1), its chunks of keys."""
+    """What to compute, as arrays: query block i covers queries q0[i]..q1[i]-1 and owns the
+    chunks at[i]..at[i+1]-1, each keys k0..k1-1 with the mask evaluated over keys
+    m0..m1-1 (m1 = -1: every block of the chunk is FULL). :attr:`rows` gives the same as
+    tuples, made when a kernel first iterates them."""
 
     T_q: int
     T_k: int
-    rows: tuple[tuple[int, int, tuple[Chunk, ...]], ...]
+    q0: np.ndarray
+    q1: np.ndarray
+    at: np.ndarray
+    k0: np.ndarray
+    k1: np.ndarray
+    m0: np.ndarray
+    m1: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("q0", "q1", "at", "k0", "k1", "m0", "m1"):
+            getattr(self, name).flags.writeable = False
+
+    @cached_property
+    def rows(self) -> tuple[tuple[int, int, tuple[Chunk, ...]], ...]:
+        """Per query block (q0, q1, its chunks)."""
+        masked: list = list(zip(self.m0.tolist(), self.m1.tolist()))
+        for i in np.flatnonzero(self.m1 < 0).tolist():  # chunks of FULL blocks only
+            masked[i] = None
+        chunks = list(map(Chunk._make, zip(self.k0.tolist(), self.k1.tolist(), masked)))
+        at = self.at.tolist()
+        return tuple(zip(self.q0.tolist(), self.q1.tolist(),
+                         [tuple(chunks[a:b]) for a, b in zip(at[:-1], at[1:])]))
 
     @property
     def density(self) -> float:
         """Fraction of the T_q × T_k scores the plan computes (1.0 = dense)."""
-        done = sum((q1 - q0) * (c.k1 - c.k0) for q0, q1, chunks in self.rows for c in chunks)
+        per_row = np.add.reduceat(np.append(self.k1 - self.k0, 0), self.at[:-1])
+        per_row[self.at[:-1] == self.at[1:]] = 0  # reduceat reads one chunk for empty rows
+        done = int(((self.q1 - self.q0) * per_row).sum())
         return done / (self.T_q * self.T_k) if self.T_q * self.T_k else 0.0
 
+    def select(self, keep: np.ndarray) -> Plan:
+        """The plan of the query blocks where ``keep`` (one bool per block) is True."""
+        first, last = self.at[:-1][keep], self.at[1:][keep]
+        take = np.concatenate([np.arange(a, b) for a, b in zip(first, last)] or [[]]
+                              ).astype(np.int64)
+        at = np.append(0, np.cumsum(last - first))
+        return Plan(self.T_q, self.T_k, self.q0[keep], self.q1[keep], at, self.k0[take],
+                    self.k1[take], self.m0[take], self.m1[take])
 
-def make_plan(codes: np.ndarray, T_q: int, T_k: int, *, block_q: int = BLOCK_Q,
-              block_k: int = BLOCK_K, chunk_k: int = CHUNK_K) -> Plan:
-    """Turn a block map (codes from ``Mask.blocks``) into chunks of consecutive
-    non-empty key blocks, at most ``chunk_k`` keys each."""
+    @property
+    def spans(self) -> np.ndarray:
+        """Per query block, keys from its first chunk's start to its last's end (0 if none)."""
+        some = self.at[1:] > self.at[:-1]
+        out = np.zeros(len(self.q0), np.int64)
+        out[some] = self.k1[self.at[1:][some] - 1] - self.k0[self.at[:-1][some]]
+        return out
+
+
+def make_plan(rows: np.ndarray, cols: np.ndarray, codes: np.ndarray, T_q: int, T_k: int, *,
+              block_q: int = BLOCK_Q, block_k: int = BLOCK_K, chunk_k: int = CHUNK_K) -> Plan:
+    """Turn the non-EMPTY tiles of a block map (``Mask.sparse_blocks``: rows, cols, codes,
+    sorted by row then column) into chunks of consecutive key blocks, at most ``chunk_k``
+    keys each: a run of n blocks splits into ceil(n / per_chunk) near-equal chunks. Array
+    operations over the tiles, so planning costs what the mask attends, not T_q × T_k."""
     per_chunk = max(1, chunk_k // block_k)
-    rows = []
-    for i, row in enumerate(codes):
-        blocks = np.flatnonzero(row != EMPTY)
-        runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1) if len(blocks) else []
-        chunks = []
-        for run in runs:
-            for piece in np.array_split(run, -(-len(run) // per_chunk)):
-                partial = piece[row[piece] == PARTIAL]
-                masked = (int(partial[0]) * block_k, min((int(partial[-1]) + 1) * block_k, T_k)
-                          ) if len(partial) else None
-                chunks.append(Chunk(int(piece[0]) * block_k,
-                                    min((int(piece[-1]) + 1) * block_k, T_k), masked))
-        rows.append((i * block_q, min((i + 1) * block_q, T_q), tuple(chunks)))
-    return Plan(T_q, T_k, tuple(rows))
+    n = len(rows)
+    first = np.ones(n, bool)  # where a run of consecutive blocks in one row starts
+    first[1:] = (rows[1:] != rows[:-1]) | (cols[1:] != cols[:-1] + 1)
+    starts = np.flatnonzero(first)
+    run = np.cumsum(first) - 1
+    length = np.diff(np.append(starts, n))[run]
+    at = np.arange(n) - starts[run]  # position within the run
+    pieces = -(-length // per_chunk)
+    size, big = length // np.maximum(pieces, 1), length % np.maximum(pieces, 1)
+    # np.array_split's rule: the first `big` pieces hold size + 1 blocks, the others size.
+    piece = np.where(at < big * (size + 1), at // (size + 1),
+                     big + (at - big * (size + 1)) // np.maximum(size, 1))
+    first[1:] |= piece[1:] != piece[:-1]
+    c0 = np.flatnonzero(first)
+    c1 = np.append(c0[1:] - 1, n - 1) if n else c0  # each chunk's last tile
+    partial = codes == PARTIAL
+    m0 = np.minimum.reduceat(np.where(partial, cols, np.iinfo(np.int64).max), c0) if n else c0
+    m1 = np.maximum.reduceat(np.where(partial, cols, -1), c0) if n else c0
+    q0 = np.arange(0, T_q, block_q)
+    return Plan(T_q, T_k, q0, np.minimum(q0 + block_q, T_q),
+                np.searchsorted(rows[c0], np.arange(len(q0) + 1)),
+                cols[c0] * block_k, np.minimum((cols[c1] + 1) * block_k, T_k),
+                np.where(m1 >= 0, m0 * block_k, -1),
+                np.where(m1 >= 0, np.minimum((m1 + 1) * block_k, T_k), -1))
+
+
+def dense_to_sparse(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dense block map's non-EMPTY tiles as (rows, cols, codes), sorted."""
+    rows, cols = np.nonzero(codes != EMPTY)
+    return rows, cols, codes[rows, cols]
 
 
 def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:

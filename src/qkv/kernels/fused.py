@@ -121,10 +121,8 @@ FUSED_SPAN = FUSED_BACKWARD_SPAN = 1024
 def split(plan: Plan, span: int) -> tuple[Plan, Plan]:
     """The plan's query blocks whose key span is at most ``span`` keys, and the others
     (blocks with no key among them)."""
-    fits = [bool(r[2]) and r[2][-1].k1 - r[2][0].k0 <= span for r in plan.rows]
-    short = tuple(r for r, f in zip(plan.rows, fits) if f)
-    long = tuple(r for r, f in zip(plan.rows, fits) if not f)
-    return Plan(plan.T_q, plan.T_k, short), Plan(plan.T_q, plan.T_k, long)
+    fits = (plan.at[1:] > plan.at[:-1]) & (plan.spans <= span)
+    return plan.select(fits), plan.select(~fits)
 
 
 def _span_key(chunks: Sequence[Chunk], q0: int, q1: int) -> tuple:

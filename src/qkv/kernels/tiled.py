@@ -73,10 +73,10 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         # Measured (docs/kernels.md): the fused call wins over short spans (a window); over
         # long ones (causal, long documents) the loop's unmasked FULL chunks win.
         short, long = fused.split(plan, fused.FUSED_SPAN)
-        if not long.rows:
+        if not long.q0.size:
             return fused.fused_forward(q, k, v, short, mask_tile, scale)
         out, lse = loop_forward(q, k, v, long, mask_tile, scale)
-        if short.rows:
+        if short.q0.size:
             fused.fused_forward(q, k, v, short, mask_tile, scale, into=(out, lse))
         return out, lse
     return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
@@ -216,7 +216,7 @@ class _TiledAttention(torch.autograd.Function):
             short, long = fused.split(ctx.plan, fused.FUSED_BACKWARD_SPAN)
             dq, dk, dv = fused.fused_backward(q, k, v, out, lse, dout, short, ctx.mask_tile,
                                               ctx.scale)
-            if long.rows:
+            if long.q0.size:
                 rest = tiled_backward(q, k, v, out, lse, dout, None, long, ctx.mask_tile,
                                       ctx.scale)
                 dq, dk, dv = dq + rest[0], dk + rest[1], dv + rest[2]
