@@ -1,5 +1,5 @@
-"""The tiled kernel's fused step (torch's CPU flash kernel per query block over its key
-span) against the NumPy float64 oracle and against the loop it replaces: every mask kind,
+"""The tiled kernel's fused step (torch's CPU flash kernel per call over query blocks and
+their keys) against the NumPy float64 oracle and against the loop it replaces: every mask kind,
 odd sizes, T_q != T_k, GQA, fully masked rows, gaps inside a span; float64 and float32 (half
 precision keeps the loop, checked here too)."""
 
@@ -45,13 +45,10 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
     T_q, T_k = 37, 53
     mask = mask_zoo(2, T_k, T_q)[name]
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 8, 8, dtype=dtype, seed=3)
-    if small:  # spans longer than 24 keys run the loop: both paths, combined
-        monkeypatch.setattr(K, "FUSED_SPAN", 24)
+    if small:
+        small_calls(monkeypatch)
     out, lse, fused = run(q, k, v, mask, True, monkeypatch)
-    if dtype == torch.bfloat16:  # half precision keeps the loop (its accuracy promise)
-        assert not fused
-    else:
-        assert fused or small  # small tiles: only masks with short spans (windows) run fused
+    assert fused == (dtype != torch.bfloat16)  # half precision keeps the loop (its accuracy)
     want, want_lse = oracle(q, k, v, mask)
     tol = TOL[dtype]
     np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
@@ -61,6 +58,39 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
     np.testing.assert_allclose(out.double().numpy(), loop_out.double().numpy(),
                                atol=2 * tol, rtol=2 * tol)
     assert torch.equal(lse == float("-inf"), loop_lse == float("-inf"))  # the same empty rows
+
+
+def small_calls(monkeypatch):
+    """With 8 × 8 tiles: spans over 24 keys cut into FULL and masked stretches, groups of 4
+    query blocks sharing FULL stretches of 8 keys or more."""
+    monkeypatch.setattr(K, "FUSED_SPAN", 24)
+    monkeypatch.setattr(K, "GROUP", 4)
+    monkeypatch.setattr(K, "SHARED_MIN", 8)
+
+
+@pytest.mark.parametrize("T_q,T_k", [(37, 53), (64, 64), (120, 41), (1, 30)])
+def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
+    from qkv._dispatch import _plan, Problem
+    use_small_tiles(monkeypatch)
+    small_calls(monkeypatch)
+    for name, mask in mask_zoo(2, T_k, T_q).items():
+        plan = _plan(mask, Problem(0, 2, 2, 2, T_q, T_k, 8, 8, T_k - T_q, 1.0))
+        count = np.zeros((T_q, T_k), int)
+        for _, _, group in K.calls(plan):
+            for c in group:
+                assert c.k0 < c.k1 and c.q0 < c.q1, (name, c)
+                if c.chunks is None:  # every key FULL for every query of the call
+                    count[c.q0:c.q1, c.k0:c.k1] += 1
+                    continue
+                for x in c.chunks:
+                    assert c.k0 <= x.k0 < x.k1 <= c.k1, (name, c)
+                    count[c.q0:c.q1, x.k0:x.k1] += 1
+        want = np.zeros((T_q, T_k), int)
+        for q0, q1, chunks in plan.rows:
+            for x in chunks:
+                want[q0:q1, x.k0:x.k1] += 1
+        np.testing.assert_array_equal(count, want, err_msg=name)
+        assert want.max() <= 1
 
 
 def test_rows_with_no_key_give_zero_and_minus_infinity(monkeypatch):
@@ -108,7 +138,8 @@ def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monke
     calls = []
     real = K.fused_backward
     monkeypatch.setattr(K, "fused_backward", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(K, "FUSED_BACKWARD_SPAN", 24)  # longer spans: the loop, summed in
+    if small:
+        small_calls(monkeypatch)
     fused = grads(q, k, v, mask, g, backend="tiled")
     assert calls or dtype == torch.bfloat16  # bfloat16 keeps the loop backward
     want = grads(q.double(), k.double(), v.double(), mask, g.double(), backend="reference")

@@ -87,23 +87,6 @@ class Plan:
         done = int(((self.q1 - self.q0) * per_row).sum())
         return done / (self.T_q * self.T_k) if self.T_q * self.T_k else 0.0
 
-    def select(self, keep: np.ndarray) -> Plan:
-        """The plan of the query blocks where ``keep`` (one bool per block) is True."""
-        first, last = self.at[:-1][keep], self.at[1:][keep]
-        take = np.concatenate([np.arange(a, b) for a, b in zip(first, last)] or [[]]
-                              ).astype(np.int64)
-        at = np.append(0, np.cumsum(last - first))
-        return Plan(self.T_q, self.T_k, self.q0[keep], self.q1[keep], at, self.k0[take],
-                    self.k1[take], self.m0[take], self.m1[take])
-
-    @property
-    def spans(self) -> np.ndarray:
-        """Per query block, keys from its first chunk's start to its last's end (0 if none)."""
-        some = self.at[1:] > self.at[:-1]
-        out = np.zeros(len(self.q0), np.int64)
-        out[some] = self.k1[self.at[1:][some] - 1] - self.k0[self.at[:-1][some]]
-        return out
-
 
 def make_plan(rows: np.ndarray, cols: np.ndarray, codes: np.ndarray, T_q: int, T_k: int, *,
               block_q: int = BLOCK_Q, block_k: int = BLOCK_K, chunk_k: int = CHUNK_K) -> Plan:

@@ -8,7 +8,7 @@ length · D head dim.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -35,43 +35,153 @@ def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.shape[-1] == q.shape[-1] and bool(torch.isfinite(k).all()))
 
 
+class Call(NamedTuple):
+    """One call of torch's kernel: queries q0..q1-1 (one or more query blocks) over keys
+    k0..k1-1; ``chunks`` (one query block's) give the mask there, or are None where every
+    key is FULL for every query of the call (no mask)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    chunks: tuple[Chunk, ...] | None
+
+
+#: query blocks taken together, so that the key stretch FULL for all of them runs as one
+#: call over their queries (larger calls run nearer the matmul peak), when it is at least
+#: SHARED_MIN keys
+GROUP = 8
+SHARED_MIN = 256
+#: the longest key span (keys) one call covers with a mask; a longer span is cut into its
+#: FULL stretches (no mask) and its masked stretches, merged by their log-sum-exps
+FUSED_SPAN = 1024
+
+
+def calls(plan: Plan) -> list[tuple[int, int, list[Call]]]:
+    """The plan as fused calls, per group of GROUP query blocks: (q0, q1, its calls), whose
+    results merge (by log-sum-exp) into the group's rows. Each query block's keys are
+    covered exactly once."""
+    rows = plan.rows
+    return [(group[0][0], group[-1][1], _group_calls(group))
+            for group in (rows[g:g + GROUP] for g in range(0, len(rows), GROUP))]
+
+
+def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Call]:
+    """The calls for consecutive query blocks: the key stretches FULL for all of them as one
+    unmasked call each over all their queries, then the rest the same way for each half of
+    the group, down to single blocks (:func:`_segments`). A causal triangle becomes large
+    rectangles and small triangles; a window, whose blocks share no FULL stretch, one call
+    per block."""
+    if len(group) == 1:
+        q0, q1, chunks = group[0]
+        return [Call(q0, q1, p[0].k0, p[-1].k1, None if _all_full(p) else p)
+                for p in (_segments(chunks) if chunks else ())]
+    # A block with no keys shares nothing, so a shared stretch covers every block.
+    shared = _shared_full([c for _, _, c in group])
+    found = [Call(group[0][0], group[-1][1], a, b, None) for a, b in shared]
+    rest = [(q0, q1, _without(chunks, shared)) for q0, q1, chunks in group]
+    half = len(rest) // 2
+    return found + _group_calls(rest[:half]) + _group_calls(rest[half:])
+
+
+def _all_full(chunks: Sequence[Chunk]) -> bool:
+    return all(c.masked is None for c in chunks) and all(
+        a.k1 == b.k0 for a, b in zip(chunks, chunks[1:]))
+
+
+def _full_stretches(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
+    """The maximal key ranges where every block is FULL."""
+    found: list[tuple[int, int]] = []
+    for c in chunks:
+        pieces = [(c.k0, c.k1)] if c.masked is None else [(c.k0, c.masked[0]),
+                                                           (c.masked[1], c.k1)]
+        for a, b in pieces:
+            if a == b:
+                continue
+            if found and found[-1][1] == a:
+                found[-1] = (found[-1][0], b)
+            else:
+                found.append((a, b))
+    return found
+
+
+def _shared_full(blocks: Sequence[Sequence[Chunk]]) -> list[tuple[int, int]]:
+    """Key ranges of at least SHARED_MIN keys FULL for every one of the blocks."""
+    common = _full_stretches(blocks[0])
+    for chunks in blocks[1:]:
+        other, both = _full_stretches(chunks), []
+        for a, b in common:
+            for c, d in other:
+                if max(a, c) < min(b, d):
+                    both.append((max(a, c), min(b, d)))
+        common = both
+    return [(a, b) for a, b in common if b - a >= SHARED_MIN]
+
+
+def _without(chunks: Sequence[Chunk], cut: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
+    """The chunks less the key ranges ``cut`` (FULL there, so no masked range is cut)."""
+    out = list(chunks)
+    for a, b in cut:
+        kept = []
+        for c in out:
+            if c.k1 <= a or c.k0 >= b:
+                kept.append(c)
+                continue
+            for x, y in ((c.k0, a), (b, c.k1)):
+                if x < y:
+                    inside = c.masked is not None and x <= c.masked[0] and c.masked[1] <= y
+                    kept.append(Chunk(x, y, c.masked if inside else None))
+        out = kept
+    return tuple(out)
+
+
+def _segments(chunks: Sequence[Chunk]) -> list[tuple[Chunk, ...]]:
+    """A query block's keys as the parts of one call each: all of them when they span at
+    most FUSED_SPAN keys (one call, the mask over the span); a longer span cut into its
+    FULL stretches (calls with no mask) and its masked stretches (the mask over just those
+    keys)."""
+    if chunks[-1].k1 - chunks[0].k0 <= FUSED_SPAN:
+        return [tuple(chunks)]
+    full = _full_stretches(chunks)
+    parts = [(Chunk(a, b, None),) for a, b in full]
+    parts += [(Chunk(*c.masked, c.masked),) for c in chunks if c.masked is not None]
+    return sorted(parts, key=lambda p: p[0].k0)
+
+
 def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float,
-                  into: tuple[torch.Tensor, torch.Tensor] | None = None
+                  mask_tile: MaskTile | None, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward pass with one fused call per query block: torch's CPU flash kernel over
-    the block's key span (its first chunk's start to its last chunk's end), with the mask of
-    that span as an additive float mask — -inf where the mask blocks and over EMPTY blocks
-    inside the span, 0 elsewhere; no mask at all when every block of the span is FULL. The
-    query block holds the G query heads of each key/value head as rows (GQA reads each
-    key/value head once). out in q's dtype, lse in the accumulation dtype; with
-    ``into`` = (out, lse) of the full problem, only the plan's rows are written there."""
+    """The forward pass as the fused calls of :func:`calls`: torch's CPU flash kernel over
+    each call's keys, with their mask as an additive float mask — -inf where the mask blocks
+    and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
+    calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
+    query heads of a key/value head as rows (GQA reads each key/value head once). out in
+    q's dtype, lse in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
-    if into is None:
-        out = q.new_empty(B, H_kv, G, T_q, D)
-        lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
-    else:
-        out, lse = into[0].view(B, H_kv, G, T_q, D), into[1].view(B, H_kv, G, T_q)
+    out = torch.zeros(B, H_kv, G, T_q, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H_kv, G, T_q), float("-inf"), dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
-    # per layout of the span relative to the queries, not one per block.
+    # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
-    for q0, q1, chunks in plan.rows:
-        bq = q1 - q0
-        if not chunks:  # every key masked: out 0, lse -inf
-            out[:, :, :, q0:q1] = 0.0
-            lse[:, :, :, q0:q1] = float("-inf")
-            continue
-        k0, k1 = chunks[0].k0, chunks[-1].k1
-        bias, empty = _span_bias(chunks, q0, q1, mask_tile, H_kv, G, q.dtype, cache)
-        o, l_ = FLASH(_rows(q5, q0, q1), k[:, :, k0:k1], v[:, :, k0:k1], 0.0, False,
-                       attn_mask=bias, scale=scale)
-        if empty is not None:  # the kernel gives a row with no key lse 0: make it -inf
-            l_ = l_.masked_fill(empty, float("-inf"))
-        out[:, :, :, q0:q1] = o.view(B, H_kv, G, bq, D)
-        lse[:, :, :, q0:q1] = l_.view(B, H_kv, G, bq)
+    for g0, g1, group in calls(plan):
+        done = torch.zeros(g1 - g0, dtype=torch.bool)
+        for c in group:
+            bias, empty = _call_bias(c, mask_tile, H_kv, G, q.dtype, cache)
+            o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], 0.0,
+                          False, attn_mask=bias, scale=scale)
+            if empty is not None:  # the kernel gives a row with no key lse 0: make it -inf
+                l_ = l_.masked_fill(empty, float("-inf"))
+            o, l_ = o.view(B, H_kv, G, c.q1 - c.q0, D), l_.view(B, H_kv, G, c.q1 - c.q0)
+            at = slice(c.q0, c.q1)
+            if done[c.q0 - g0:c.q1 - g0].any():
+                out[:, :, :, at], lse[:, :, :, at] = _merge(out[:, :, :, at], lse[:, :, :, at],
+                                                            o, l_)
+            else:
+                out[:, :, :, at], lse[:, :, :, at] = o, l_
+            done[c.q0 - g0:c.q1 - g0] = True
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 
@@ -83,10 +193,10 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
                    mask_tile: MaskTile | None, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward pass with one fused call per query block (torch's CPU flash backward)
-    over the span and float mask of :func:`fused_forward`: dQ of the block, dK and dV of
-    the span, accumulated over blocks in the accumulation dtype. Used where the forward was
-    fused and nothing reaches the log-sum-exp."""
+    """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
+    backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
+    its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
+    forward was fused and nothing reaches the log-sum-exp."""
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
@@ -98,72 +208,56 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
-    for q0, q1, chunks in plan.rows:
-        if not chunks:
-            continue
-        bq, k0, k1 = q1 - q0, chunks[0].k0, chunks[-1].k1
-        bias, _ = _span_bias(chunks, q0, q1, mask_tile, H_kv, G, q.dtype, cache)
-        l_ = _rows(lse5, q0, q1)[..., 0]
-        dqb, dkb, dvb = FLASH_BACKWARD(
-            _rows(do5, q0, q1), _rows(q5, q0, q1), k[:, :, k0:k1], v[:, :, k0:k1],
-            _rows(o5, q0, q1), l_, 0.0, False, attn_mask=bias, scale=scale)
-        dq5[:, :, :, q0:q1] = dqb.view(B, H_kv, G, bq, D)
-        dk[:, :, k0:k1] += dkb
-        dv[:, :, k0:k1] += dvb
+    for _, _, group in calls(plan):
+        for c in group:
+            bias, _ = _call_bias(c, mask_tile, H_kv, G, q.dtype, cache)
+            dqc, dkc, dvc = FLASH_BACKWARD(
+                _rows(do5, c.q0, c.q1), _rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1],
+                v[:, :, c.k0:c.k1], _rows(o5, c.q0, c.q1), _rows(lse5, c.q0, c.q1)[..., 0],
+                0.0, False, attn_mask=bias, scale=scale)
+            dq5[:, :, :, c.q0:c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
+            dk[:, :, c.k0:c.k1] += dkc
+            dv[:, :, c.k0:c.k1] += dvc
     return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-#: the longest key span (keys) a query block runs fused, forward and backward; longer ones
-#: run the loop
-FUSED_SPAN = FUSED_BACKWARD_SPAN = 1024
+def _merge(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint sets of keys merged into attention over both (a row
+    neither saw stays 0 with lse -inf)."""
+    both = torch.logaddexp(lse, lse2)
+    at = both.masked_fill(both == float("-inf"), 0.0)
+    w, w2 = torch.exp(lse - at)[..., None], torch.exp(lse2 - at)[..., None]
+    return (o * w + o2 * w2).to(o.dtype), both
 
 
-def split(plan: Plan, span: int) -> tuple[Plan, Plan]:
-    """The plan's query blocks whose key span is at most ``span`` keys, and the others
-    (blocks with no key among them)."""
-    fits = (plan.at[1:] > plan.at[:-1]) & (plan.spans <= span)
-    return plan.select(fits), plan.select(~fits)
-
-
-def _span_key(chunks: Sequence[Chunk], q0: int, q1: int) -> tuple:
-    """What a shift-invariant mask's span bias depends on: the block's size and the span's
-    layout relative to the queries."""
-    k0 = chunks[0].k0
-    return (q1 - q0, q0 - k0, tuple(
-        (c.k0 - k0, c.k1 - k0, None if c.masked is None else
-         (c.masked[0] - k0, c.masked[1] - k0)) for c in chunks))
-
-
-def _span_bias(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None,
-               H_kv: int, G: int, dtype: torch.dtype, cache: dict | None
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The additive float mask of a query block over its key span in the kernel's
-    (B|1, H_kv|1, G·bq, span) layout, and the rows it leaves no key; (None, None) when the
-    span is all FULL. ``cache`` (a shift-invariant mask's) keeps one per span layout."""
-    key = None if cache is None else _span_key(chunks, q0, q1)
+def _call_bias(c: Call, mask_tile: MaskTile | None, H_kv: int, G: int, dtype: torch.dtype,
+               cache: dict | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The additive float mask of a call in the kernel's (B|1, H_kv|1, G·rows, keys) layout,
+    and the rows it leaves no key; (None, None) when every key is FULL. ``cache`` (a
+    shift-invariant mask's) keeps one per layout of the call relative to its queries."""
+    if c.chunks is None:
+        return None, None
+    key = None if cache is None else (c.q1 - c.q0, c.q0 - c.k0, tuple(
+        (x.k0 - c.k0, x.k1 - c.k0, None if x.masked is None else
+         (x.masked[0] - c.k0, x.masked[1] - c.k0)) for x in c.chunks))
     if key is not None and key in cache:
         return cache[key]
-    allowed = _span_mask(chunks, q0, q1, mask_tile)
-    if allowed is None:
-        found: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    else:
-        allowed = _fit(allowed, H_kv, G)
-        # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
-        # (silently wrong numbers), so the dtypes must match.
-        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-        found = bias, ~allowed.any(-1)
+    allowed = _fit(_span_mask(c.chunks, c.q0, c.q1, mask_tile), H_kv, G)
+    # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
+    # (silently wrong numbers), so the dtypes must match.
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    found = bias, ~allowed.any(-1)
     if key is not None:
         cache[key] = found
     return found
 
 
 def _span_mask(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
-               ) -> torch.Tensor | None:
+               ) -> torch.Tensor:
     """The mask of queries q0..q1-1 over the keys from the first chunk's start to the last
-    chunk's end, (B|1, H|1, bq, span) bool, or None if it allows everything there."""
-    gaps = any(a.k1 != b.k0 for a, b in zip(chunks, chunks[1:]))
-    if not gaps and all(c.masked is None for c in chunks):
-        return None
+    chunk's end, (B|1, H|1, bq, span) bool: True over FULL blocks, the mask over each
+    chunk's masked range, False over EMPTY blocks between chunks."""
     bq, pieces, at = q1 - q0, [], chunks[0].k0
     ones = lambda n: torch.ones(1, 1, bq, n, dtype=torch.bool)  # noqa: E731
     for c in chunks:

@@ -70,15 +70,7 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     if fuse is None:
         fuse = _fusable(q, k, v, mod_tile)
     if fuse:
-        # Measured (docs/kernels.md): the fused call wins over short spans (a window); over
-        # long ones (causal, long documents) the loop's unmasked FULL chunks win.
-        short, long = fused.split(plan, fused.FUSED_SPAN)
-        if not long.q0.size:
-            return fused.fused_forward(q, k, v, short, mask_tile, scale)
-        out, lse = loop_forward(q, k, v, long, mask_tile, scale)
-        if short.q0.size:
-            fused.fused_forward(q, k, v, short, mask_tile, scale, into=(out, lse))
-        return out, lse
+        return fused.fused_forward(q, k, v, plan, mask_tile, scale)
     return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
 
 
@@ -211,15 +203,8 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         no_dlse = dlse is None or not bool(dlse.any())
         if ctx.fuse and fused.FLASH_BACKWARD is not None and no_dlse:
-            # Measured (docs/kernels.md): torch's fused backward beats the loop over short
-            # spans only.
-            short, long = fused.split(ctx.plan, fused.FUSED_BACKWARD_SPAN)
-            dq, dk, dv = fused.fused_backward(q, k, v, out, lse, dout, short, ctx.mask_tile,
-                                              ctx.scale)
-            if long.q0.size:
-                rest = tiled_backward(q, k, v, out, lse, dout, None, long, ctx.mask_tile,
-                                      ctx.scale)
-                dq, dk, dv = dq + rest[0], dk + rest[1], dv + rest[2]
+            dq, dk, dv = fused.fused_backward(q, k, v, out, lse, dout, ctx.plan,
+                                              ctx.mask_tile, ctx.scale)
             return dq, dk, dv, None, None, None, None
         dq, dk, dv, *dmod = tiled_backward(
             q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
