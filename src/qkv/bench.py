@@ -116,6 +116,8 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
     compiling, as a user meets them."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from .kernels.flex import run_compiled
+
     compiled = torch.compile(flex_attention)
     state: dict[str, object] = {}
 
@@ -123,7 +125,7 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
         if "block_mask" not in state:
             state["block_mask"] = create_block_mask(lambda b, h, qi, ki: mask(b, h, qi, ki),
                                                     1, 1, T, T, device="cpu")
-        return compiled(q, k, v, block_mask=state["block_mask"])
+        return run_compiled(compiled, q, k, v, block_mask=state["block_mask"])
 
     return call
 

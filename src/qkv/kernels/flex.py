@@ -123,9 +123,17 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None
     B, H, T_q, _ = q.shape
     T_k = k.shape[2]
     blocks = block_mask(mask, B, H, T_q, T_k, q_offset, q.device)
-    # Each mask structure is a compiled variant of flex_attention; past dynamo's default
-    # limit of 8 it would fall back to flex's unfused eager path (T_q × T_k scores).
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        result = _COMPILED(q, k, v, score_mod=score_mod(mod, q_offset), block_mask=blocks,
-                           scale=scale, enable_gqa=H != k.shape[1], return_lse=return_lse)
+    result = run_compiled(_COMPILED, q, k, v, score_mod=score_mod(mod, q_offset),
+                          block_mask=blocks, scale=scale, enable_gqa=H != k.shape[1],
+                          return_lse=return_lse)
     return (result[0], result[1]) if return_lse else (result, None)
+
+
+def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a compiled flex_attention. Each mask structure is a compiled variant; past
+    dynamo's default limit of 8, torch would fall back to flex's unfused eager path, which
+    materialises T_q × T_k scores (at T = 16K in bfloat16 that ran this machine out of
+    memory): raise the limit, and fail rather than fall back past it."""
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
+                                    fail_on_recompile_limit_hit=True):
+        return fn(*args, **kwargs)
