@@ -160,3 +160,22 @@ def test_flex_is_never_chosen_by_auto_on_the_cpu_and_dispatch_says_why():
     q, k, v = (torch.zeros(1, 1, 4096, 8) for _ in range(3))
     choice = qkv.dispatch(q, k, v, mask=masks.sliding_window(64))
     assert choice.backend == "tiled" and "backend='flex'" in choice.reason
+
+
+def test_auto_prefers_flex_on_cuda(monkeypatch):
+    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv._dispatch._flex_on_gpu)
+    # send what the tiled kernel would take to flex, and leave SDPA what it does best.
+    import qkv._dispatch as d
+    monkeypatch.setattr(d, "_flex_on_gpu", lambda key, mask: not isinstance(mask, torch.Tensor))
+    q, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))
+    choose = lambda **kw: qkv.dispatch(q, k, v, **kw)  # noqa: E731
+    assert choose(mask=masks.sliding_window(256)).backend == "flex"
+    assert "on CUDA" in choose(mask=masks.sliding_window(256)).reason
+    assert choose(mask=masks.causal(), return_lse=True).backend == "flex"
+    assert choose(mask=masks.causal(), score_mod=qkv.scores.softcap(5.0)).backend == "flex"
+    assert choose(mask=masks.causal()).backend == "sdpa"  # is_causal
+    assert choose().backend == "sdpa"  # no mask
+    assert choose(mask=masks.causal(), dropout_p=0.1).backend == "sdpa"  # flex has no dropout
+    dense = masks.sliding_window(256).dense(1, 1, 4096, 4096)
+    assert choose(mask=dense).backend != "flex"
+

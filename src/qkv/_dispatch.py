@@ -21,8 +21,12 @@ Rules for ``backend="auto"``, first match wins:
    or a long sequence (T_q·T_k >= ``LONG_SCORES``) → ``tiled``;
 10. otherwise → ``sdpa`` with the mask lowered densely.
 
-``flex`` (torch's FlexAttention, :mod:`qkv.kernels.flex`) runs only when asked for: on CPU
-it compiles for seconds per mask structure and has neither a backward nor the log-sum-exp.
+On CUDA, where FlexAttention compiles once per mask structure and gives the backward and
+the log-sum-exp, ``flex`` (torch's FlexAttention, :mod:`qkv.kernels.flex`) replaces ``tiled``
+in rules 2, 3 and 9 for a qkv mask (or none, in rules 2 and 3): SDPA cannot skip a mask's
+empty blocks there, and the tiled kernel's loop is written for the CPU. On CPU ``flex`` runs
+only when asked for: it compiles for seconds per mask structure and has neither a backward
+nor the log-sum-exp.
 
 While ``torch.compile`` traces, ``qkv._compiled.choose`` decides instead, without values.
 
@@ -109,6 +113,15 @@ def _sdpa_mask(p: Problem, mask: MaskLike, mod: ScoreMod | None = None) -> str:
     return "dense"
 
 
+def _flex_on_gpu(key: torch.Tensor, mask: MaskLike) -> bool:
+    """Whether ``auto`` should take FlexAttention: CUDA inputs, a qkv mask or none, and a
+    torch that has it."""
+    if key.device.type != "cuda" or not (mask is None or isinstance(mask, Mask)):
+        return False
+    from importlib.util import find_spec
+    return find_spec("torch.nn.attention.flex_attention") is not None
+
+
 def _finite(x: torch.Tensor) -> bool:
     """Whether x holds no NaN/inf, by one reduction: NaN and inf survive a sum. (A sum that
     overflows reads as non-finite and only sends the call to the always-correct tiled kernel.)"""
@@ -171,13 +184,20 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     if materialised:
         return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
                         "materialised reference kernel provides them")
+    gpu = _flex_on_gpu(key, mask)
     if return_lse:
+        if gpu:
+            return Dispatch("flex", "the log-sum-exp asked for, on CUDA: FlexAttention "
+                            "returns it, skipping the mask's empty blocks")
         return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
                         "without materialising T_q × T_k", _plan(mask, p))
     if unfused:
         if dropout_p > 0:
             return Dispatch("reference", f"score modification {mod!r} with dropout: torch's "
                             "kernel cannot apply it and the tiled kernel has no dropout")
+        if gpu:
+            return Dispatch("flex", f"score modification {mod!r} is not additive or needs a "
+                            "gradient, on CUDA: FlexAttention applies it as its score_mod")
         return Dispatch("tiled", f"score modification {mod!r} is not additive or needs a "
                         "gradient: torch's kernel cannot take it as a float mask; the tiled "
                         "kernel applies it tile by tile", _plan(mask, p))
@@ -208,7 +228,12 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
         return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: "
                         f"{_describe(mask, mod)} passed to torch's fused kernel as a dense "
                         f"{kind} mask", sdpa_mask=mode)
-    if isinstance(mask, Mask) or (mask is None and p.T_q * p.T_k >= LONG_SCORES):
+    if isinstance(mask, Mask) and gpu:
+        return Dispatch("flex", f"mask {mask!r} on CUDA: FlexAttention skips its empty "
+                        "blocks and runs its partial ones fused (SDPA could take it only as a "
+                        f"dense {kind} mask)")
+    if (isinstance(mask, Mask) or (mask is None and p.T_q * p.T_k >= LONG_SCORES)) and not (
+            key.device.type == "cuda"):  # SDPA's CUDA kernels hold no T_q × T_k
         plan = _plan(mask, p)
         if plan.density < SPARSE_DENSITY:
             return Dispatch("tiled", f"mask {mask!r} leaves {plan.density:.1%} of the scores "

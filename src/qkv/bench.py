@@ -55,6 +55,22 @@ class PeakRSS:
         self.above = self.process - self.base
 
 
+class PeakCUDA:
+    """On a GPU: the peak of torch's CUDA allocator above what it held at entry, and its
+    peak overall (what the device's memory is for), after the device finished its work."""
+
+    def __enter__(self) -> PeakCUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()  # the call's kernels are asynchronous: wait for them
+        self.process = torch.cuda.max_memory_allocated()
+        self.above = self.process - self.base
+
+
 @dataclass
 class Result:
     dtype: str
@@ -106,7 +122,9 @@ def candidates(name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int,
                 s = s.masked_fill(~mask.dense(1, 1, T, T), float("-inf"))
             return torch.softmax(s, dim=-1) @ v
         out["naive torch"] = naive
-    if flex and mask is not None and not q.requires_grad:  # Flex has no backward on CPU
+    cpu = q.device.type == "cpu"
+    if flex and mask is not None and not (cpu and q.requires_grad):  # no backward on CPU
+        out["qkv flex"] = lambda: qkv.attention(q, k, v, mask=mask, backend="flex")
         out["flex (compiled)"] = flex_candidate(mask, T, q, k, v)
     return out
 
@@ -124,7 +142,7 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
     def call() -> torch.Tensor:
         if "block_mask" not in state:
             state["block_mask"] = create_block_mask(lambda b, h, qi, ki: mask(b, h, qi, ki),
-                                                    1, 1, T, T, device="cpu")
+                                                    1, 1, T, T, device=q.device)
         return run_compiled(compiled, q, k, v, block_mask=state["block_mask"])
 
     return call
@@ -142,8 +160,9 @@ def measure(fn: Callable[[], torch.Tensor], backward: bool, repeats: int,
         del out
 
     times, peak, process = [], 0, 0
+    on_gpu = leaves[0].device.type == "cuda"
     for _ in range(repeats + 1):
-        with PeakRSS() as mem:
+        with PeakCUDA() if on_gpu else PeakRSS() as mem:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
@@ -159,8 +178,9 @@ def run(args: argparse.Namespace) -> list[Result]:
             for pass_ in args.passes:
                 backward = pass_ == "fwd+bwd"
                 g = torch.Generator().manual_seed(0)
-                leaves = [torch.randn(1, args.H, T, args.D, generator=g).to(dtype)
-                          .requires_grad_(backward) for _ in range(3)]
+                leaves = [torch.randn(1, args.H, T, args.D, generator=g)
+                          .to(device=args.device, dtype=dtype).requires_grad_(backward)
+                          for _ in range(3)]
                 for name in args.masks:
                     for cand, fn in candidates(name, T, *leaves, flex=args.flex,
                                                naive_max_T=args.naive_max_T,
@@ -184,9 +204,10 @@ def table(results: list[Result]) -> str:
     for r in results:
         rows.setdefault((r.dtype, r.pass_, r.T, r.mask), {})[r.candidate] = r
     lines = ["| dtype | pass | T | mask | qkv auto | qkv tiled | sdpa (fastest valid) | "
-             "sdpa dense mask | naive | flex | tiled speed-up vs sdpa dense | tiled / flex | "
-             "auto / best sdpa | tiled first call | peak MB tiled / sdpa dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sdpa dense mask | naive | flex | qkv flex | tiled speed-up vs sdpa dense | "
+             "tiled / flex | qkv flex / flex | auto / best sdpa | tiled first call | "
+             "peak MB tiled / sdpa dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda r: ("failed" if r.error else f"{r.median_s * 1e3:.0f} ms") if r else "—"  # noqa: E731
     for (dtype, pass_, T, mask), c in rows.items():
         ok = {name: r for name, r in c.items() if not r.error}  # ratios only of what ran
@@ -196,13 +217,15 @@ def table(results: list[Result]) -> str:
         vs_sdpa = f"{auto.median_s / sdpa.median_s:.2f}" if auto and sdpa else "—"
         flex = ok.get("flex (compiled)")
         vs_flex = f"{tiled.median_s / flex.median_s:.2f}" if tiled and flex else "—"
+        ours = ok.get("qkv flex")
+        lowered = f"{ours.median_s / flex.median_s:.2f}" if ours and flex else "—"
         first = f"{tiled.first_s:.2f} s" if tiled else "—"
         mem = (f"{tiled.peak_mb:.0f} / {dense.peak_mb:.0f}" if tiled and dense
                else f"{tiled.peak_mb:.0f} / —" if tiled else "—")
         lines.append(f"| {dtype} | {pass_} | {T} | {mask} | {fmt(auto)} | {fmt(tiled)} | "
                      f"{fmt(sdpa)} | {fmt(dense)} | {fmt(c.get('naive torch'))} | "
-                     f"{fmt(c.get('flex (compiled)'))} | {speedup} | {vs_flex} | {vs_sdpa} | {first} | "
-                     f"{mem} |")
+                     f"{fmt(c.get('flex (compiled)'))} | {fmt(c.get('qkv flex'))} | {speedup} | "
+                     f"{vs_flex} | {lowered} | {vs_sdpa} | {first} | {mem} |")
     return "\n".join(lines)
 
 
@@ -277,7 +300,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="longest T for the naive PyTorch baseline (default 4096)")
     parser.add_argument("--dense-max-T", type=int, default=16384,
                         help="longest T for baselines that need a dense T x T mask (16384)")
-    parser.add_argument("--flex", action="store_true", help="also time compiled Flex")
+    parser.add_argument("--flex", action="store_true",
+                        help="also time qkv's flex backend and hand-written compiled Flex")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the inputs live (default cpu); on cuda, memory is the "
+                             "CUDA allocator's peak")
     parser.add_argument("--long", action="store_true",
                         help="only causal T=65536, H=2, fwd+bwd through tiled")
     parser.add_argument("--decode", action="store_true",
@@ -286,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-json", type=Path, nargs="+",
                         help="print the table of earlier runs' JSON lines; run nothing")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if args.from_json:
         lines = [line for path in args.from_json for line in path.read_text().splitlines()]
         print(table([Result(**json.loads(line)) for line in lines if line.startswith("{")]))
@@ -297,8 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         args.T, args.H, args.dtypes, args.masks, args.passes = [65536], 2, ["float32"], \
             ["causal"], ["fwd+bwd"]
         args.dense_max_T = args.naive_max_T = 0
+    gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}{gpu}", flush=True)
     results = run(args)
     if args.json:
         with args.json.open("a") as f:
