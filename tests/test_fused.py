@@ -62,10 +62,11 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
 
 def small_calls(monkeypatch):
     """With 8 × 8 tiles: spans over 24 keys cut into FULL and masked stretches, groups of 4
-    query blocks sharing FULL stretches of 8 keys or more."""
+    query blocks sharing FULL stretches of 8 keys or more, backward calls of 16 keys."""
     monkeypatch.setattr(K, "FUSED_SPAN", 24)
     monkeypatch.setattr(K, "GROUP", 4)
     monkeypatch.setattr(K, "SHARED_MIN", 8)
+    monkeypatch.setattr(K, "BACKWARD_SPAN", 16)  # the backward cuts longer unmasked calls
 
 
 @pytest.mark.parametrize("T_q,T_k", [(37, 53), (64, 64), (120, 41), (1, 30)])

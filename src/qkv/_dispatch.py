@@ -43,6 +43,7 @@ import torch
 
 from ._checks import Problem
 from .kernels.blocks import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
+from .kernels.reference import all_finite
 from .masks import FULL, Mask, _Causal
 from .scores import ScoreMod
 
@@ -120,13 +121,6 @@ def _flex_on_gpu(key: torch.Tensor, mask: MaskLike) -> bool:
         return False
     from importlib.util import find_spec
     return find_spec("torch.nn.attention.flex_attention") is not None
-
-
-def _finite(x: torch.Tensor) -> bool:
-    """Whether x holds no NaN/inf, by one reduction: NaN and inf survive a sum. (A sum that
-    overflows reads as non-finite and only sends the call to the always-correct tiled kernel.)"""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(x.sum(dtype=acc)))
 
 
 def _describe(mask: MaskLike, mod: ScoreMod | None = None) -> str:
@@ -209,7 +203,7 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
     if mode == "none":
         return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
                         f"kernel without a mask{drawn}", sdpa_mask=mode)
-    if not _finite(key):
+    if not all_finite(key):
         why = ("key holds NaN or inf and a mask or score modification is given: torch's fused "
                "kernel would spread it into rows that mask that key out")
         if dropout_p > 0:

@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .blocks import Chunk, MaskTile, Plan, _blocked, _fit, _rows
-from .reference import accumulation_dtype
+from .reference import accumulation_dtype, all_finite
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
@@ -32,7 +32,7 @@ def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     output's own rounding; a property test found 1.6× in bfloat16)."""
     return (FUSED and FLASH is not None and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64)
-            and v.shape[-1] == q.shape[-1] and bool(torch.isfinite(k).all()))
+            and v.shape[-1] == q.shape[-1] and all_finite(k))
 
 
 class Call(NamedTuple):
@@ -161,8 +161,8 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
-    out = torch.zeros(B, H_kv, G, T_q, D, dtype=q.dtype, device=q.device)
-    lse = torch.full((B, H_kv, G, T_q), float("-inf"), dtype=acc, device=q.device)
+    out = q.new_empty(B, H_kv, G, T_q, D)
+    lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
@@ -182,6 +182,9 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             else:
                 out[:, :, :, at], lse[:, :, :, at] = o, l_
             done[c.q0 - g0:c.q1 - g0] = True
+        if not done.all():  # rows with no key: out 0, lse -inf
+            rows = torch.arange(g0, g1)[~done]
+            out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 
@@ -209,7 +212,7 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
     for _, _, group in calls(plan):
-        for c in group:
+        for c in (piece for call in group for piece in _backward_pieces(call)):
             bias, _ = _call_bias(c, mask_tile, H_kv, G, q.dtype, cache)
             dqc, dkc, dvc = FLASH_BACKWARD(
                 _rows(do5, c.q0, c.q1), _rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1],
@@ -219,6 +222,20 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             dk[:, :, c.k0:c.k1] += dkc
             dv[:, :, c.k0:c.k1] += dvc
     return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+#: the most keys one backward call covers: its dK and dV are that long, so an unmasked call
+#: over a long FULL stretch (causal at T = 64K) is cut into pieces of this many keys
+BACKWARD_SPAN = 4096
+
+
+def _backward_pieces(c: Call) -> list[Call]:
+    """A call's keys in pieces of at most BACKWARD_SPAN (only unmasked calls are longer):
+    each piece's gradients are its exact share, given the whole rows' out and lse."""
+    if c.chunks is not None or c.k1 - c.k0 <= BACKWARD_SPAN:
+        return [c]
+    return [c._replace(k0=a, k1=min(a + BACKWARD_SPAN, c.k1))
+            for a in range(c.k0, c.k1, BACKWARD_SPAN)]
 
 
 def _merge(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor

@@ -20,6 +20,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether x holds no NaN/inf, by one reduction: NaN and inf survive a sum. (A sum that
+    overflows reads as non-finite: callers only send such a call to a kernel that masks
+    non-finite values out, which is always correct.)"""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(x.sum(dtype=acc)))
+
+
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     """x with NaN and ±inf read as 0."""
     return x.masked_fill(~torch.isfinite(x), 0.0)
