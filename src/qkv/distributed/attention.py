@@ -26,7 +26,7 @@ from .._lowering import mask_tile
 from ..functional import _prepare, merge_attention
 from ..functional import attention as local_attention
 from ..kernels.reference import accumulation_dtype
-from ..kernels.tiled import tiled_backward, tiled_forward
+from ..kernels.tiled import plain_backward, tiled_forward
 from ..masks import EMPTY, Mask, _Shifted
 from .layout import Layout
 
@@ -200,8 +200,8 @@ class _RingAttention(torch.autograd.Function):
                     qa, qb, ql = runs[i]
                     rows = slice(ql, ql + qb - qa)
                     pr, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
-                    dq, dk, dv = tiled_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
-                                                dout[:, :, rows], None, choice.plan,
+                    dq, dk, dv = plain_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
+                                                dout[:, :, rows], choice.plan,
                                                 mask_tile(m, pr, q.device), pr.scale,
                                                 delta=delta[:, :, rows])
                     dquery[:, :, rows] += dq

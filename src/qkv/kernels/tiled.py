@@ -187,6 +187,23 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             *[None if d is None else d.to(t.dtype) for d, t in zip(dmod, mod_tensors)])
 
 
+def plain_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
+                   mask_tile: MaskTile | None, scale: float, *, fuse: bool | None = None,
+                   delta: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv when no gradient reaches the log-sum-exp and there is no score
+    modification: the fused backward where it may run (``fuse``: as the forward decided, or
+    decided here), else the loop (``delta`` as for :func:`tiled_backward`)."""
+    if fuse is None:
+        fuse = _fusable(q, k, v, None)
+    if fuse and fused.FLASH_BACKWARD is not None:
+        return fused.fused_backward(q, k, v, out, lse, dout, plan, mask_tile, scale)
+    dq, dk, dv = tiled_backward(q, k, v, out, lse, dout, None, plan, mask_tile, scale,
+                                delta=delta)
+    return dq, dk, dv
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, mask_tile, scale, mod_tile, *mod_tensors):  # type: ignore[override]
@@ -202,9 +219,9 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):  # type: ignore[override]
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         no_dlse = dlse is None or not bool(dlse.any())
-        if ctx.fuse and fused.FLASH_BACKWARD is not None and no_dlse:
-            dq, dk, dv = fused.fused_backward(q, k, v, out, lse, dout, ctx.plan,
-                                              ctx.mask_tile, ctx.scale)
+        if no_dlse and ctx.mod_tile is None:
+            dq, dk, dv = plain_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile,
+                                        ctx.scale, fuse=ctx.fuse)
             return dq, dk, dv, None, None, None, None
         dq, dk, dv, *dmod = tiled_backward(
             q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
