@@ -24,15 +24,20 @@ FUSED = True
 
 def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`fused_forward` can run this call: torch's CPU kernel exists, the
-    tensors are float32 or float64 on the CPU, D_v = D (the kernel's requirement), and K is
-    finite — the kernel adds the mask to the scores, and NaN + (-inf) would carry a
-    masked-out NaN key into the rows that mask it (the loop masks by assignment instead).
-    Half precision keeps the loop: the kernel rounds the probabilities to the inputs' dtype
-    before ·V, which breaks the accuracy docs/semantics.md promises (within 1.5× the
-    output's own rounding; a property test found 1.6× in bfloat16)."""
+    tensors are on the CPU in a floating dtype, D_v = D (the kernel's requirement), and K
+    is finite — the kernel adds the mask to the scores, and NaN + (-inf) would carry a
+    masked-out NaN key into the rows that mask it (the loop masks by assignment instead)."""
     return (FUSED and FLASH is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64)
+            and q.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
             and v.shape[-1] == q.shape[-1] and all_finite(k))
+
+
+def _working(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as torch's kernel is given them: half precision in float32. In its own
+    dtype the kernel rounds the probabilities to it before ·V, which breaks the accuracy
+    docs/semantics.md promises (within 1.5× the output's own rounding; a property test
+    found 1.6× in bfloat16), and it runs no faster there (docs/kernels.md)."""
+    return tuple(x.to(accumulation_dtype(x.dtype)) for x in xs)
 
 
 class Call(NamedTuple):
@@ -156,8 +161,9 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
     calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
     query heads of a key/value head as rows (GQA reads each key/value head once). out in
-    q's dtype, lse in the accumulation dtype."""
-    acc = accumulation_dtype(q.dtype)
+    the accumulation dtype (half precision runs in float32: :func:`_working`), as lse."""
+    q, k, v = _working(q, k, v)
+    acc = q.dtype
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
@@ -199,12 +205,15 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
-    forward was fused and nothing reaches the log-sum-exp."""
-    acc = accumulation_dtype(q.dtype)
+    forward was fused and nothing reaches the log-sum-exp. Half precision runs in float32
+    (:func:`_working`); the gradients come back in the inputs' dtypes."""
+    dtypes = q.dtype, k.dtype, v.dtype
+    q, k, v = _working(q, k, v)
+    acc = q.dtype
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
-    q5, o5 = _blocked(q, H_kv), _blocked(out.to(q.dtype), H_kv)
-    do5 = _blocked(dout.to(q.dtype), H_kv)
+    q5, o5 = _blocked(q, H_kv), _blocked(out.to(acc), H_kv)
+    do5 = _blocked(dout.to(acc), H_kv)
     # A row with no key: the kernel's own forward gave it lse 0 (and P = 0 through the mask).
     lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
                     H_kv)
@@ -221,7 +230,7 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             dq5[:, :, :, c.q0:c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
             dk[:, :, c.k0:c.k1] += dkc
             dv[:, :, c.k0:c.k1] += dvc
-    return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 
 #: the most keys one backward call covers: its dK and dV are that long, so an unmasked call
