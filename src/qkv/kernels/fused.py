@@ -13,6 +13,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .blocks import Chunk, MaskTile, Plan, _blocked, _fit, _rows
+from . import native
 from .reference import accumulation_dtype, all_finite
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
@@ -160,14 +161,17 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     each call's keys, with their mask as an additive float mask — -inf where the mask blocks
     and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
     calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
-    query heads of a key/value head as rows (GQA reads each key/value head once). out in
-    the accumulation dtype (half precision runs in float32: :func:`_working`), as lse."""
-    q, k, v = _working(q, k, v)
-    acc = q.dtype
+    query heads of a key/value head as rows (GQA reads each key/value head once). bfloat16
+    calls run qkv's native kernel where it :func:`~qkv.kernels.native.takes` them, other
+    half precision in float32 (:func:`_working`). out in the accumulation dtype, as lse."""
+    packed = native.pack(k, v) if native.takes(q, k, v) else None
+    if packed is None:
+        q, k, v = _working(q, k, v)
+    acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
-    out = q.new_empty(B, H_kv, G, T_q, D)
+    out = torch.empty(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
@@ -175,11 +179,14 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     for g0, g1, group in calls(plan):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:
-            bias, empty = _call_bias(c, mask_tile, H_kv, G, q.dtype, cache)
-            o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1], 0.0,
-                          False, attn_mask=bias, scale=scale)
-            if empty is not None:  # the kernel gives a row with no key lse 0: make it -inf
-                l_ = l_.masked_fill(empty, float("-inf"))
+            bias, empty = _call_bias(c, mask_tile, H_kv, G, acc, cache)
+            if packed is not None:  # a row with no key: lse -inf already
+                o, l_ = native.attend(q5[:, :, :, c.q0:c.q1], packed, c.k0, c.k1, bias, scale)
+            else:
+                o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
+                              0.0, False, attn_mask=bias, scale=scale)
+                if empty is not None:  # torch's kernel gives such a row lse 0: make it -inf
+                    l_ = l_.masked_fill(empty, float("-inf"))
             o, l_ = o.view(B, H_kv, G, c.q1 - c.q0, D), l_.view(B, H_kv, G, c.q1 - c.q0)
             at = slice(c.q0, c.q1)
             if done[c.q0 - g0:c.q1 - g0].any():

@@ -1,0 +1,98 @@
+"""qkv's native bfloat16 step (``_bf16.c``, built at install): one call of the fused
+forward with Q, K and V kept in bfloat16 — both matmuls as bfloat16 dot products
+accumulated in float32, the softmax state in float32, P entering ·V as bfloat16 hi + lo
+parts (about 16 bits). docs/kernels.md#native-bfloat16 gives its measurements; where it is
+not built or the CPU lacks AVX512-BF16, the fused forward runs in float32 instead.
+
+Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .reference import all_finite
+
+try:
+    from . import _bf16
+except ImportError:  # not built (no C compiler at install): the float32 path runs
+    _bf16 = None
+
+#: the native step is used when True (tests turn it off to compare it with float32)
+NATIVE = True
+
+
+def available() -> bool:
+    """Whether the native kernel is built and this CPU runs it."""
+    return _bf16 is not None and _bf16.available()
+
+
+_AVAILABLE = available()
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused forward's calls run natively: bfloat16 Q, K, V on the CPU, a head
+    dim the kernel's vectors tile (a multiple of 32, at most 256), and finite Q and V (the
+    caller has checked K) — the kernel's max would pass over a NaN score, and 0 · inf in ·V
+    would reach rows that mask the key out."""
+    return (NATIVE and _AVAILABLE and q.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
+            and all_finite(q) and all_finite(v))
+
+
+class Packed(NamedTuple):
+    """K and V in the pairs the kernel multiplies, packed once per forward pass: k (B, H_kv,
+    Nt/32, D/2, 32, 2) — each 32 keys the score loop takes together — and v (B, H_kv, Nt/2,
+    D, 2), bfloat16, zero past the last key; Nt covers every key a call reads (from its
+    first key's 32-key block, rounded up to 32)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    Nt: int
+
+
+def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
+    """K and V (B, H_kv, T_k, D), bfloat16, packed for :func:`attend`."""
+    B, H_kv, T_k, D = k.shape
+    Nt = (T_k + 31) // 32 * 32 + 32
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Nt - T_k))  # noqa: E731
+    # K's pairs moved as int32 (a 4-byte transpose runs 3-4× faster than the 2-byte one).
+    kp = pad(k).view(torch.int32).view(B, H_kv, Nt // 32, 32, D // 2).transpose(3, 4)
+    kp = kp.contiguous().view(torch.bfloat16).view(B, H_kv, Nt // 32, D // 2, 32, 2)
+    vp = pad(v).view(B, H_kv, Nt // 2, 2, D).permute(0, 1, 2, 4, 3).contiguous()
+    return Packed(kp, vp, Nt)
+
+
+def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
+    q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
+    k1 - k0) or None. A row with no allowed key: out 0, lse -inf."""
+    B, H_kv, G, R, D = q5.shape
+    N = k1 - k0
+    # The kernel reads raw memory: a wrong shape would read past the tensors.
+    if (packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
+            or q5.stride(-1) != 1 or R < 1 or not 0 <= k0 < k1 or bias is not None and (
+                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
+                or tuple(bias.shape[2:]) != (G * R, N))):
+        raise ValueError(f"native.attend: mismatched shapes q {tuple(q5.shape)}, packed k "
+                         f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    out = torch.empty(B, H_kv, G, R, D)
+    lse = torch.empty(B, H_kv, G, R)
+    if bias is None:
+        at = (0, 0, 0, 0)
+    else:
+        bias = bias.float().contiguous()
+        at = (bias.data_ptr(), *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2],
+                                                                   bias.shape[:2])),
+              bias.stride(2))
+    _bf16.attend((q5.data_ptr(), *q5.stride()[:4]),
+                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
+                 (packed.v.data_ptr(), *packed.v.stride()[:2]), at, out.data_ptr(),
+                 lse.data_ptr(), (B, H_kv, G, R, D), (packed.Nt, k0, N), scale,
+                 torch.get_num_threads())
+    return out, lse

@@ -1,0 +1,159 @@
+"""qkv's native bfloat16 step (src/qkv/kernels/_bf16.c) against the NumPy float64 oracle on
+the same bfloat16 inputs: one call at odd sizes (rows and keys off its tiles, calls starting
+inside a 32-key block, GQA rows, broadcast masks, rows with no key, every head dim it
+takes), and through ``qkv.attention`` for every mask kind with T_q != T_k, held to the
+output's own rounding (docs/semantics.md); and where it must not run."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import numpy as qnp
+from qkv.kernels import fused, native
+
+from helpers import make_qkv, mask_zoo, use_small_tiles
+from tolerances import rounding_tolerance
+
+if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
+    raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="native kernel not built, or no AVX512-BF16 here")
+
+
+def oracle(q, k, v, mask, scale=None):
+    if isinstance(mask, torch.Tensor):
+        mask = mask.numpy()
+    return qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale,
+                         return_lse=True)
+
+
+@pytest.mark.parametrize("B,H_kv,G,R,T_k,k0,k1,D", [
+    (1, 2, 1, 37, 53, 0, 53, 32),     # rows and keys off the tiles
+    (2, 2, 2, 19, 100, 3, 91, 64),    # GQA rows, a call starting inside a 32-key block
+    (1, 1, 3, 8, 300, 33, 290, 96),   # D % 64 == 32, several 128-key steps
+    (1, 2, 1, 130, 161, 1, 160, 128),
+    (1, 1, 1, 5, 40, 31, 33, 256),    # two keys, the widest head
+])
+@pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "per_batch"])
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind):
+    g = torch.Generator().manual_seed(B * 1000 + R)
+    q5 = torch.randn(B, H_kv, G, R, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).bfloat16() for _ in range(2))
+    N = k1 - k0
+    bias = None
+    if bias_kind != "none":
+        shape = {"shared": (1, 1), "per_head": (1, H_kv), "per_batch": (B, 1)}[bias_kind]
+        allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
+        allowed[..., 0, :] = False  # a row with no key
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    scale = 1 / math.sqrt(D)
+    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale)
+    q = q5.reshape(B, H_kv, G * R, D)
+    mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N).numpy()
+    want, want_lse = oracle(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
+    got, got_lse = out.reshape(B, H_kv, G * R, D).double().numpy(), lse.reshape(
+        B, H_kv, G * R).double().numpy()
+    # float32 arithmetic on bfloat16 inputs: P carries ~16 bits (hi + lo), so the error is
+    # float32's, far inside the bfloat16 output's own rounding.
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    empty = np.isneginf(want_lse)
+    assert np.array_equal(np.isneginf(got_lse), empty)
+    np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], atol=2e-5, rtol=1e-6)
+    assert not got[empty].any()  # a row with no key: 0
+
+
+def calls(monkeypatch):
+    """Count the native calls ``qkv.attention`` makes."""
+    seen = []
+    real = native.attend
+    monkeypatch.setattr(native, "attend", lambda *a: seen.append(1) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
+@pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
+def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(name, small, monkeypatch):
+    if small:  # many blocks and calls; spans cut into stretches
+        use_small_tiles(monkeypatch)
+        monkeypatch.setattr(fused, "FUSED_SPAN", 24)
+        monkeypatch.setattr(fused, "GROUP", 4)
+        monkeypatch.setattr(fused, "SHARED_MIN", 8)
+    T_q, T_k = 61, 75
+    mask = mask_zoo(2, T_k, T_q)[name]
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=11)
+    seen = calls(monkeypatch)
+    out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    assert seen, "the bfloat16 call did not run natively"
+    want, want_lse = oracle(q, k, v, mask)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
+                               atol=rounding_tolerance(want, torch.bfloat16))
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse.numpy()), finite)
+    np.testing.assert_allclose(lse.double().numpy()[finite], want_lse[finite], atol=1e-4)
+
+
+def test_long_rows_stay_within_their_own_rounding(monkeypatch):
+    """T = 2048 keys per row, where a kernel rounding P to bfloat16 drifts."""
+    q, k, v = make_qkv(1, 2, 2, 256, 2048, 64, 64, dtype=torch.bfloat16, seed=4)
+    seen = calls(monkeypatch)
+    out = qkv.attention(q, k, v, backend="tiled")
+    assert seen
+    want, _ = oracle(q, k, v, None)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
+                               atol=rounding_tolerance(want, torch.bfloat16))
+
+
+def test_gradients_through_a_native_forward(monkeypatch):
+    """The backward (float32, torch's kernel) from the native forward's out and lse."""
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 4, 2, 70, 90, 32, 32,
+                                                    dtype=torch.bfloat16, seed=8))
+    seen = calls(monkeypatch)
+    g = torch.randn(1, 4, 70, 32, generator=torch.Generator().manual_seed(9)).bfloat16()
+    out = qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="tiled")
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    assert seen
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad((qkv.attention(*ref, mask=qkv.masks.causal(),
+                                              backend="reference") * g.double()).sum(), ref)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16",
+                                  "native_off"])
+def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
+    D = 48 if case == "head_dim_48" else 32
+    dtype = torch.float16 if case == "float16" else torch.bfloat16
+    q, k, v = make_qkv(1, 2, 2, 40, 40, D, D, dtype=dtype, seed=2)
+    if case == "nan_query":
+        q[0, 1, 5, 3] = float("nan")
+    if case == "inf_value":
+        v[0, 0, 7, 1] = float("inf")
+    if case == "native_off":
+        monkeypatch.setattr(native, "NATIVE", False)
+    assert not native.takes(q, k, v)
+    seen = calls(monkeypatch)
+    mask = qkv.masks.causal()
+    out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+    assert not seen
+    want = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=2e-2, equal_nan=True)
+
+
+def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
+    q5 = torch.zeros(1, 2, 1, 8, 32, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)
+    packed = native.pack(k, k)
+    with pytest.raises(ValueError, match="mismatched"):
+        native.attend(q5, packed, 0, 40, torch.zeros(1, 1, 8, 39), 1.0)  # bias too short
+    with pytest.raises(ValueError, match="mismatched"):
+        native.attend(q5[:, :1], packed, 0, 40, None, 1.0)  # heads differ
+    with pytest.raises(ValueError, match="mismatched"):
+        native.attend(q5, packed, 10, 10, None, 1.0)  # no keys
+    with pytest.raises(ValueError, match="packed"):
+        native.attend(q5, packed, 0, 100, None, 1.0)  # keys past the packed buffer
