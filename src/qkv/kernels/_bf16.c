@@ -5,8 +5,9 @@
    bfloat16 dot products accumulated in float32 (VDPBF16PS); the scores, the online softmax
    state and the output accumulate in float32. The probabilities enter P·V as two bfloat16
    parts, hi + lo, so P carries about 16 bits instead of bfloat16's 8: rounding P once to
-   bfloat16 (what torch's CPU flash kernel does) would break qkv's accuracy promise
-   (docs/semantics.md). Rows with no allowed key give out 0 and lse -inf.
+   bfloat16 (what torch's CPU flash kernel does; `parts` = 1 here) breaks qkv's accuracy
+   promise (docs/semantics.md) on small sharp problems. Rows with no allowed key give out 0
+   and lse -inf. Work is skipped per 32-key block that no row of an 8-row tile may attend.
 
    Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the kernel
    runs on torch's own thread pool (threads of a second pool would compete with torch's
@@ -19,10 +20,11 @@
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. K and V come
    packed once per forward pass (qkv/kernels/native.py) in the pairs VDPBF16PS multiplies:
    kp (B, H, Nt/32, D/2, 32, 2) and vp (B, H, Nt/2, D, 2), zero past the last key: the 32
-   keys the score loop takes at a time lie together. Strides
-   ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of them. bias: float32, (B|1, H|1,
+   keys the score loop takes at a time lie together. Strides ks/vs[0..1] over B and H; a
+   call reads keys k0..k0+N-1 of them. bias: float32, (B|1, H|1,
    G·R, N) with strides bs[0..2] (0 where broadcast), N contiguous, or NULL; out: float32
-   (B, H, G, R, D) contiguous; lse: float32 (B, H, G, R). D must be a multiple of 32. */
+   (B, H, G, R, D) with strides os[0..3], D contiguous; lse: float32 (B, H, G, R) with
+   strides ls[0..3]. D must be a multiple of 32. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -47,13 +49,13 @@ typedef struct {
     const bf16 *q, *kp, *vp;
     const float *bias;
     float *out, *lse;
-    int64_t qs[4], ks[2], vs[2], bs[3];
+    int64_t qs[4], ks[2], vs[2], bs[3], os[4], ls[4];
     int64_t B, H, G, R, D;
-    int64_t Nt;     /* keys in the packed buffers (a multiple of 32, past the last one read) */
     int64_t begin;  /* the first packed key the call reads (a multiple of 32) */
     int64_t lead;   /* keys read before the call's first key (0 to 31) */
     int64_t N;      /* the call's keys */
     float scale;
+    int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int64_t items, tiles;
     int64_t next_item;
 } Job;
@@ -80,19 +82,20 @@ TARGET static inline __m512 exp_neg(__m512 x) {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 
-static inline float bf16_to_float(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* S[i][0..nk) = (q_i · k_n) · scale for MR rows and the nk keys from n0 (nk: multiple of 32). */
+/* S[i][0..nk) = (q_i · k_n) · scale for MR rows and the nk keys from n0 (nk: multiple of 32),
+   -inf over the 32-key blocks not live (no row of the tile may attend to them). */
 TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t n0, int64_t nk,
-                          float S[MR][KT]) {
+                          const int *live, float S[MR][KT]) {
     int64_t D = j->D;
-    __m512 scale = _mm512_set1_ps(j->scale);
+    __m512 scale = _mm512_set1_ps(j->scale), none = _mm512_set1_ps(-INFINITY);
     for (int64_t jb = 0; jb < nk; jb += 32) {
+        if (!live[jb / 32]) {
+            for (int i = 0; i < MR; i++) {
+                _mm512_storeu_ps(&S[i][jb], none);
+                _mm512_storeu_ps(&S[i][jb + 16], none);
+            }
+            continue;
+        }
         __m512 acc[MR][2];
         for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         for (int64_t d2 = 0; d2 < D / 2; d2++) {
@@ -116,24 +119,28 @@ TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t 
 /* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi + lo, for 4 rows at a time
    and NV 16-column vectors of the head dim at a time. */
 TARGET static inline __attribute__((always_inline)) void pv_block(
-        const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const bf16 *Ph, const bf16 *Pl,
-        float *O, int i0, int64_t c0, const int NV) {
+        const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
+        const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
     int64_t D = j->D;
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
     for (int64_t n2 = 0; n2 < nk / 2; n2++) {
+        if (!live[n2 / 16]) { /* P = 0 over the block */
+            n2 += 15;
+            continue;
+        }
         const bf16 *at = vp + ((n0 / 2 + n2) * D + c0) * 2;
         __m512bh vv[4];
         for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(at + 32 * c);
         for (int i = 0; i < 4; i++) {
-            int32_t hi, lo;
+            int32_t hi, lo = 0;
             memcpy(&hi, Ph + (i0 + i) * KT + 2 * n2, 4);
-            memcpy(&lo, Pl + (i0 + i) * KT + 2 * n2, 4);
+            if (PARTS == 2) memcpy(&lo, Pl + (i0 + i) * KT + 2 * n2, 4);
             __m512bh ph = (__m512bh)_mm512_set1_epi32(hi), pl = (__m512bh)_mm512_set1_epi32(lo);
             for (int c = 0; c < NV; c++) {
                 acc[i][c] = _mm512_dpbf16_ps(acc[i][c], ph, vv[c]);
-                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pl, vv[c]);
+                if (PARTS == 2) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pl, vv[c]);
             }
         }
     }
@@ -141,24 +148,38 @@ TARGET static inline __attribute__((always_inline)) void pv_block(
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
 }
 
-TARGET static void pv(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const bf16 *Ph,
-                      const bf16 *Pl, float *O) {
+TARGET static void pv(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live,
+                      const bf16 *Ph, const bf16 *Pl, float *O) {
     for (int i0 = 0; i0 < MR; i0 += 4) {
         int64_t c0 = 0;
-        for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, Ph, Pl, O, i0, c0, 4);
-        if (c0 < j->D) pv_block(j, vp, n0, nk, Ph, Pl, O, i0, c0, 2); /* D % 64 == 32 */
+        if (j->parts == 2) {
+            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 2);
+            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 2); /* D % 64 == 32 */
+        } else {
+            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 1);
+            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 1);
+        }
     }
+}
+
+/* The lanes of the 16 keys from n that lie in [first, last). */
+static inline __mmask16 lanes(int64_t n, int64_t first, int64_t last) {
+    int64_t lo = first - n, hi = last - n;
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
    padding) over all keys: the online softmax, then out and lse. */
 TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
-    int64_t D = j->D, GR = j->G * j->R, bh = b * j->H + h;
+    int64_t D = j->D, GR = j->G * j->R;
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+    const __m512 none = _mm512_set1_ps(-INFINITY);
     const bf16 *kp = j->kp + b * j->ks[0] + h * j->ks[1] + j->begin * D;
     const bf16 *vp = j->vp + b * j->vs[0] + h * j->vs[1] + j->begin * D;
     bf16 qt[MR * MAX_D];
-    float O[MR * MAX_D], S[MR][KT], m[MR], l[MR];
+    float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
     bf16 Ph[MR * KT], Pl[MR * KT];
     int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
     for (int i = 0; i < MR; i++) {
@@ -170,29 +191,48 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
             memset(qt + i * D, 0, D * sizeof(bf16));
         }
         m[i] = -INFINITY;
-        l[i] = 0.0f;
+        l[i] = lp[i] = 0.0f;
     }
     memset(O, 0, sizeof(float) * MR * D);
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     for (int64_t n0 = 0; n0 < Np; n0 += KT) {
         int64_t nk = Np - n0 < KT ? Np - n0 : KT;
         int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-        scores(j, qt, kp, n0, nk, S);
-        for (int i = 0; i < MR; i++) {
-            float *s = S[i];
-            if (bias && i < rows) {
-                const float *br = bias + (r0 + i) * j->bs[2] + n0 - lead;
-                for (int64_t n = first; n < last; n++) s[n] += br[n];
+        /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
+           the rest is skipped (-inf scores, no ·V). */
+        int live[KT / 32];
+        for (int64_t sb = 0; sb < nk / 32; sb++) {
+            live[sb] = 0;
+            for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
+                __mmask16 in = lanes(n, first, last);
+                if (!bias) live[sb] = in != 0;
+                for (int i = 0; bias && in && i < rows && !live[sb]; i++) {
+                    const float *br = bias + (r0 + i) * j->bs[2] + n0 - lead;
+                    live[sb] = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, br + n),
+                                                       none, _CMP_NEQ_OQ) != 0;
+                }
             }
-            for (int64_t n = 0; n < first; n++) s[n] = -INFINITY; /* keys outside the call */
-            for (int64_t n = last; n < nk; n++) s[n] = -INFINITY;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int64_t n = 0; n < nk; n += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + n));
+        }
+        scores(j, qt, kp, n0, nk, live, S);
+        for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
+            float *s = S[i];
+            const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+            __m512 mx = none;
+            for (int64_t n = 0; n < nk; n += 16) {
+                if (!live[n / 32]) continue;
+                __mmask16 in = lanes(n, first, last);
+                __m512 x = _mm512_loadu_ps(s + n);
+                if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
+                x = _mm512_mask_mov_ps(none, in, x); /* keys outside the call */
+                _mm512_storeu_ps(s + n, x);
+                mx = _mm512_max_ps(mx, x);
+            }
             float mt = _mm512_reduce_max_ps(mx), mnew = mt > m[i] ? mt : m[i];
             float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
             float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
-            __m512 sum = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
+            __m512 sum = _mm512_setzero_ps(), sump = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
             for (int64_t n = 0; n < nk; n += 32) {
+                if (!live[n / 32]) continue;
                 __m512 p0 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
                 __m512 p1 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n + 16), vb));
                 __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);
@@ -200,12 +240,17 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
                 __m512i hw = (__m512i)hi;
                 __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
                 __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
-                __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0));
                 _mm512_storeu_si512(Ph + i * KT + n, (__m512i)hi);
-                _mm512_storeu_si512(Pl + i * KT + n, (__m512i)lo);
+                if (j->parts == 2) {
+                    __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0));
+                    _mm512_storeu_si512(Pl + i * KT + n, (__m512i)lo);
+                } else { /* out is normalised by the P that ·V sees; lse keeps float32's */
+                    sump = _mm512_add_ps(sump, _mm512_add_ps(h0, h1));
+                }
                 sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             }
             l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
+            lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + _mm512_reduce_add_ps(sump);
             m[i] = mnew;
             if (alpha != 1.0f) {
                 __m512 va = _mm512_set1_ps(alpha);
@@ -213,14 +258,15 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
                     _mm512_storeu_ps(O + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d), va));
             }
         }
-        pv(j, vp, n0, nk, Ph, Pl, O);
+        pv(j, vp, n0, nk, live, Ph, Pl, O);
     }
     for (int i = 0; i < rows; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-        int64_t row = ((bh * j->G + g) * j->R + r);
-        float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) j->out[row * D + d] = O[i * D + d] * inv;
-        j->lse[row] = l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
+        float *o = j->out + b * j->os[0] + h * j->os[1] + g * j->os[2] + r * j->os[3];
+        float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = O[i * D + d] * inv;
+        j->lse[b * j->ls[0] + h * j->ls[1] + g * j->ls[2] + r * j->ls[3]] =
+            l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }
 }
 
@@ -232,6 +278,55 @@ static void worker(Job *j) {
     }
 }
 #endif /* QKV_X86 */
+
+/* K and V (B, H, T, D), strides ks/vs[0..2] with D contiguous, into the packed layout above,
+   keys T..Nt-1 zero. */
+static void pack(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t *vs, bf16 *kp,
+                 bf16 *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt, int threads) {
+    int64_t blocks = B * H * (Nt / 32);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < blocks; it++) {
+        int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
+        const bf16 *kh = k + b * ks[0] + h * ks[1], *vh = v + b * vs[0] + h * vs[1];
+        uint32_t *kb = (uint32_t *)(kp + it * 32 * D); /* (D/2, 32) pairs */
+        bf16 *vb = vp + it * 32 * D;                    /* (16, D, 2) */
+        for (int64_t kk = 0; kk < 32; kk++) {
+            int64_t n = nb * 32 + kk;
+            const bf16 *kr = kh + n * ks[2], *vr = vh + n * vs[2];
+            bf16 *vo = vb + (kk / 2) * D * 2 + (kk % 2);
+            if (n < T) {
+                for (int64_t d2 = 0; d2 < D / 2; d2++) {
+                    uint32_t pair;
+                    memcpy(&pair, kr + 2 * d2, 4);
+                    kb[d2 * 32 + kk] = pair;
+                }
+                for (int64_t d = 0; d < D; d++) vo[2 * d] = vr[d];
+            } else {
+                for (int64_t d2 = 0; d2 < D / 2; d2++) kb[d2 * 32 + kk] = 0;
+                for (int64_t d = 0; d < D; d++) vo[2 * d] = 0;
+            }
+        }
+    }
+}
+
+static PyObject *pack_py(PyObject *self, PyObject *args) {
+    unsigned long long k, v, kp, vp;
+    long long ks0, ks1, ks2, vs0, vs1, vs2, B, H, T, D, Nt;
+    int threads;
+    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)KK(LLLLL)i", &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1,
+                          &vs2, &kp, &vp, &B, &H, &T, &D, &Nt, &threads))
+        return NULL;
+    if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T");
+        return NULL;
+    }
+    int64_t ks[3] = {ks0, ks1, ks2}, vs[3] = {vs0, vs1, vs2};
+    Py_BEGIN_ALLOW_THREADS
+    pack((const bf16 *)(uintptr_t)k, ks, (const bf16 *)(uintptr_t)v, vs, (bf16 *)(uintptr_t)kp,
+         (bf16 *)(uintptr_t)vp, B, H, T, D, Nt, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
 
 static int cpu_has_bf16(void) {
 #ifdef QKV_X86
@@ -250,13 +345,15 @@ static PyObject *available(PyObject *self, PyObject *args) {
 
 static PyObject *attend(PyObject *self, PyObject *args) {
     unsigned long long q, kp, vp, bias, out, lse;
-    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, bs0, bs1, bs2;
+    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, bs0, bs1, bs2, os0, os1, os2, os3, ls0,
+        ls1, ls2, ls3;
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
-    int threads;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)KK(LLLLL)(LLL)di", &q, &qs0, &qs1, &qs2,
-                          &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &bias, &bs0, &bs1, &bs2, &out,
-                          &lse, &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &threads))
+    int threads, parts;
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)dii", &q, &qs0,
+                          &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &bias, &bs0, &bs1,
+                          &bs2, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B,
+                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts, &threads))
         return NULL;
     if (!cpu_has_bf16()) {
         PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX512-BF16");
@@ -278,14 +375,17 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     j.out = (float *)(uintptr_t)out;
     j.lse = (float *)(uintptr_t)lse;
     int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[2] = {vs0, vs1},
-            bs[3] = {bs0, bs1, bs2};
+            bs[3] = {bs0, bs1, bs2}, os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
+    memcpy(j.os, os, sizeof os);
+    memcpy(j.ls, ls, sizeof ls);
     memcpy(j.qs, qs, sizeof qs);
     memcpy(j.ks, ks, sizeof ks);
     memcpy(j.vs, vs, sizeof vs);
     memcpy(j.bs, bs, sizeof bs);
-    j.B = B, j.H = H, j.G = G, j.R = R, j.D = D, j.Nt = Nt;
+    j.B = B, j.H = H, j.G = G, j.R = R, j.D = D;
     j.begin = begin, j.lead = lead, j.N = N;
     j.scale = (float)scale;
+    j.parts = parts == 1 ? 1 : 2;
     j.tiles = (G * R + ROWS - 1) / ROWS;
     j.items = B * H * j.tiles;
     if (threads > j.items) threads = (int)j.items;
@@ -299,8 +399,12 @@ static PyObject *attend(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
+    {"pack", pack_py, METH_VARARGS,
+     "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads): K and V into the "
+     "kernel's pairs."},
     {"attend", attend, METH_VARARGS,
-     "attend((q, *4 strides), (kp, *2), (vp, *2), (bias|0, *3), out, lse, (B, H, G, R, D), "
+     "attend((q, *4 strides), (kp, *2), (vp, *2), (bias|0, *3), (out, *4), (lse, *4), "
+     "(B, H, G, R, D), "
      "(Nt, k0, N), scale, threads): one call of the bfloat16 step over keys k0..k0+N-1 of "
      "the packed buffers, into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};

@@ -180,21 +180,26 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:
             bias, empty = _call_bias(c, mask_tile, H_kv, G, acc, cache)
+            at = slice(c.q0, c.q1)
+            first = not done[c.q0 - g0:c.q1 - g0].any()  # a call's rows: all or none done
+            done[c.q0 - g0:c.q1 - g0] = True
+            if packed is not None and first:  # written straight into out and lse
+                native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale,
+                              out[:, :, :, at], lse[:, :, :, at])
+                continue
             if packed is not None:  # a row with no key: lse -inf already
-                o, l_ = native.attend(q5[:, :, :, c.q0:c.q1], packed, c.k0, c.k1, bias, scale)
+                o, l_ = native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale)
             else:
                 o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
                               0.0, False, attn_mask=bias, scale=scale)
                 if empty is not None:  # torch's kernel gives such a row lse 0: make it -inf
                     l_ = l_.masked_fill(empty, float("-inf"))
             o, l_ = o.view(B, H_kv, G, c.q1 - c.q0, D), l_.view(B, H_kv, G, c.q1 - c.q0)
-            at = slice(c.q0, c.q1)
-            if done[c.q0 - g0:c.q1 - g0].any():
+            if first:
+                out[:, :, :, at], lse[:, :, :, at] = o, l_
+            else:
                 out[:, :, :, at], lse[:, :, :, at] = _merge(out[:, :, :, at], lse[:, :, :, at],
                                                             o, l_)
-            else:
-                out[:, :, :, at], lse[:, :, :, at] = o, l_
-            done[c.q0 - g0:c.q1 - g0] = True
         if not done.all():  # rows with no key: out 0, lse -inf
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")

@@ -22,6 +22,10 @@ except ImportError:  # not built (no C compiler at install): the float32 path ru
 
 #: the native step is used when True (tests turn it off to compare it with float32)
 NATIVE = True
+#: P enters ·V as this many bfloat16 parts: 2 (hi + lo, ~16 bits: qkv's accuracy promise)
+#: or 1 (P rounded once, as torch's CPU flash kernel does: faster, but a property test found
+#: 1.64× the output's own rounding; docs/kernels.md#native-bfloat16)
+P_PARTS = 2
 
 
 def available() -> bool:
@@ -55,22 +59,25 @@ class Packed(NamedTuple):
 
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
-    """K and V (B, H_kv, T_k, D), bfloat16, packed for :func:`attend`."""
+    """K and V (B, H_kv, T_k, D), bfloat16 with D contiguous, packed for :func:`attend`."""
     B, H_kv, T_k, D = k.shape
     Nt = (T_k + 31) // 32 * 32 + 32
-    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Nt - T_k))  # noqa: E731
-    # K's pairs moved as int32 (a 4-byte transpose runs 3-4× faster than the 2-byte one).
-    kp = pad(k).view(torch.int32).view(B, H_kv, Nt // 32, 32, D // 2).transpose(3, 4)
-    kp = kp.contiguous().view(torch.bfloat16).view(B, H_kv, Nt // 32, D // 2, 32, 2)
-    vp = pad(v).view(B, H_kv, Nt // 2, 2, D).permute(0, 1, 2, 4, 3).contiguous()
+    kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
+    vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape:
+        raise ValueError("native.pack: K and V of one shape, each with D contiguous")
+    _bf16.pack((k.data_ptr(), *k.stride()[:3]), (v.data_ptr(), *v.stride()[:3]),
+               kp.data_ptr(), vp.data_ptr(), (B, H_kv, T_k, D, Nt), torch.get_num_threads())
     return Packed(kp, vp, Nt)
 
 
 def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tensor | None,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
-    k1 - k0) or None. A row with no allowed key: out 0, lse -inf."""
+    k1 - k0) or None. A row with no allowed key: out 0, lse -inf. Written into ``out``
+    (B, H_kv, G, R, D) and ``lse`` (B, H_kv, G, R), float32 views, where given."""
     B, H_kv, G, R, D = q5.shape
     N = k1 - k0
     # The kernel reads raw memory: a wrong shape would read past the tensors.
@@ -81,8 +88,12 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
         raise ValueError(f"native.attend: mismatched shapes q {tuple(q5.shape)}, packed k "
                          f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
                          f"{None if bias is None else tuple(bias.shape)}")
-    out = torch.empty(B, H_kv, G, R, D)
-    lse = torch.empty(B, H_kv, G, R)
+    out = torch.empty(B, H_kv, G, R, D) if out is None else out
+    lse = torch.empty(B, H_kv, G, R) if lse is None else lse
+    if (out.shape != (B, H_kv, G, R, D) or lse.shape != (B, H_kv, G, R) or out.stride(-1) != 1
+            or out.dtype != torch.float32 or lse.dtype != torch.float32):
+        raise ValueError("native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
+                         "float32, out's last dim contiguous")
     if bias is None:
         at = (0, 0, 0, 0)
     else:
@@ -92,7 +103,8 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
               bias.stride(2))
     _bf16.attend((q5.data_ptr(), *q5.stride()[:4]),
                  (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                 (packed.v.data_ptr(), *packed.v.stride()[:2]), at, out.data_ptr(),
-                 lse.data_ptr(), (B, H_kv, G, R, D), (packed.Nt, k0, N), scale,
+                 (packed.v.data_ptr(), *packed.v.stride()[:2]), at,
+                 (out.data_ptr(), *out.stride()[:4]), (lse.data_ptr(), *lse.stride()),
+                 (B, H_kv, G, R, D), (packed.Nt, k0, N), scale, P_PARTS,
                  torch.get_num_threads())
     return out, lse
