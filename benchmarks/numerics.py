@@ -5,7 +5,9 @@ float32, bfloat16 and float16 inputs. Prints the markdown table kept in docs/sem
 
 The oracle runs on the *same* rounded inputs cast to float64, so the table measures what
 each kernel adds, not the rounding of the inputs. Inputs: B=2, H=8, H_kv=4, T=257, D=64,
-standard normal; masks none, causal, sliding_window(64), document (4 documents).
+standard normal; masks none, causal, sliding_window(64), document (4 documents). The last
+kernel column is the native bfloat16 kernel with P rounded once to bfloat16
+(``qkv.kernels.native.P_PARTS = 1``, docs/kernels.md#native-bfloat16): bfloat16 only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 import qkv
 from qkv import masks
+from qkv.kernels import native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "sdpa", "tiled"]
@@ -25,18 +28,24 @@ MASKS = {"none": None, "causal": masks.causal(), "sliding_window(64)": masks.sli
 def report() -> str:
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(2, h, 257, 64, generator=g, dtype=torch.float64) for h in (8, 4, 4)]
-    lines = ["| dtype | mask | " + " | ".join(BACKENDS) + " | output's own rounding |",
-             "|---|---|" + "---|" * (len(BACKENDS) + 1)]
+    lines = ["| dtype | mask | " + " | ".join(BACKENDS) + " | tiled, P rounded once "
+             "| output's own rounding |", "|---|---|" + "---|" * (len(BACKENDS) + 2)]
     for dtype in DTYPES:
         q, k, v = (x.to(dtype) for x in base)
         for name, mask in MASKS.items():
             want = qkv.numpy.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask)
-            errors = [np.abs(qkv.attention(q, k, v, mask=mask, backend=b).double().numpy()
-                             - want).max() for b in BACKENDS]
+            error = lambda b: np.abs(qkv.attention(q, k, v, mask=mask, backend=b)  # noqa: E731
+                                     .double().numpy() - want).max()
+            errors = [f"{error(b):.1e}" for b in BACKENDS]
+            errors.append("—")
+            if dtype == torch.bfloat16 and native.takes(q, k, v):
+                native.P_PARTS = 1
+                errors[-1] = f"{error('tiled'):.1e}"
+                native.P_PARTS = 2
             # The least any kernel can do: round the exact answer to the dtype once.
             floor = np.abs(torch.from_numpy(want).to(dtype).double().numpy() - want).max()
             lines.append(f"| {str(dtype).replace('torch.', '')} | {name} | "
-                         + " | ".join(f"{e:.1e}" for e in errors) + f" | {floor:.1e} |")
+                         + " | ".join(errors) + f" | {floor:.1e} |")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import _compiled
 from ._checks import Problem, check_attention
-from ._dispatch import Dispatch, MaskLike, check_backend, choose
+from ._dispatch import NATIVE_SCORES, Dispatch, MaskLike, check_backend, choose
 from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
 from .kernels.flex import flex
 from .kernels.reference import reference
@@ -66,7 +66,9 @@ def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None
             k: v for k, v in choice.items() if k != "backend"})
         return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
                                               **choice)
-    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, grad=grad,
+                                **choice)
 
 
 def dispatch(
@@ -237,6 +239,8 @@ def _plain_call(query: Any, key: Any, value: Any, mask: Any, scale: Any
     dtype = query.dtype
     if dtype not in _PLAIN_DTYPES or key.dtype != dtype or value.dtype != dtype or \
             key.device != query.device or value.device != query.device:
+        return None
+    if dtype is torch.bfloat16 and T_q * T_k >= NATIVE_SCORES:  # dispatch rule 4's size
         return None
     if scale is None:
         scale = D ** -0.5
