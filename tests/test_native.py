@@ -75,10 +75,11 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
 
 
 def calls(monkeypatch):
-    """Count the native calls ``qkv.attention`` makes."""
+    """Record the native calls ``qkv.attention`` makes, forward and backward."""
     seen = []
-    real = native.attend
-    monkeypatch.setattr(native, "attend", lambda *a: seen.append(1) or real(*a))
+    for name in ("attend", "backward"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real: seen.append(1) or real(*a))
     return seen
 
 
@@ -138,25 +139,79 @@ def test_native_output_within_its_own_rounding_on_random_problems(T_q, T_k, H_kv
                                atol=rounding_tolerance(want, torch.bfloat16, 1.5))
 
 
-def test_gradients_through_a_native_forward(monkeypatch):
-    """The backward (float32, torch's kernel) from the native forward's out and lse."""
-    q, k, v = (x.requires_grad_() for x in make_qkv(1, 4, 2, 70, 90, 32, 32,
-                                                    dtype=torch.bfloat16, seed=8))
-    seen = calls(monkeypatch)
-    g = torch.randn(1, 4, 70, 32, generator=torch.Generator().manual_seed(9)).bfloat16()
-    out = qkv.attention(q, k, v, mask=qkv.masks.causal(), backend="tiled")
-    got = torch.autograd.grad((out * g).sum(), (q, k, v))
-    assert seen
-    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = torch.autograd.grad((qkv.attention(*ref, mask=qkv.masks.causal(),
-                                              backend="reference") * g.double()).sum(), ref)
-    for a, b in zip(got, want):
+@pytest.mark.parametrize("B,H_kv,G,R,T_k,k0,k1,D", [
+    (1, 2, 1, 37, 53, 0, 53, 32),
+    (2, 2, 2, 19, 100, 3, 91, 64),    # GQA rows, a call starting inside a 32-key block
+    (1, 1, 3, 8, 300, 33, 290, 96),   # D % 64 == 32, several 64-key blocks
+    (1, 1, 1, 5, 40, 31, 33, 256),
+])
+@pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head"])
+def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind):
+    """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
+    arithmetic on bfloat16 inputs (dS enters ·K as hi + lo), so float32's error."""
+    g = torch.Generator().manual_seed(7 * R + D)
+    q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).bfloat16() for _ in range(2))
+    N, scale = k1 - k0, 1 / math.sqrt(D)
+    bias = None
+    if bias_kind != "none":
+        shape = {"shared": (1, 1), "per_head": (1, H_kv)}[bias_kind]
+        allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
+        allowed[..., 0, :] = False  # a row with no key
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    qd, kd, vd = (x.double().requires_grad_() for x in (q5.reshape(B, H_kv, G * R, D),
+                                                       k[:, :, k0:k1], v[:, :, k0:k1]))
+    mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N)
+    out = qkv.attention(qd, kd, vd, mask=mask, scale=scale, backend="reference")
+    dout = do5.reshape(B, H_kv, G * R, D).double()
+    want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
+    with torch.no_grad():  # a row with no key: lse -inf
+        lse = torch.logsumexp(qd @ kd.transpose(-1, -2) * scale
+                              + (0 if bias is None else bias.double()), -1)
+        delta = (dout * out).sum(-1)
+    dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
+    packed, vk = native.pack_backward(k, v)
+    dq = native.gradient_buffer(B, H_kv, G, R, D)
+    native.backward(q5, do5, packed, vk, k0, k1, bias, lse.float().reshape(B, H_kv, G, R),
+                    delta.float().reshape(B, H_kv, G, R), scale, dq, dk, dv)
+    dq = dq.sum(0)
+    for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
+        np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def grads(q, k, v, g, mask, backend="tiled"):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = qkv.attention(q, k, v, mask=mask, backend=backend)
+    return torch.autograd.grad((out * g).sum(), (q, k, v))
+
+
+@pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
+def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
+    """Both passes native, every mask kind, T_q != T_k, GQA: against float64 autograd on
+    the same inputs, and against the float32 path (``NATIVE`` off), which rounds only its
+    results to bfloat16."""
+    T_q, T_k = 61, 75
+    mask = mask_zoo(2, T_k, T_q)[name]
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=12)
+    g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).bfloat16()
+    seen = []
+    real = native.backward
+    monkeypatch.setattr(native, "backward", lambda *a: seen.append(1) or real(*a))
+    got = grads(q, k, v, g, mask)
+    assert seen, "the bfloat16 backward did not run natively"
+    want = grads(q.double(), k.double(), v.double(), g.double(), mask, "reference")
+    monkeypatch.setattr(native, "NATIVE", False)
+    upcast = grads(q, k, v, g, mask)
+    for a, b, c in zip(got, want, upcast):
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
+        np.testing.assert_allclose(a.double().numpy(), c.double().numpy(), rtol=0,
+                                   atol=rounding_tolerance(b.numpy(), torch.bfloat16, 2.0))
 
 
 @pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16",
                                   "native_off"])
 def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
+    """Forward and backward: neither native call is made."""
     D = 48 if case == "head_dim_48" else 32
     dtype = torch.float16 if case == "float16" else torch.bfloat16
     q, k, v = make_qkv(1, 2, 2, 40, 40, D, D, dtype=dtype, seed=2)
@@ -169,10 +224,13 @@ def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
     assert not native.takes(q, k, v)
     seen = calls(monkeypatch)
     mask = qkv.masks.causal()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+    out.float().sum().backward()
     assert not seen
     want = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
-    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=2e-2, equal_nan=True)
+    np.testing.assert_allclose(out.detach().double().numpy(), want.detach().numpy(),
+                               atol=2e-2, equal_nan=True)
 
 
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
@@ -192,8 +250,8 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
 def test_auto_runs_bfloat16_forward_natively_and_training_on_sdpa():
     """``auto`` takes the native kernel for a bfloat16 forward of 1024 × 1024 scores or more
     (faster than SDPA here: docs/kernels.md#native-bfloat16), and keeps SDPA when a
-    gradient is needed (the tiled backward runs in float32), below that size, and where the
-    head dim does not fit the kernel."""
+    gradient is needed (forward and backward then run faster through SDPA), below that size,
+    and where the head dim does not fit the kernel."""
     q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, dtype=torch.bfloat16)
     causal = qkv.masks.causal()
     d = qkv.dispatch(q, k, v, mask=causal)

@@ -1,7 +1,7 @@
-/* qkv's native bfloat16 attention step for x86-64 CPUs with AVX512-BF16.
+/* qkv's native bfloat16 attention step for x86-64 CPUs with AVX512-BF16: the forward and
+   the backward of one call of the tiled kernel's fused steps (qkv/kernels/fused.py).
 
-   softmax(Q Kᵀ · scale + bias) V and its log-sum-exp over one call of the tiled kernel's
-   fused forward (qkv/kernels/fused.py): Q, K, V stay bfloat16 and both matmuls run as
+   Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp: Q, K, V stay bfloat16 and both matmuls run as
    bfloat16 dot products accumulated in float32 (VDPBF16PS); the scores, the online softmax
    state and the output accumulate in float32. The probabilities enter P·V as two bfloat16
    parts, hi + lo, so P carries about 16 bits instead of bfloat16's 8: rounding P once to
@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
@@ -82,12 +83,12 @@ TARGET static inline __m512 exp_neg(__m512 x) {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 
-/* S[i][0..nk) = (q_i · k_n) · scale for MR rows and the nk keys from n0 (nk: multiple of 32),
+/* S[i][0..nk) = (q_i · k_n) · by for MR rows and the nk keys from n0 (nk: multiple of 32),
    -inf over the 32-key blocks not live (no row of the tile may attend to them). */
 TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t n0, int64_t nk,
-                          const int *live, float S[MR][KT]) {
+                          const int *live, float by, float S[MR][KT]) {
     int64_t D = j->D;
-    __m512 scale = _mm512_set1_ps(j->scale), none = _mm512_set1_ps(-INFINITY);
+    __m512 scale = _mm512_set1_ps(by), none = _mm512_set1_ps(-INFINITY);
     for (int64_t jb = 0; jb < nk; jb += 32) {
         if (!live[jb / 32]) {
             for (int i = 0; i < MR; i++) {
@@ -170,6 +171,40 @@ static inline __mmask16 lanes(int64_t n, int64_t first, int64_t last) {
     return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 
+/* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
+   one of the tile's `rows` rows by the bias (rows from r0, the bias row of key n at
+   br + n - lead), if there is one. */
+TARGET static void live_blocks(const Job *j, const float *bias, int64_t r0, int rows,
+                               int64_t n0, int64_t nk, int64_t first, int64_t last, int *live) {
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    for (int64_t sb = 0; sb < nk / 32; sb++) {
+        live[sb] = 0;
+        for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
+            __mmask16 in = lanes(n, first, last);
+            if (!bias) live[sb] = in != 0;
+            for (int i = 0; bias && in && i < rows && !live[sb]; i++) {
+                const float *br = bias + (r0 + i) * j->bs[2] + n0 - j->lead;
+                live[sb] = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, br + n),
+                                                   none, _CMP_NEQ_OQ) != 0;
+            }
+        }
+    }
+}
+
+/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
+   dst, zero past `rows`. */
+static void load_rows(const Job *j, const bf16 *x, const int64_t *xs, int64_t b, int64_t h,
+                      int64_t r0, int rows, bf16 *dst) {
+    for (int i = 0; i < MR; i++) {
+        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+        if (i < rows)
+            memcpy(dst + i * j->D, x + b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3],
+                   j->D * sizeof(bf16));
+        else
+            memset(dst + i * j->D, 0, j->D * sizeof(bf16));
+    }
+}
+
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
    padding) over all keys: the online softmax, then out and lse. */
 TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
@@ -182,14 +217,8 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
     bf16 Ph[MR * KT], Pl[MR * KT];
     int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+    load_rows(j, j->q, j->qs, b, h, r0, rows, qt);
     for (int i = 0; i < MR; i++) {
-        if (i < rows) {
-            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            memcpy(qt + i * D, j->q + b * j->qs[0] + h * j->qs[1] + g * j->qs[2] + r * j->qs[3],
-                   D * sizeof(bf16));
-        } else {
-            memset(qt + i * D, 0, D * sizeof(bf16));
-        }
         m[i] = -INFINITY;
         l[i] = lp[i] = 0.0f;
     }
@@ -201,19 +230,8 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
         /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
            the rest is skipped (-inf scores, no ·V). */
         int live[KT / 32];
-        for (int64_t sb = 0; sb < nk / 32; sb++) {
-            live[sb] = 0;
-            for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
-                __mmask16 in = lanes(n, first, last);
-                if (!bias) live[sb] = in != 0;
-                for (int i = 0; bias && in && i < rows && !live[sb]; i++) {
-                    const float *br = bias + (r0 + i) * j->bs[2] + n0 - lead;
-                    live[sb] = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, br + n),
-                                                       none, _CMP_NEQ_OQ) != 0;
-                }
-            }
-        }
-        scores(j, qt, kp, n0, nk, live, S);
+        live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
+        scores(j, qt, kp, n0, nk, live, j->scale, S);
         for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
             float *s = S[i];
             const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
@@ -276,6 +294,144 @@ static void worker(Job *j) {
         int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
         for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
     }
+}
+
+/* ---- the backward: dQ, dK, dV of one call, from the whole rows' lse and Delta ----------
+
+   For a block of KB keys and a tile of MR rows: S = Q Kᵀ · scale + bias, P = e^(S - lse),
+   dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta = rowsum(dO ∘ O)); then dV += Pᵀ dO and
+   dK += dSᵀ Q in float32 (P and dS unrounded), dQ += dS K with dS as bfloat16 hi + lo
+   (the forward's ·V step). A work item is one key block of one head, over all rows: its
+   dK and dV are its own; dQ goes to the thread's own buffer, summed by the caller. */
+
+#define KB 64
+
+typedef struct {
+    Job f;            /* q, kp: K in the score layout, vp: K in the value layout, sizes */
+    const bf16 *dout, *vk; /* dO like q; V in the score layout */
+    int64_t dos[4], vks[2];
+    const float *lse, *delta; /* (B, H, G, R) */
+    int64_t ls[4], des[4];
+    float *dq;        /* threads × (B, H, G, R, D), strides dqs[0..4], D contiguous */
+    int64_t dqs[5];
+    float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
+    int64_t dks[3], dvs[3];
+    int64_t blocks;   /* key blocks per head */
+    int64_t done;     /* work items finished (a thread without scratch memory runs none) */
+} BJob;
+
+/* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks. */
+TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, int rows,
+                         const int *live, int64_t nk, float *acc) {
+    int64_t D = j->D;
+    for (int64_t n = 0; n < nk; n++) {
+        if (!live[n / 32]) continue;
+        for (int64_t c = 0; c < D; c += 16) {
+            __m512 a = _mm512_loadu_ps(acc + n * D + c);
+            for (int i = 0; i < rows; i++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(W[i][n]), _mm512_loadu_ps(x + i * D + c), a);
+            _mm512_storeu_ps(acc + n * D + c, a);
+        }
+    }
+}
+
+TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
+                             float *dKa, float *dVa) {
+    Job *j = &bj->f;
+    int64_t D = j->D, GR = j->G * j->R;
+    int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+    int64_t nk = Np - n0 < KB ? Np - n0 : KB;
+    int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+    const bf16 *kp = j->kp + b * j->ks[0] + h * j->ks[1] + j->begin * D;
+    const bf16 *kv = j->vp + b * j->vs[0] + h * j->vs[1] + j->begin * D;
+    const bf16 *vk = bj->vk + b * bj->vks[0] + h * bj->vks[1] + j->begin * D;
+    const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
+    bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
+    float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
+    float O[MR * MAX_D];
+    memset(dKa, 0, sizeof(float) * KB * D);
+    memset(dVa, 0, sizeof(float) * KB * D);
+    for (int64_t r0 = 0; r0 < GR; r0 += MR) {
+        int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+        int live[KT / 32], any = 0;
+        live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
+        for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
+        if (!any) continue;
+        load_rows(j, j->q, j->qs, b, h, r0, rows, qt);
+        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, dt);
+        for (int64_t x = 0; x < MR * D; x++) { /* float32 copies for dK and dV */
+            uint32_t uq = (uint32_t)qt[x] << 16, ud = (uint32_t)dt[x] << 16;
+            memcpy(qf + x, &uq, 4);
+            memcpy(df + x, &ud, 4);
+        }
+        scores(j, qt, kp, n0, nk, live, j->scale, S);
+        scores(j, dt, vk, n0, nk, live, 1.0f, dP);
+        const __m512 none = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+        const __m512 scale = _mm512_set1_ps(j->scale);
+        for (int i = 0; i < MR; i++) {
+            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+            float lse = i < rows ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] +
+                                           r * bj->ls[3]] : -INFINITY;
+            float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
+                                               g * bj->des[2] + r * bj->des[3]] : 0.0f;
+            const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+            for (int64_t n = 0; n < nk; n += 16) {
+                __m512 p = zero, ds = zero;
+                if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
+                    __mmask16 in = lanes(n, first, last);
+                    __m512 x = _mm512_loadu_ps(&S[i][n]);
+                    if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
+                    x = _mm512_mask_mov_ps(none, in, x);
+                    p = exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(lse)));
+                    ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(
+                        _mm512_loadu_ps(&dP[i][n]), _mm512_set1_ps(delta))), scale);
+                }
+                _mm512_storeu_ps(&P[i][n], p);
+                _mm512_storeu_ps(&dS[i][n], ds);
+            }
+            for (int64_t n = 0; n < nk; n += 32) { /* dS for ·K as bfloat16 hi + lo */
+                __m512 d0 = _mm512_loadu_ps(&dS[i][n]), d1 = _mm512_loadu_ps(&dS[i][n + 16]);
+                __m512bh hi = _mm512_cvtne2ps_pbh(d1, d0);
+                __m512i hw = (__m512i)hi;
+                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
+                __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
+                _mm512_storeu_si512(Dh + i * KT + n, hw);
+                _mm512_storeu_si512(Dl + i * KT + n, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_sub_ps(d1, h1), _mm512_sub_ps(d0, h0)));
+            }
+        }
+        outer(j, P, df, rows, live, nk, dVa);
+        outer(j, dS, qf, rows, live, nk, dKa);
+        memset(O, 0, sizeof(float) * MR * D);
+        pv(j, kv, n0, nk, live, Dh, Dl, O);
+        for (int i = 0; i < rows; i++) {
+            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+            float *dqr = dq + b * bj->dqs[1] + h * bj->dqs[2] + g * bj->dqs[3] + r * bj->dqs[4];
+            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
+        }
+    }
+    for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
+        float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
+        float *dv = bj->dv + b * bj->dvs[0] + h * bj->dvs[1] + (n0 + n - lead) * bj->dvs[2];
+        for (int64_t d = 0; d < D; d++) {
+            dk[d] += dKa[n * D + d];
+            dv[d] += dVa[n * D + d];
+        }
+    }
+}
+
+static void backward_worker(BJob *bj, int64_t items) {
+    Job *j = &bj->f;
+    int64_t D = j->D;
+    float *dq = bj->dq + (int64_t)omp_get_thread_num() * bj->dqs[0];
+    float *scratch = malloc(sizeof(float) * 2 * KB * D);
+    if (!scratch) return; /* the caller checks every item ran */
+    for (int64_t it; (it = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED)) < items;) {
+        int64_t bh = it / bj->blocks, n0 = (it % bj->blocks) * KB;
+        key_block(bj, bh / j->H, bh % j->H, n0, dq, scratch, scratch + KB * D);
+        __atomic_fetch_add(&bj->done, 1, __ATOMIC_RELAXED);
+    }
+    free(scratch);
 }
 #endif /* QKV_X86 */
 
@@ -343,6 +499,28 @@ static PyObject *available(PyObject *self, PyObject *args) {
     return PyBool_FromLong(cpu_has_bf16());
 }
 
+/* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
+   fit the kernel or the CPU lacks the instructions. */
+static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
+                      long long R, long long D, long long Nt, long long k0, long long N,
+                      double scale, int threads) {
+    if (!cpu_has_bf16()) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX512-BF16");
+        return 0;
+    }
+    int64_t begin = k0 / 32 * 32, lead = k0 - begin;
+    if (D % 32 != 0 || D > MAX_D || D <= 0 || N <= 0 || R <= 0 || G <= 0 || k0 < 0 ||
+        Nt % 32 != 0 || begin + (lead + N + 31) / 32 * 32 > Nt || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256, "
+                     "and the call's keys within the packed buffers", name);
+        return 0;
+    }
+    j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
+    j->begin = begin, j->lead = lead, j->N = N;
+    j->scale = (float)scale;
+    return 1;
+}
+
 static PyObject *attend(PyObject *self, PyObject *args) {
     unsigned long long q, kp, vp, bias, out, lse;
     long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, bs0, bs1, bs2, os0, os1, os2, os3, ls0,
@@ -355,19 +533,9 @@ static PyObject *attend(PyObject *self, PyObject *args) {
                           &bs2, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B,
                           &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts, &threads))
         return NULL;
-    if (!cpu_has_bf16()) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX512-BF16");
-        return NULL;
-    }
-    int64_t begin = k0 / 32 * 32, lead = k0 - begin;
-    if (D % 32 != 0 || D > MAX_D || D <= 0 || N <= 0 || R <= 0 || G <= 0 || k0 < 0 ||
-        Nt % 32 != 0 || begin + (lead + N + 31) / 32 * 32 > Nt || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "attend: D must be a positive multiple of 32 up to "
-                        "256, and the call's keys within the packed buffers");
-        return NULL;
-    }
-#ifdef QKV_X86
     Job j = {0};
+    if (!call_sizes(&j, "attend", B, H, G, R, D, Nt, k0, N, scale, threads)) return NULL;
+#ifdef QKV_X86
     j.q = (const bf16 *)(uintptr_t)q;
     j.kp = (const bf16 *)(uintptr_t)kp;
     j.vp = (const bf16 *)(uintptr_t)vp;
@@ -382,9 +550,6 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     memcpy(j.ks, ks, sizeof ks);
     memcpy(j.vs, vs, sizeof vs);
     memcpy(j.bs, bs, sizeof bs);
-    j.B = B, j.H = H, j.G = G, j.R = R, j.D = D;
-    j.begin = begin, j.lead = lead, j.N = N;
-    j.scale = (float)scale;
     j.parts = parts == 1 ? 1 : 2;
     j.tiles = (G * R + ROWS - 1) / ROWS;
     j.items = B * H * j.tiles;
@@ -397,8 +562,62 @@ static PyObject *attend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *backward_py(PyObject *self, PyObject *args) {
+    unsigned long long q, dout, kp, kv, vk, bias, lse, delta, dq, dk, dv;
+    long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[5], dks[3], dvs[3];
+    long long B, H, G, R, D, Nt, k0, N;
+    double scale;
+    int threads;
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLLL)(KLLL)(KLLL)"
+                          "(LLLLL)(LLL)di", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
+                          &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1],
+                          &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
+                          &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
+                          &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dqs[4], &dk, &dks[0],
+                          &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
+                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &threads))
+        return NULL;
+    BJob bj = {0};
+    Job *j = &bj.f;
+    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, threads)) return NULL;
+#ifdef QKV_X86
+    j->q = (const bf16 *)(uintptr_t)q;
+    j->kp = (const bf16 *)(uintptr_t)kp;
+    j->vp = (const bf16 *)(uintptr_t)kv;
+    j->bias = (const float *)(uintptr_t)bias;
+    bj.dout = (const bf16 *)(uintptr_t)dout;
+    bj.vk = (const bf16 *)(uintptr_t)vk;
+    bj.lse = (const float *)(uintptr_t)lse;
+    bj.delta = (const float *)(uintptr_t)delta;
+    bj.dq = (float *)(uintptr_t)dq;
+    bj.dk = (float *)(uintptr_t)dk;
+    bj.dv = (float *)(uintptr_t)dv;
+    for (int x = 0; x < 4; x++) {
+        j->qs[x] = qs[x], bj.dos[x] = dos[x], bj.ls[x] = ls[x], bj.des[x] = des[x];
+    }
+    for (int x = 0; x < 3; x++) j->bs[x] = bs[x], bj.dks[x] = dks[x], bj.dvs[x] = dvs[x];
+    for (int x = 0; x < 5; x++) bj.dqs[x] = dqs[x];
+    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], j->vs[x] = kvs[x], bj.vks[x] = vks[x];
+    j->parts = 2;
+    int64_t Np = (j->lead + N + 31) / 32 * 32;
+    bj.blocks = (Np + KB - 1) / KB;
+    int64_t items = B * H * bj.blocks;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads)
+    backward_worker(&bj, items);
+    Py_END_ALLOW_THREADS
+    if (bj.done != items) return PyErr_NoMemory();
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
+    {"backward", backward_py, METH_VARARGS,
+     "backward((q, *4), (dout, *4), (K scores, *2), (K values, *2), (V scores, *2), "
+     "(bias|0, *3), (lse, *4), (delta, *4), (dq, *5), (dk, *3), (dv, *3), (B, H, G, R, D), "
+     "(Nt, k0, N), scale, threads): one call's gradients, added to dq (one (B, H, G, R, D) "
+     "slice per thread), dk and dv."},
     {"pack", pack_py, METH_VARARGS,
      "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads): K and V into the "
      "kernel's pairs."},

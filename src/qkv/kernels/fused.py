@@ -217,24 +217,40 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
-    forward was fused and nothing reaches the log-sum-exp. Half precision runs in float32
+    forward was fused and nothing reaches the log-sum-exp. bfloat16 calls run qkv's native
+    kernel where it :func:`~qkv.kernels.native.takes` them, other half precision in float32
     (:func:`_working`); the gradients come back in the inputs' dtypes."""
     dtypes = q.dtype, k.dtype, v.dtype
-    q, k, v = _working(q, k, v)
-    acc = q.dtype
+    packed = native.pack_backward(k, v) if native.takes(q, k, v) else None
+    if packed is None:
+        q, k, v = _working(q, k, v)
+    acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
-    q5, o5 = _blocked(q, H_kv), _blocked(out.to(acc), H_kv)
-    do5 = _blocked(dout.to(acc), H_kv)
-    # A row with no key: the kernel's own forward gave it lse 0 (and P = 0 through the mask).
-    lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
-                    H_kv)
-    dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
+    q5, o5 = _blocked(q, H_kv), _blocked(out.to(q.dtype), H_kv)
+    do5 = _blocked(dout.to(q.dtype).contiguous(), H_kv)  # (a sum's dout is expanded)
+    if packed is not None:  # the native kernel reads Delta, and lse -inf as "no key"
+        lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
+        delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)[..., 0]
+    else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
+        lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
+                        H_kv)
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
+    if packed is not None:  # one dQ per thread, summed at the end
+        dq_threads = native.gradient_buffer(B, H_kv, G, T_q, D)
+    else:
+        dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
     for _, _, group in calls(plan):
         for c in (piece for call in group for piece in _backward_pieces(call)):
-            bias, _ = _call_bias(c, mask_tile, H_kv, G, q.dtype, cache)
+            bias, _ = _call_bias(c, mask_tile, H_kv, G, acc, cache)
+            if packed is not None:
+                at = slice(c.q0, c.q1)
+                native.backward(q5[:, :, :, at], do5[:, :, :, at], packed[0], packed[1], c.k0,
+                                c.k1, bias, lse5[..., at], delta5[..., at], scale,
+                                dq_threads[..., at, :], dk[:, :, c.k0:c.k1],
+                                dv[:, :, c.k0:c.k1])
+                continue
             dqc, dkc, dvc = FLASH_BACKWARD(
                 _rows(do5, c.q0, c.q1), _rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1],
                 v[:, :, c.k0:c.k1], _rows(o5, c.q0, c.q1), _rows(lse5, c.q0, c.q1)[..., 0],
@@ -242,6 +258,8 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             dq5[:, :, :, c.q0:c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
             dk[:, :, c.k0:c.k1] += dkc
             dv[:, :, c.k0:c.k1] += dvc
+    if packed is not None:
+        dq5 = dq_threads.sum(0)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

@@ -37,14 +37,15 @@ _AVAILABLE = available()
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the fused forward's calls run natively: bfloat16 Q, K, V on the CPU, a head
-    dim the kernel's vectors tile (a multiple of 32, at most 256), and finite Q and V (the
+    """Whether the fused calls run natively: bfloat16 Q, K, V on the CPU, each with its head
+    dim contiguous, a head dim the kernel's vectors tile (a multiple of 32, at most 256),
+    and finite Q and V (the
     caller has checked K) — the kernel's max would pass over a NaN score, and 0 · inf in ·V
     would reach rows that mask the key out."""
     return (NATIVE and _AVAILABLE and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and q.shape[-1] == v.shape[-1] and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
-            and all_finite(q) and all_finite(v))
+            and all(x.stride(-1) == 1 for x in (q, k, v)) and all_finite(q) and all_finite(v))
 
 
 class Packed(NamedTuple):
@@ -94,17 +95,68 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
             or out.dtype != torch.float32 or lse.dtype != torch.float32):
         raise ValueError("native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
                          "float32, out's last dim contiguous")
-    if bias is None:
-        at = (0, 0, 0, 0)
-    else:
-        bias = bias.float().contiguous()
-        at = (bias.data_ptr(), *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2],
-                                                                   bias.shape[:2])),
-              bias.stride(2))
     _bf16.attend((q5.data_ptr(), *q5.stride()[:4]),
                  (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                 (packed.v.data_ptr(), *packed.v.stride()[:2]), at,
+                 (packed.v.data_ptr(), *packed.v.stride()[:2]), _bias_at(bias),
                  (out.data_ptr(), *out.stride()[:4]), (lse.data_ptr(), *lse.stride()),
                  (B, H_kv, G, R, D), (packed.Nt, k0, N), scale, P_PARTS,
                  torch.get_num_threads())
     return out, lse
+
+
+def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """The kernel's view of a float32, contiguous bias: its address and strides over B and
+    H (0 where broadcast) and rows; all 0 for no bias."""
+    if bias is None:
+        return (0, 0, 0, 0)
+    if bias.dtype != torch.float32 or not bias.is_contiguous():
+        raise ValueError("native: the bias must be a contiguous float32 tensor")
+    return (bias.data_ptr(), *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2],
+                                                                  bias.shape[:2])),
+            bias.stride(2))
+
+
+def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
+    """What :func:`backward` reads: K in both layouts (``Packed(k=scores, v=values)``: Q Kᵀ
+    and dS K), and V in the score layout (dO Vᵀ)."""
+    kv, vk = pack(k, v), pack(v, k)
+    return Packed(kv.k, vk.v, kv.Nt), vk.k
+
+
+def backward(q5: torch.Tensor, do5: torch.Tensor, packed: Packed, vk: torch.Tensor, k0: int,
+             k1: int, bias: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor,
+             scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
+    (B, H_kv, G, R)), added in float32 to ``dq`` ((threads, B, H_kv, G, R, D): a slice per
+    thread of :func:`gradient_buffer`, which the caller sums), and to ``dk``, ``dv`` for
+    keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
+    ``packed`` and ``vk`` from :func:`pack_backward`; bias as for :func:`attend`."""
+    B, H_kv, G, R, D = q5.shape
+    N = k1 - k0
+    threads = torch.get_num_threads()
+    if (do5.shape != q5.shape or lse.shape != (B, H_kv, G, R) or delta.shape != lse.shape
+            or dq.shape != (threads, *q5.shape) or dk.shape != (B, H_kv, N, D)
+            or dv.shape != dk.shape
+            or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
+            or any(x.stride(-1) != 1 for x in (q5, do5, dq, dk, dv))
+            or packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
+            or not 0 <= k0 < k1 or bias is not None and (
+                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
+                or tuple(bias.shape[2:]) != (G * R, N))):
+        raise ValueError(f"native.backward: mismatched shapes q {tuple(q5.shape)}, dO "
+                         f"{tuple(do5.shape)}, lse {tuple(lse.shape)}, dq {tuple(dq.shape)}, "
+                         f"dk {tuple(dk.shape)}, keys {k0}..{k1}")
+    _bf16.backward((q5.data_ptr(), *q5.stride()[:4]), (do5.data_ptr(), *do5.stride()[:4]),
+                   (packed.k.data_ptr(), *packed.k.stride()[:2]),
+                   (packed.v.data_ptr(), *packed.v.stride()[:2]),
+                   (vk.data_ptr(), *vk.stride()[:2]), _bias_at(bias),
+                   (lse.data_ptr(), *lse.stride()), (delta.data_ptr(), *delta.stride()),
+                   (dq.data_ptr(), *dq.stride()[:5]), (dk.data_ptr(), *dk.stride()[:3]),
+                   (dv.data_ptr(), *dv.stride()[:3]), (B, H_kv, G, R, D), (packed.Nt, k0, N),
+                   scale, threads)
+
+
+def gradient_buffer(B: int, H_kv: int, G: int, T_q: int, D: int) -> torch.Tensor:
+    """dQ's float32 accumulators, one per thread of torch's pool: (threads, B, H_kv, G,
+    T_q, D), zero; their sum over the first dim is dQ."""
+    return torch.zeros(torch.get_num_threads(), B, H_kv, G, T_q, D)
