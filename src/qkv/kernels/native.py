@@ -1,8 +1,9 @@
 """qkv's native bfloat16 step (``_bf16.c``, built at install): one call of the fused
-forward with Q, K and V kept in bfloat16 — both matmuls as bfloat16 dot products
-accumulated in float32, the softmax state in float32, P entering ·V as bfloat16 hi + lo
-parts (about 16 bits). docs/kernels.md#native-bfloat16 gives its measurements; where it is
-not built or the CPU lacks AVX512-BF16, the fused forward runs in float32 instead.
+forward or backward with Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
+accumulated in float32, the softmax state in float32, P (and dS) entering their matmul as
+bfloat16 hi + lo parts (about 16 bits). docs/kernels.md#native-bfloat16 gives its
+measurements; where it is not built or the CPU lacks AVX512-BF16, the fused calls run in
+float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
 """
@@ -27,21 +28,19 @@ NATIVE = True
 #: 1.64× the output's own rounding; docs/kernels.md#native-bfloat16)
 P_PARTS = 2
 
+_AVAILABLE = _bf16 is not None and _bf16.available()
+
 
 def available() -> bool:
     """Whether the native kernel is built and this CPU runs it."""
-    return _bf16 is not None and _bf16.available()
-
-
-_AVAILABLE = available()
+    return _AVAILABLE
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fused calls run natively: bfloat16 Q, K, V on the CPU, each with its head
     dim contiguous, a head dim the kernel's vectors tile (a multiple of 32, at most 256),
-    and finite Q and V (the
-    caller has checked K) — the kernel's max would pass over a NaN score, and 0 · inf in ·V
-    would reach rows that mask the key out."""
+    and finite Q and V (the caller has checked K) — the kernel's max would pass over a NaN
+    score, and 0 · inf in ·V would reach rows that mask the key out."""
     return (NATIVE and _AVAILABLE and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and q.shape[-1] == v.shape[-1] and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
