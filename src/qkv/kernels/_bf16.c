@@ -117,8 +117,8 @@ TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t 
     }
 }
 
-/* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi + lo, for 4 rows at a time
-   and NV 16-column vectors of the head dim at a time. */
+/* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi (+ lo when PARTS is 2), for
+   4 rows at a time and NV 16-column vectors of the head dim at a time. */
 TARGET static inline __attribute__((always_inline)) void pv_block(
         const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
         const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
@@ -217,6 +217,10 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
     bf16 Ph[MR * KT], Pl[MR * KT];
     int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+    if (rows < MR) { /* padding rows enter ·V as P = 0 */
+        memset(Ph, 0, sizeof Ph);
+        memset(Pl, 0, sizeof Pl);
+    }
     load_rows(j, j->q, j->qs, b, h, r0, rows, qt);
     for (int i = 0; i < MR; i++) {
         m[i] = -INFINITY;

@@ -227,18 +227,17 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
-    q5, o5 = _blocked(q, H_kv), _blocked(out.to(q.dtype), H_kv)
+    q5 = _blocked(q, H_kv)
     do5 = _blocked(dout.to(q.dtype).contiguous(), H_kv)  # (a sum's dout is expanded)
-    if packed is not None:  # the native kernel reads Delta, and lse -inf as "no key"
+    dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
+    if packed is not None:  # reads Delta, and lse -inf as "no key"; one dQ per thread
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)[..., 0]
+        dq_threads = native.gradient_buffer(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
+        o5 = _blocked(out.to(q.dtype), H_kv)
         lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
                         H_kv)
-    dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
-    if packed is not None:  # one dQ per thread, summed at the end
-        dq_threads = native.gradient_buffer(B, H_kv, G, T_q, D)
-    else:
         dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
     for _, _, group in calls(plan):
