@@ -293,3 +293,40 @@ def test_float32_every_mask(T, world):
     """The issue's matrix: every mask kind, T in {1000, 4096}, 2 and 4 ranks, both
     schedules (the ring in pieces of T/16 positions), outputs, gradients and bytes."""
     run_ranks(worker_float32, world, T, FLOAT32_MASKS, timeout=900)
+
+
+def worker_bfloat16(rank, world, port, T):
+    """bfloat16 through the ring, where each rank's calls run qkv's native kernel (on a
+    CPU that has it): out and gradients against one process's, which runs it too."""
+    from qkv.kernels import native
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, T, 64, generator=g).bfloat16()
+        k, v = (torch.randn(1, 2, T, 64, generator=g).bfloat16() for _ in range(2))
+        w = torch.randn(1, 4, T, 64, generator=g).bfloat16()
+        assert native.takes(q, k, v) == native.available()
+        for mask in (masks.causal(), masks.sliding_window(100)):
+            full = [x.clone().requires_grad_() for x in (q, k, v)]
+            want = qkv.attention(*full, mask=mask, backend="tiled")
+            (want.float() * w.float()).sum().backward()
+            layout = qd.Layout.balanced(T, world, mask)
+            local = [layout.shard(x, 2).requires_grad_() for x in (q, k, v)]
+            out = qd.attention(*local, layout=layout, mask=mask, schedule="ring",
+                               ring_piece=T // 8)
+            (out.float() * layout.shard(w, 2).float()).sum().backward()
+            # The ring merges the same float32 partial results in another order: within a
+            # unit or two of bfloat16's rounding of each result.
+            what = f"{mask!r}, rank {rank}/{world}"
+            torch.testing.assert_close(out.float(), layout.shard(want.detach(), 2).float(),
+                                       atol=2e-2, rtol=2e-2, msg=what)
+            for x, ref in zip(local, full):
+                torch.testing.assert_close(x.grad.float(), layout.shard(ref.grad, 2).float(),
+                                           atol=6e-2, rtol=3e-2, msg=what)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bfloat16_through_the_ring():
+    run_ranks(worker_bfloat16, 2, 512)
