@@ -83,6 +83,22 @@ TARGET static inline __m512 exp_neg(__m512 x) {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 
+/* 32 float32 values as bfloat16 hi (rounded) at hi, and, if lo is given, what hi leaves of
+   them rounded again at lo: hi + lo carry about 16 bits. Returns hi's values, lane-wise
+   summed over the two halves, as float32. */
+TARGET static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo) {
+    __m512i hw = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    __m512 h0 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
+    __m512 h1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
+    _mm512_storeu_si512(hi, hw);
+    if (lo)
+        _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1),
+                                                             _mm512_sub_ps(p0, h0)));
+    return _mm512_add_ps(h0, h1);
+}
+
 /* S[i][0..nk) = (q_i · k_n) · by for MR rows and the nk keys from n0 (nk: multiple of 32),
    -inf over the 32-key blocks not live (no row of the tile may attend to them). */
 TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t n0, int64_t nk,
@@ -257,19 +273,9 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
                 if (!live[n / 32]) continue;
                 __m512 p0 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
                 __m512 p1 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n + 16), vb));
-                __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);
-                /* the parts of p that hi leaves out, rounded again */
-                __m512i hw = (__m512i)hi;
-                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
-                __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
-                _mm512_storeu_si512(Ph + i * KT + n, (__m512i)hi);
-                if (j->parts == 2) {
-                    __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0));
-                    _mm512_storeu_si512(Pl + i * KT + n, (__m512i)lo);
-                } else { /* out is normalised by the P that ·V sees; lse keeps float32's */
-                    sump = _mm512_add_ps(sump, _mm512_add_ps(h0, h1));
-                }
-                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                __m512 hi = split(p0, p1, Ph + i * KT + n, j->parts == 2 ? Pl + i * KT + n : NULL);
+                sump = _mm512_add_ps(sump, hi); /* out is normalised by the P ·V sees */
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1)); /* lse keeps float32's */
             }
             l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
             lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + _mm512_reduce_add_ps(sump);
@@ -393,16 +399,9 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
                 _mm512_storeu_ps(&P[i][n], p);
                 _mm512_storeu_ps(&dS[i][n], ds);
             }
-            for (int64_t n = 0; n < nk; n += 32) { /* dS for ·K as bfloat16 hi + lo */
-                __m512 d0 = _mm512_loadu_ps(&dS[i][n]), d1 = _mm512_loadu_ps(&dS[i][n + 16]);
-                __m512bh hi = _mm512_cvtne2ps_pbh(d1, d0);
-                __m512i hw = (__m512i)hi;
-                __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
-                __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
-                _mm512_storeu_si512(Dh + i * KT + n, hw);
-                _mm512_storeu_si512(Dl + i * KT + n, (__m512i)_mm512_cvtne2ps_pbh(
-                    _mm512_sub_ps(d1, h1), _mm512_sub_ps(d0, h0)));
-            }
+            for (int64_t n = 0; n < nk; n += 32) /* dS for ·K as bfloat16 hi + lo */
+                split(_mm512_loadu_ps(&dS[i][n]), _mm512_loadu_ps(&dS[i][n + 16]), Dh + i * KT + n,
+                      Dl + i * KT + n);
         }
         outer(j, P, df, rows, live, nk, dVa);
         outer(j, dS, qf, rows, live, nk, dKa);
