@@ -78,16 +78,9 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None. A row with no allowed key: out 0, lse -inf. Written into ``out``
     (B, H_kv, G, R, D) and ``lse`` (B, H_kv, G, R), float32 views, where given."""
+    _check_call("attend", q5, packed, k0, k1, bias)
     B, H_kv, G, R, D = q5.shape
     N = k1 - k0
-    # The kernel reads raw memory: a wrong shape would read past the tensors.
-    if (packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
-            or q5.stride(-1) != 1 or R < 1 or not 0 <= k0 < k1 or bias is not None and (
-                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
-                or tuple(bias.shape[2:]) != (G * R, N))):
-        raise ValueError(f"native.attend: mismatched shapes q {tuple(q5.shape)}, packed k "
-                         f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}")
     out = torch.empty(B, H_kv, G, R, D) if out is None else out
     lse = torch.empty(B, H_kv, G, R) if lse is None else lse
     if (out.shape != (B, H_kv, G, R, D) or lse.shape != (B, H_kv, G, R) or out.stride(-1) != 1
@@ -101,6 +94,20 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
                  (B, H_kv, G, R, D), (packed.Nt, k0, N), scale, P_PARTS,
                  torch.get_num_threads())
     return out, lse
+
+
+def _check_call(name: str, q5: torch.Tensor, packed: Packed, k0: int, k1: int,
+                bias: torch.Tensor | None) -> None:
+    """Raise unless one call's rows, keys and bias fit each other: the kernel reads raw
+    memory, and a wrong shape would read past the tensors."""
+    B, H_kv, G, R, D = q5.shape
+    if (packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
+            or q5.stride(-1) != 1 or R < 1 or not 0 <= k0 < k1 or bias is not None and (
+                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
+                or tuple(bias.shape[2:]) != (G * R, k1 - k0))):
+        raise ValueError(f"native.{name}: mismatched shapes q {tuple(q5.shape)}, packed k "
+                         f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
 
 
 def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -130,6 +137,7 @@ def backward(q5: torch.Tensor, do5: torch.Tensor, packed: Packed, vk: torch.Tens
     thread of :func:`gradient_buffer`, which the caller sums), and to ``dk``, ``dv`` for
     keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
     ``packed`` and ``vk`` from :func:`pack_backward`; bias as for :func:`attend`."""
+    _check_call("backward", q5, packed, k0, k1, bias)
     B, H_kv, G, R, D = q5.shape
     N = k1 - k0
     threads = torch.get_num_threads()
@@ -137,11 +145,7 @@ def backward(q5: torch.Tensor, do5: torch.Tensor, packed: Packed, vk: torch.Tens
             or dq.shape != (threads, *q5.shape) or dk.shape != (B, H_kv, N, D)
             or dv.shape != dk.shape
             or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
-            or any(x.stride(-1) != 1 for x in (q5, do5, dq, dk, dv))
-            or packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
-            or not 0 <= k0 < k1 or bias is not None and (
-                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
-                or tuple(bias.shape[2:]) != (G * R, N))):
+            or any(x.stride(-1) != 1 for x in (do5, dq, dk, dv))):
         raise ValueError(f"native.backward: mismatched shapes q {tuple(q5.shape)}, dO "
                          f"{tuple(do5.shape)}, lse {tuple(lse.shape)}, dq {tuple(dq.shape)}, "
                          f"dk {tuple(dk.shape)}, keys {k0}..{k1}")
