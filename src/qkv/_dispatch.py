@@ -8,11 +8,11 @@ Rules for ``backend="auto"``, first match wins:
 3. a score modification sdpa cannot take (not additive, or reading a tensor that needs a
    gradient) → ``tiled``, or ``reference`` with dropout; an additive one continues below as
    a float mask;
-4. bfloat16 on a CPU that runs qkv's native bfloat16 kernel, forward only (no input needs
-   a gradient), no dropout or modification, a qkv mask or none, and at least
-   ``NATIVE_SCORES`` scores → ``tiled``: its native step computes in bfloat16, where torch's
-   CPU kernel runs bfloat16 at float32's speed (measured 1.26–1.38× faster from T = 1024,
-   causal or no mask; with a gradient, forward and backward run 3–15% faster through SDPA);
+4. bfloat16 on a CPU that runs qkv's native bfloat16 kernel, no dropout or modification, a
+   qkv mask or none, and at least ``NATIVE_SCORES`` scores → ``tiled``: its native steps
+   compute in bfloat16, where torch's CPU kernel runs bfloat16 at float32's speed (measured
+   from T = 1024, causal or no mask: the forward 1.26–1.38×, forward + backward 1.07–1.16×
+   faster than SDPA);
 5. no mask and no modification, or a mask that allows every position of this problem (e.g.
    causal for one query at the end of a KV cache) → ``sdpa`` without a mask;
 6. a key holding NaN/inf under a mask or a modification → ``tiled`` (sdpa would spread it to
@@ -176,9 +176,8 @@ def check_backend(backend: str, *, dropout_p: float, generator: Any, return_weig
 
 def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
            generator: Any, return_weights: bool, return_lse: bool, backend: str,
-           score_mod: ScoreMod | None = None, grad: bool = False) -> Dispatch:
-    """Apply the rules of this module's docstring; explicit backends are checked. ``grad``:
-    whether an input needs a gradient (the call runs a backward)."""
+           score_mod: ScoreMod | None = None) -> Dispatch:
+    """Apply the rules of this module's docstring; explicit backends are checked."""
     materialised = check_backend(backend, dropout_p=dropout_p, generator=generator,
                                  return_weights=return_weights, return_lse=return_lse,
                                  score_mod=score_mod)
@@ -211,11 +210,11 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
         return Dispatch("tiled", f"score modification {mod!r} is not additive or needs a "
                         "gradient: torch's kernel cannot take it as a float mask; the tiled "
                         "kernel applies it tile by tile", _plan(mask, p))
-    if (mod is None and dropout_p == 0 and not grad and p.T_q * p.T_k >= NATIVE_SCORES
+    if (mod is None and dropout_p == 0 and p.T_q * p.T_k >= NATIVE_SCORES
             and (mask is None or isinstance(mask, Mask)) and _native_bf16(p, key)):
-        return Dispatch("tiled", "bfloat16 forward on a CPU with AVX512-BF16: the tiled "
-                        "kernel's native bfloat16 step beats torch's kernel, which computes "
-                        "bfloat16 at float32's speed", _plan(mask, p))
+        return Dispatch("tiled", "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's "
+                        "native bfloat16 steps beat torch's kernel, which computes bfloat16 "
+                        "at float32's speed", _plan(mask, p))
     mode = _sdpa_mask(p, mask, mod)
     drawn = " (dropout drawn from torch's global generator)" if dropout_p > 0 else ""
     if mask is None and mod is None:

@@ -66,9 +66,7 @@ def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None
             k: v for k, v in choice.items() if k != "backend"})
         return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
                                               **choice)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, grad=grad,
-                                **choice)
+    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
 
 
 def dispatch(

@@ -330,17 +330,27 @@ typedef struct {
     int64_t done;     /* work items finished (a thread without scratch memory runs none) */
 } BJob;
 
-/* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks. */
+/* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
+   4 keys × 32 columns at a time, so that 8 independent FMA chains hide the FMA latency. */
 TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, int rows,
                          const int *live, int64_t nk, float *acc) {
     int64_t D = j->D;
-    for (int64_t n = 0; n < nk; n++) {
+    for (int64_t n = 0; n < nk; n += 4) {
         if (!live[n / 32]) continue;
-        for (int64_t c = 0; c < D; c += 16) {
-            __m512 a = _mm512_loadu_ps(acc + n * D + c);
-            for (int i = 0; i < rows; i++)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(W[i][n]), _mm512_loadu_ps(x + i * D + c), a);
-            _mm512_storeu_ps(acc + n * D + c, a);
+        for (int64_t c = 0; c < D; c += 32) {
+            __m512 a[4][2];
+            for (int k = 0; k < 4; k++)
+                for (int e = 0; e < 2; e++) a[k][e] = _mm512_loadu_ps(acc + (n + k) * D + c + 16 * e);
+            for (int i = 0; i < rows; i++) {
+                __m512 x0 = _mm512_loadu_ps(x + i * D + c), x1 = _mm512_loadu_ps(x + i * D + c + 16);
+                for (int k = 0; k < 4; k++) {
+                    __m512 w = _mm512_set1_ps(W[i][n + k]);
+                    a[k][0] = _mm512_fmadd_ps(w, x0, a[k][0]);
+                    a[k][1] = _mm512_fmadd_ps(w, x1, a[k][1]);
+                }
+            }
+            for (int k = 0; k < 4; k++)
+                for (int e = 0; e < 2; e++) _mm512_storeu_ps(acc + (n + k) * D + c + 16 * e, a[k][e]);
         }
     }
 }
