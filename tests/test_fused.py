@@ -12,19 +12,12 @@ from qkv import masks
 from qkv import numpy as qnp
 from qkv.kernels import fused as K
 
-from helpers import make_qkv, mask_zoo, use_small_tiles
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
 from tolerances import FLOAT64, LOW_PRECISION
 
 pytestmark = pytest.mark.skipif(K.FLASH is None, reason="this torch has no fused CPU kernel")
 
 TOL = {torch.float64: FLOAT64, **LOW_PRECISION}
-
-
-def oracle(q, k, v, mask):
-    if isinstance(mask, torch.Tensor):
-        mask = mask.numpy()
-    return qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask,
-                         return_lse=True)
 
 
 def run(q, k, v, mask, fused, monkeypatch):
@@ -50,7 +43,7 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
         small_calls(monkeypatch)
     out, lse, fused = run(q, k, v, mask, True, monkeypatch)
     assert fused
-    want, want_lse = oracle(q, k, v, mask)
+    want, want_lse = oracle_with_lse(q, k, v, mask)
     tol = TOL[dtype]
     np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
     np.testing.assert_allclose(lse.double().numpy(), want_lse, atol=tol * 4, rtol=tol)
@@ -122,12 +115,6 @@ def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch):
     np.testing.assert_allclose(out.double().numpy(), want, atol=1e-5)
 
 
-def grads(q, k, v, mask, g, **kw):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = qkv.attention(q, k, v, mask=mask, **kw)
-    return torch.autograd.grad((out * g).sum(), (q, k, v))
-
-
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", [n for n, m in mask_zoo(2, 53, 37).items()])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16,
@@ -143,9 +130,9 @@ def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monke
     monkeypatch.setattr(K, "fused_backward", lambda *a: calls.append(1) or real(*a))
     if small:
         small_calls(monkeypatch)
-    fused = grads(q, k, v, mask, g, backend="tiled")
+    fused = grads(q, k, v, g, mask, backend="tiled")
     assert calls
-    want = grads(q.double(), k.double(), v.double(), mask, g.double(), backend="reference")
+    want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
     tol = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 6e-2,
            torch.float16: 8e-3}[dtype]
     for got, exp in zip(fused, want):

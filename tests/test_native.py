@@ -17,20 +17,13 @@ import qkv
 from qkv import numpy as qnp
 from qkv.kernels import fused, native
 
-from helpers import make_qkv, mask_zoo, use_small_tiles
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
 from tolerances import rounding_tolerance
 
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="native kernel not built, or no AVX512-BF16 here")
-
-
-def oracle(q, k, v, mask, scale=None):
-    if isinstance(mask, torch.Tensor):
-        mask = mask.numpy()
-    return qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale,
-                         return_lse=True)
 
 
 @pytest.mark.parametrize("B,H_kv,G,R,T_k,k0,k1,D", [
@@ -59,7 +52,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
     out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale)
     q = q5.reshape(B, H_kv, G * R, D)
     mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N).numpy()
-    want, want_lse = oracle(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
+    want, want_lse = oracle_with_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
     got, got_lse = out.reshape(B, H_kv, G * R, D).double().numpy(), lse.reshape(
         B, H_kv, G * R).double().numpy()
     # float32 arithmetic on bfloat16 inputs. With P as hi + lo (~16 bits, the default) the
@@ -97,7 +90,7 @@ def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(name, small
     seen = calls(monkeypatch)
     out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
     assert seen, "the bfloat16 call did not run natively"
-    want, want_lse = oracle(q, k, v, mask)
+    want, want_lse = oracle_with_lse(q, k, v, mask)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
                                atol=rounding_tolerance(want, torch.bfloat16))
@@ -112,7 +105,7 @@ def test_long_rows_stay_within_their_own_rounding(monkeypatch):
     seen = calls(monkeypatch)
     out = qkv.attention(q, k, v, backend="tiled")
     assert seen
-    want, _ = oracle(q, k, v, None)
+    want, _ = oracle_with_lse(q, k, v, None)
     np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
                                atol=rounding_tolerance(want, torch.bfloat16))
 
@@ -179,12 +172,6 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=1e-4, rtol=1e-4)
 
 
-def grads(q, k, v, g, mask, backend="tiled"):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = qkv.attention(q, k, v, mask=mask, backend=backend)
-    return torch.autograd.grad((out * g).sum(), (q, k, v))
-
-
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
 def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
     """Both passes native, every mask kind, T_q != T_k, GQA: against float64 autograd on
@@ -197,11 +184,11 @@ def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
     seen = []
     real = native.backward
     monkeypatch.setattr(native, "backward", lambda *a: seen.append(1) or real(*a))
-    got = grads(q, k, v, g, mask)
+    got = grads(q, k, v, g, mask, backend="tiled")
     assert seen, "the bfloat16 backward did not run natively"
-    want = grads(q.double(), k.double(), v.double(), g.double(), mask, "reference")
+    want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
     monkeypatch.setattr(native, "NATIVE", False)
-    upcast = grads(q, k, v, g, mask)
+    upcast = grads(q, k, v, g, mask, backend="tiled")
     for a, b, c in zip(got, want, upcast):
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
         np.testing.assert_allclose(a.double().numpy(), c.double().numpy(), rtol=0,

@@ -122,13 +122,6 @@ def _sdpa_mask(p: Problem, mask: MaskLike, mod: ScoreMod | None = None) -> str:
     return "dense"
 
 
-def _native_bf16(p: Problem, key: torch.Tensor) -> bool:
-    """Whether the tiled kernel would run this call's key and sizes natively in bfloat16
-    (:func:`qkv.kernels.native.takes`, less its per-call finiteness checks)."""
-    return (key.dtype == torch.bfloat16 and key.device.type == "cpu" and native.NATIVE
-            and native.available() and p.D == p.D_v and p.D % 32 == 0 and p.D <= 256)
-
-
 def _flex_on_gpu(key: torch.Tensor, mask: MaskLike) -> bool:
     """Whether ``auto`` should take FlexAttention: CUDA inputs, a qkv mask or none, and a
     torch that has it."""
@@ -211,7 +204,8 @@ def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
                         "gradient: torch's kernel cannot take it as a float mask; the tiled "
                         "kernel applies it tile by tile", _plan(mask, p))
     if (mod is None and dropout_p == 0 and p.T_q * p.T_k >= NATIVE_SCORES
-            and (mask is None or isinstance(mask, Mask)) and _native_bf16(p, key)):
+            and (mask is None or isinstance(mask, Mask))
+            and native.fits(key.dtype, key.device, p.D, p.D_v)):
         return Dispatch("tiled", "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's "
                         "native bfloat16 steps beat torch's kernel, which computes bfloat16 "
                         "at float32's speed", _plan(mask, p))

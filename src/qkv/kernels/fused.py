@@ -183,12 +183,11 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             at = slice(c.q0, c.q1)
             first = not done[c.q0 - g0:c.q1 - g0].any()  # a call's rows: all or none done
             done[c.q0 - g0:c.q1 - g0] = True
-            if packed is not None and first:  # written straight into out and lse
-                native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale,
-                              out[:, :, :, at], lse[:, :, :, at])
-                continue
             if packed is not None:  # a row with no key: lse -inf already
-                o, l_ = native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale)
+                into = (out[:, :, :, at], lse[:, :, :, at]) if first else ()
+                o, l_ = native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale, *into)
+                if first:  # written straight into out and lse
+                    continue
             else:
                 o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
                               0.0, False, attn_mask=bias, scale=scale)

@@ -36,14 +36,20 @@ def available() -> bool:
     return _AVAILABLE
 
 
+def fits(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
+    """Whether calls of this dtype, device and head dims can run natively: bfloat16 on the
+    CPU, the kernel built and this CPU able to run it, D = D_v a multiple of 32 (the
+    kernel's vectors) up to 256."""
+    return (NATIVE and _AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"
+            and D == D_v and D % 32 == 0 and D <= 256)
+
+
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fused calls run natively: bfloat16 Q, K, V on the CPU, each with its head
     dim contiguous, a head dim the kernel's vectors tile (a multiple of 32, at most 256),
     and finite Q and V (the caller has checked K) — the kernel's max would pass over a NaN
     score, and 0 · inf in ·V would reach rows that mask the key out."""
-    return (NATIVE and _AVAILABLE and q.device.type == "cpu"
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256
+    return (fits(q.dtype, q.device, q.shape[-1], v.shape[-1]) and q.dtype == k.dtype == v.dtype
             and all(x.stride(-1) == 1 for x in (q, k, v)) and all_finite(q) and all_finite(v))
 
 

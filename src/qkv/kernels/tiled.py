@@ -199,9 +199,7 @@ def plain_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         fuse = _fusable(q, k, v, None)
     if fuse and fused.FLASH_BACKWARD is not None:
         return fused.fused_backward(q, k, v, out, lse, dout, plan, mask_tile, scale)
-    dq, dk, dv = tiled_backward(q, k, v, out, lse, dout, None, plan, mask_tile, scale,
-                                delta=delta)
-    return dq, dk, dv
+    return tiled_backward(q, k, v, out, lse, dout, None, plan, mask_tile, scale, delta=delta)
 
 
 class _TiledAttention(torch.autograd.Function):
