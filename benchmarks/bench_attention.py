@@ -5,7 +5,7 @@ The implementation lives in ``qkv.bench`` so that ``qkv bench`` runs the same th
     python benchmarks/bench_attention.py --help
 """
 
-from qkv.bench import main
+from qkv.cli.bench import main
 
 if __name__ == "__main__":
     main()

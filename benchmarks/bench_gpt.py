@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qkv.data import bigram_loss, load_corpus
+from qkv.training import bigram_loss, load_corpus
 from qkv.models import GPT
-from qkv.train import DEFAULT_PRESET, PRESETS, evaluate, train
+from qkv.training import DEFAULT_PRESET, PRESETS, evaluate, train
 
 FINAL_WINDOWS = 1024
 

@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 
 from qkv import masks
-from qkv.kernels.blocks import BLOCK_K, BLOCK_Q, dense_to_sparse, make_plan
+from qkv.kernels.tiled.plan import BLOCK_K, BLOCK_Q, dense_to_sparse, make_plan
 
 DENSE_LIMIT = 1 << 30  # map cells; the dense classification holds several arrays this big
 

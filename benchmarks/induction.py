@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 from qkv.heads import head_scores, repeated_tokens, run
-from qkv.train import load_checkpoint, snapshots
+from qkv.training import load_checkpoint, snapshots
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 THRESHOLD = 0.4

@@ -7,7 +7,7 @@ The oracle runs on the *same* rounded inputs cast to float64, so the table measu
 each kernel adds, not the rounding of the inputs. Inputs: B=2, H=8, H_kv=4, T=257, D=64,
 standard normal; masks none, causal, sliding_window(64), document (4 documents). The last
 kernel column is the native bfloat16 kernel with P rounded once to bfloat16
-(``qkv.kernels.native.P_PARTS = 1``, docs/kernels.md#native-bfloat16): bfloat16 only.
+(``qkv.kernels.tiled.native.P_PARTS = 1``, docs/kernels.md#native-bfloat16): bfloat16 only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels import native
+from qkv.kernels.tiled import native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "sdpa", "tiled"]

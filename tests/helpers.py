@@ -62,7 +62,7 @@ def grads(q, k, v, g, mask, **kw):
 def use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=16):
     """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks,
     and let auto consider it for small inputs too."""
-    import qkv._dispatch as d
+    import qkv.core.dispatch as d
     monkeypatch.setattr(d, "SMALL_SCORES", 0)
     monkeypatch.setattr(d, "BLOCK_Q", block_q)
     monkeypatch.setattr(d, "BLOCK_K", block_k)

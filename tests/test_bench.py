@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from qkv import bench
+from qkv.cli import bench
 from qkv.cli import main
 
 

@@ -173,7 +173,7 @@ def test_dispatch_drops_a_mask_that_allows_everything():
 
 
 def test_dispatch_small_inputs_skip_planning(monkeypatch):
-    import qkv._dispatch as d
+    import qkv.core.dispatch as d
     monkeypatch.setattr(d, "SMALL_SCORES", 512 * 512)
     q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
     d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))

@@ -158,7 +158,7 @@ def test_dense_masks_with_rows_at_default_tiles(shape, backend):
 # -- 5. the long-sequence rule ------------------------------------------------------------
 
 def test_dispatch_sends_long_dense_ish_masks_to_tiled(monkeypatch):
-    import qkv._dispatch as d
+    import qkv.core.dispatch as d
 
     use_small_tiles(monkeypatch)
     monkeypatch.setattr(d, "LONG_SCORES", 64 * 64)

@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv._dispatch import Dispatch
+from qkv.core.dispatch import Dispatch
 
 from helpers import make_qkv, mask_zoo, use_small_tiles
 from tolerances import FLOAT64
@@ -119,7 +119,7 @@ def _plan_by_rows(codes, T_q, T_k, bq, bk, chunk):
 @pytest.mark.parametrize("T_q,T_k", [(37, 37), (13, 50), (300, 900), (1, 1)])
 @pytest.mark.parametrize("bq,bk,chunk", [(4, 4, 16), (8, 5, 20), (3, 2, 7)])
 def test_plan_equals_the_row_by_row_plan(T_q, T_k, bq, bk, chunk):
-    from qkv.kernels.blocks import make_plan
+    from qkv.kernels.tiled.plan import make_plan
     for name, m in mask_zoo(2, T_k).items():
         if not isinstance(m, masks.Mask):
             continue

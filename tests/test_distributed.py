@@ -298,7 +298,7 @@ def test_float32_every_mask(T, world):
 def worker_bfloat16(rank, world, port, T):
     """bfloat16 through the ring, where each rank's calls run qkv's native kernel (on a
     CPU that has it): out and gradients against one process's, which runs it too."""
-    from qkv.kernels import native
+    from qkv.kernels.tiled import native
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
     try:

@@ -163,9 +163,9 @@ def test_flex_is_never_chosen_by_auto_on_the_cpu_and_dispatch_says_why():
 
 
 def test_auto_prefers_flex_on_cuda(monkeypatch):
-    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv._dispatch._flex_on_gpu)
+    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.dispatch._flex_on_gpu)
     # send what the tiled kernel would take to flex, and leave SDPA what it does best.
-    import qkv._dispatch as d
+    import qkv.core.dispatch as d
     monkeypatch.setattr(d, "_flex_on_gpu", lambda key, mask: not isinstance(mask, torch.Tensor))
     q, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))
     choose = lambda **kw: qkv.dispatch(q, k, v, **kw)  # noqa: E731

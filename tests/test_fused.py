@@ -10,7 +10,7 @@ import torch
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
-from qkv.kernels import fused as K
+from qkv.kernels.tiled import flash as K
 
 from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
 from tolerances import FLOAT64, LOW_PRECISION
@@ -65,7 +65,7 @@ def small_calls(monkeypatch):
 
 @pytest.mark.parametrize("T_q,T_k", [(37, 53), (64, 64), (120, 41), (1, 30)])
 def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
-    from qkv._dispatch import _plan, Problem
+    from qkv.core.dispatch import _plan, Problem
     use_small_tiles(monkeypatch)
     small_calls(monkeypatch)
     for name, mask in mask_zoo(2, T_k, T_q).items():

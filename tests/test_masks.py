@@ -170,7 +170,7 @@ def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
         "ids_shuffled": masks.document(rng.integers(0, 3, T_k)),
         "ids_per_row": masks.document(np.sort(rng.integers(0, 5, (B, T_k)), -1)),
         "not_window_and_causal": ~masks.sliding_window(5) & masks.causal(),
-        "window_at_an_offset": masks._Shifted(masks.sliding_window(6), 9, 3, 200),
+        "window_at_an_offset": masks.sliding_window(6).shifted(9, 3, 200),
     }
     for name, m in zoo.items():
         dense = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)

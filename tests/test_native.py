@@ -1,4 +1,4 @@
-"""qkv's native bfloat16 step (src/qkv/kernels/_bf16.c) against the NumPy float64 oracle on
+"""qkv's native bfloat16 step (src/qkv/kernels/tiled/_bf16.c) against the NumPy float64 oracle on
 the same bfloat16 inputs: one call at odd sizes (rows and keys off its tiles, calls starting
 inside a 32-key block, GQA rows, broadcast masks, rows with no key, every head dim it
 takes), and through ``qkv.attention`` for every mask kind with T_q != T_k, held to the
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import numpy as qnp
-from qkv.kernels import fused, native
+from qkv.kernels.tiled import flash as fused, native
 
 from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
 from tolerances import rounding_tolerance

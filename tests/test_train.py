@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from qkv.cli import main
-from qkv.data import bigram_loss, eval_windows, load_corpus
+from qkv.training import bigram_loss, eval_windows, load_corpus
 from qkv.models import GPTConfig
-from qkv.train import PRESETS, TrainConfig, learning_rate, load_checkpoint, train
+from qkv.training import PRESETS, TrainConfig, learning_rate, load_checkpoint, train
 
 FILES = {"model.safetensors", "optimizer.safetensors", "config.json", "state.json", "loss.png"}
 

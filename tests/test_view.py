@@ -14,7 +14,7 @@ import torch
 from qkv import heads
 from qkv.cli import main
 from qkv.models import GPT, GPTConfig
-from qkv.train import PRESETS, TrainConfig, load_checkpoint, snapshots, train
+from qkv.training import PRESETS, TrainConfig, load_checkpoint, snapshots, train
 from qkv.view import byte_labels, view
 
 from browser import Browser, find_chromium

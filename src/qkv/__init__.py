@@ -4,14 +4,12 @@ Legend used in every docstring and error: B batch · H query heads · H_kv key/v
 T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
-from . import heads, masks, numpy, scores, tutorial
-from .cache import KVCache
-from .explain import Trace, explain
+from . import distributed, heads, masks, models, numpy, scores
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
-from .mha import MultiHeadAttention
-from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
-from .rope import RoPE
-from . import distributed, models  # noqa: E402  (after the modules they build on)
+from .learn import tutorial
+from .learn.explain import Trace, explain
+from .nn import (CausalAttention, CrossAttention, KVCache, MultiHeadAttention,
+                 MultiHeadAttentionWrapper, RoPE, SelfAttention)
 
 __version__ = "0.1.0"
 

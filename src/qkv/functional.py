@@ -15,15 +15,16 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from . import _compiled
+from .core import compiled as _compiled
 from ._checks import Problem, check_attention
-from ._dispatch import NATIVE_SCORES, Dispatch, MaskLike, check_backend, choose
-from ._lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
+from .core.dispatch import NATIVE_SCORES, Dispatch, MaskLike, check_backend, choose
+from .core.lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
 from .kernels.flex import flex
 from .kernels.reference import reference
 from .kernels.sdpa import sdpa
 from .kernels.tiled import tiled
-from .masks import Mask, _Causal
+from .masks import Mask
+from .masks.library import _Causal
 from .scores import ScoreMod, as_score_mod
 
 Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]

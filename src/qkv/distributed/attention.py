@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._lowering import mask_tile
+from ..core.lowering import mask_tile
 from ..functional import _prepare, merge_attention
 from ..functional import attention as local_attention
 from ..kernels.reference import accumulation_dtype
 from ..kernels.tiled import plain_backward, tiled_forward
-from ..masks import EMPTY, Mask, _Shifted
+from ..masks import EMPTY, Mask
 from .layout import Layout
 
 SCHEDULES = ("allgather", "ring")
@@ -290,7 +290,7 @@ def _pair_mask(mask: Any, qa: int, qb: int, ka: int, kb: int, T: int) -> Any:
     if isinstance(mask, torch.Tensor):
         part = mask[..., qa:qb, ka:kb]
         return part if part.any() else _EMPTY
-    shifted = _Shifted(mask, qa - ((kb - ka) - (qb - qa)), ka, T)
+    shifted = mask.shifted(qa - ((kb - ka) - (qb - qa)), ka, T)
     codes = shifted.blocks(mask.batch or 1, 1, qb - qa, kb - ka, block_q=qb - qa,
                            block_k=kb - ka)
     return _EMPTY if (codes == EMPTY).all() else shifted

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cache import KVCache
+from ..nn.cache import KVCache
 from ..distributed import Layout
-from ..mha import MultiHeadAttention
-from ..rope import RoPE
+from ..nn.mha import MultiHeadAttention
+from ..nn.rope import RoPE
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,13 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from ._checks import Problem
-from .kernels.blocks import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
-from .kernels import native
-from .kernels.reference import all_finite
-from .masks import FULL, Mask, _Causal
-from .scores import ScoreMod
+from .._checks import Problem
+from ..kernels.tiled.plan import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
+from ..kernels.tiled import native
+from ..kernels.reference import all_finite
+from ..masks import FULL, Mask
+from ..masks.library import _Causal
+from ..scores import ScoreMod
 
 MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
 BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled", "flex")

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from ._checks import Problem
-from ._dispatch import MaskLike
-from .kernels.blocks import MaskTile, ModTile
-from .masks import Mask
-from .scores import ScoreMod
+from .._checks import Problem
+from .dispatch import MaskLike
+from ..kernels.tiled.plan import MaskTile, ModTile
+from ..masks import Mask
+from ..scores import ScoreMod
 
 
 def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:

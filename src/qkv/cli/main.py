@@ -12,14 +12,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import torch
 
-from . import masks, tutorial
-from .explain import explain
-from .mha import MultiHeadAttention
-from .modules import SelfAttention
+from .. import masks
+from ..learn import tutorial
+from ..learn.explain import explain
+from ..nn.mha import MultiHeadAttention
+from ..nn.modules import SelfAttention
+from .args import Parser, positive
 
 
 def _embeddings(text: str) -> list[list[float]]:
@@ -31,26 +33,12 @@ def _embeddings(text: str) -> list[list[float]]:
             f"e.g. '0.1,0.2;0.3,0.4'; got {text!r}") from None
 
 
-def positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
-    return int(text)
-
-
 def _ids(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"ids must be comma-separated integers; got {text!r}"
                                          ) from None
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: the message names the argument and points to --help
-    (argparse's usage block would bury it)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,8 +146,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _heads(args: argparse.Namespace) -> None:
-    from .heads import head_scores
-    from .train import load_checkpoint
+    from ..heads import head_scores
+    from ..training import load_checkpoint
 
     model = load_checkpoint(args.checkpoint)
     if args.length is not None and 2 * args.length > model.config.block_size:
@@ -173,7 +161,7 @@ def _heads(args: argparse.Namespace) -> None:
             layer, head = divmod(int(s.argmax()), s.shape[1])
             print(f"{name:>16}: best layer {layer} head {head}: {s.max():.3f}")
     if not args.no_png:
-        from .viz import head_scores_heatmap
+        from ..learn.viz import head_scores_heatmap
 
         try:
             head_scores_heatmap(scores, title=f"head scores: {args.checkpoint}", path=args.png)
@@ -183,9 +171,9 @@ def _heads(args: argparse.Namespace) -> None:
 
 
 def _view(args: argparse.Namespace) -> None:
-    from .heads import repeated_tokens
-    from .train import load_checkpoint, snapshots
-    from .view import byte_labels, view
+    from ..heads import repeated_tokens
+    from ..training import load_checkpoint, snapshots
+    from ..view import byte_labels, view
 
     model = load_checkpoint(args.checkpoint)
     on_bytes = json.loads((args.checkpoint / "config.json").read_text())["train"].get(
@@ -299,7 +287,7 @@ def _mask(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .train import DEFAULT_PRESET, train
+    from ..training import DEFAULT_PRESET, train
 
     preset = args.preset
     if preset is None:
@@ -324,7 +312,7 @@ def _saved_preset(out: Path) -> str:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .train import load_checkpoint
+    from ..training import load_checkpoint
 
     if not args.prompt:
         raise ValueError("--prompt must not be empty: the model continues a text")
@@ -339,7 +327,7 @@ def _generate(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own options: see qkv.bench
+    if argv[:1] == ["bench"]:  # its own options: see qkv.cli.bench
         from .bench import main as bench
 
         try:

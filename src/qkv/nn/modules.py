@@ -8,7 +8,7 @@ notebooks.
 Every module has ``project(x) -> (q, k, v)`` in the (B, H, T, d_head) layout and
 ``merge(context) -> out``; ``forward`` is ``merge(attention(*project(x)))``. The two halves
 are public so that :func:`qkv.explain` can show each step of the same computation. The
-production :class:`qkv.MultiHeadAttention` lives in ``qkv.mha``.
+production :class:`qkv.MultiHeadAttention` lives in ``qkv.nn.mha``.
 
 Legend: B batch · H heads · T sequence length · E = d_in model dim · d_head = d_out / H.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import MaskLike, attention
-from .masks import Mask, causal
+from ..functional import MaskLike, attention
+from ..masks import Mask, causal
 
 
 def check_input(name: str, x: torch.Tensor, d_in: int) -> None:

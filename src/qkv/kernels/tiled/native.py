@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .reference import all_finite
+from ..reference import all_finite
 
 try:
     from . import _bf16

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .heads import ROW_BLOCK, SCORES, head_scores, run
+from ..heads import ROW_BLOCK, SCORES, head_scores, run
 
 #: the longest prompt a page can hold (key indices are 16-bit)
 MAX_TOKENS = 65535
@@ -64,7 +64,7 @@ class View:
                             "thumbs": _b64(f.thumbs), "keys": _b64(f.keys.astype("<u2")),
                             "weights": _b64(f.weights)} for f in self.frames]}
         payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
-        assets = resources.files("qkv") / "assets"
+        assets = resources.files("qkv.view") / "assets"
         return _PAGE.format(title=html.escape(self.title),
                             css=(assets / "view.css").read_text(encoding="utf-8"),
                             data=payload, js=(assets / "view.js").read_text(encoding="utf-8"))

@@ -100,7 +100,7 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
             file that is not UTF-8).
 
     Example:
-        >>> from qkv.data import load_corpus
+        >>> from qkv.training import load_corpus
         >>> corpus = load_corpus()                    # the standard library's sources
         >>> round(corpus.files[1] / sum(corpus.files), 2), corpus.train.dtype  # files held out
         (0.1, torch.uint8)
@@ -187,7 +187,7 @@ class RepeatedSegments:
 
     Example:
         >>> import torch
-        >>> from qkv.data import RepeatedSegments
+        >>> from qkv.training import RepeatedSegments
         >>> x, y = RepeatedSegments(16, 3, 3).batch(1, 8, torch.Generator().manual_seed(0))
         >>> x[0, :3].tolist() == x[0, 3:6].tolist(), torch.equal(x[0, 1:], y[0, :-1])
         (True, True)

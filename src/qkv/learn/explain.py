@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .functional import MaskLike, attention
-from .masks import Mask
-from .scores import ScoreMod, as_score_mod
+from ..functional import MaskLike, attention
+from ..masks import Mask
+from ..scores import ScoreMod, as_score_mod
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import qkv
 from qkv import masks
 
-from .cli import Parser, positive
+from .args import Parser, positive
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -134,7 +134,7 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
     compiling, as a user meets them."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from .kernels.flex import run_compiled
+    from ..kernels.flex import run_compiled
 
     compiled = torch.compile(flex_attention)
     state: dict[str, object] = {}

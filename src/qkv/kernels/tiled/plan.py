@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..masks import EMPTY, PARTIAL
+from ...masks import EMPTY, PARTIAL
 
 # Measured on the 2-core CPU this project targets (docs/kernels.md): 128-query blocks make
 # the matmuls larger, 64-key blocks keep the work wasted at a mask's ragged edge small, and

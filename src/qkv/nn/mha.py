@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .cache import KVCache
-from .distributed import Layout
-from .distributed import attention as distributed_attention
-from .functional import MaskLike, attention
+from ..distributed import Layout
+from ..distributed import attention as distributed_attention
+from ..functional import MaskLike, attention
 from .modules import AttentionModule, check_input, split_heads
 from .rope import RoPE
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .functional import attention
-from .masks import causal
+from ..functional import attention
+from ..masks import causal
 
 # The seeds' six-token sentence with their 3-d embeddings.
 SENTENCE = ("Your", "journey", "starts", "with", "one", "step")

@@ -12,9 +12,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .blocks import Chunk, MaskTile, Plan, _blocked, _fit, _rows
+from .plan import Chunk, MaskTile, Plan, _blocked, _fit, _rows
 from . import native
-from .reference import accumulation_dtype, all_finite
+from ..reference import accumulation_dtype, all_finite
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.

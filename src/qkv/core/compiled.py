@@ -25,13 +25,15 @@ from typing import Any
 
 import torch
 
-from . import masks as M
-from . import scores as S
-from ._checks import Problem, check_attention
-from ._dispatch import Dispatch, MaskLike, _plan
-from ._lowering import dense_mask, mask_tile, mod_tile
-from .kernels.reference import accumulation_dtype
-from .kernels.tiled import tiled_backward, tiled_forward
+from ..masks import algebra as MA
+from ..masks import library as M
+from ..scores import base as SB
+from ..scores import library as S
+from .._checks import Problem, check_attention
+from .dispatch import Dispatch, MaskLike, _plan
+from .lowering import dense_mask, mask_tile, mod_tile
+from ..kernels.reference import accumulation_dtype
+from ..kernels.tiled import tiled_backward, tiled_forward
 
 _LEAVES = {M._Full: "full", M._Causal: "causal"}
 
@@ -55,15 +57,15 @@ def mask_recipe(mask: Any, tensors: list, ints: list) -> list[str] | None:
         tensors.append(torch.as_tensor(mask.lengths if isinstance(mask, M._Padding)
                                        else mask.ids))
         return [f"{'padding' if isinstance(mask, M._Padding) else 'document'}:{len(tensors) - 1}"]
-    if isinstance(mask, M._Not):
+    if isinstance(mask, MA._Not):
         inner = mask_recipe(mask.inner, tensors, ints)
         return None if inner is None else inner + ["not"]
-    if isinstance(mask, (M._And, M._Or)):
+    if isinstance(mask, (MA._And, MA._Or)):
         left = mask_recipe(mask.left, tensors, ints)
         right = mask_recipe(mask.right, tensors, ints)
         if left is None or right is None:
             return None
-        return left + right + ["and" if isinstance(mask, M._And) else "or"]
+        return left + right + ["and" if isinstance(mask, MA._And) else "or"]
     if isinstance(mask, torch.Tensor):
         tensors.append(mask)
         return [f"dense:{len(tensors) - 1}"]
@@ -74,7 +76,7 @@ def mod_recipe(mod: Any, tensors: list, ints: list) -> list[str] | None:
     """Tokens that rebuild a score modification; None for a user function."""
     if isinstance(mod, S._Softcap):
         return [f"softcap:{mod.cap!r}"]
-    if isinstance(mod, S._Chain):
+    if isinstance(mod, SB._Chain):
         parts = [mod_recipe(m, tensors, ints) for m in mod.mods]
         if any(p is None for p in parts):
             return None
@@ -102,7 +104,7 @@ def rebuild(recipe: str, tensors: list[torch.Tensor], ints: list[int]) -> Any:
         elif name == "chain":
             n = int(args[0])
             mods, stack = stack[-n:], stack[:-n]
-            stack.append(S.chain(*mods))
+            stack.append(SB.chain(*mods))
         elif name in ("full", "causal"):
             stack.append(getattr(M, name)())
         elif name in ("window", "prefix_lm"):

@@ -1,0 +1,2 @@
+"""The learning wing: the seeds' stages (``tutorial``), every step of one call printed
+(``explain``) and heatmaps (``viz``)."""

@@ -1,0 +1,217 @@
+"""The masks qkv knows by structure: each predicate beside its block rule (``_classify``: a
+tile's code from its bounds; ``_reach``: the keys a query block can reach), so a tiled kernel
+skips what a mask excludes without evaluating it.
+
+Legend: B batch · H query heads · T_q/T_k query/key length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .algebra import Mask, _int_arg, _ints, _like, _short
+from .._checks import fmt_shape
+from .tiles import _FAR, FULL, _codes
+
+
+class _Full(Mask):
+    shift_invariant = True
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx >= 0
+
+    def _classify(self, t):
+        return np.full((), FULL, dtype=np.int8)
+
+    def __repr__(self) -> str:
+        return "full()"
+
+
+class _Causal(Mask):
+    shift_invariant = True
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def _classify(self, t):
+        return _codes(t.k_last <= t.q_first, t.k_first > t.q_last)
+
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), t.qb + 1
+
+    def __repr__(self) -> str:
+        return "causal()"
+
+
+class _SlidingWindow(Mask):
+    shift_invariant = True
+
+    def __init__(self, window: int) -> None:
+        self.window = _int_arg("window", window, 1)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
+
+    def _classify(self, t):
+        w = self.window
+        return _codes((t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
+                      (t.k_first > t.q_last) | (t.k_last <= t.q_first - w))
+
+    def _reach(self, t):
+        return t.qa - self.window + 1, t.qb + 1
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.window})"
+
+
+class _Padding(Mask):
+    def __init__(self, lengths: Any) -> None:
+        self.lengths = _ints("lengths", lengths, (1,))
+        if (self.lengths < 0).any():
+            raise ValueError(f"lengths must be >= 0; got {_short(self.lengths)}")
+
+    def validate(self, B, H, T_q, T_k):
+        if self.lengths.shape != (B,):
+            raise ValueError(f"padding lengths must have shape (B,) = ({B},); "
+                             f"got {fmt_shape(self.lengths.shape)}")
+        if (self.lengths > T_k).any():
+            raise ValueError(f"padding lengths must be <= T_k={T_k}; got {_short(self.lengths)}")
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx < _like(self.lengths, kv_idx)[b]
+
+    def _classify(self, t):
+        return _codes(t.k_last < self.lengths.min(), t.k_first >= self.lengths.max())
+
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), np.full(len(t.qa), self.lengths.max(initial=0))
+
+    def __repr__(self) -> str:
+        return f"padding({_short(self.lengths)})"
+
+
+class _Document(Mask):
+    def __init__(self, ids: Any) -> None:
+        self.ids = _ints("ids", ids, (1, 2))
+
+    def validate(self, B, H, T_q, T_k):
+        want = (T_k,) if self.ids.ndim == 1 else (B, T_k)
+        if self.ids.shape != want:
+            letters = "(T_k,)" if self.ids.ndim == 1 else "(B, T_k)"
+            raise ValueError(f"document ids must have shape {letters} = {fmt_shape(want)}; "
+                             f"got {fmt_shape(self.ids.shape)}")
+
+    @property
+    def batch(self) -> int | None:
+        return self.ids.shape[0] if self.ids.ndim == 2 else None
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        ids = _like(self.ids, kv_idx)
+        n = ids.shape[-1]
+        q_in = (q_idx >= 0) & (q_idx < n)  # a query before the first key has no document
+        q_safe = q_idx.clip(0, n - 1)
+        if ids.ndim == 1:
+            return q_in & (ids[q_safe] == ids[kv_idx])
+        return q_in & (ids[b, q_safe] == ids[b, kv_idx])
+
+    def _rows(self) -> np.ndarray:
+        return self.ids if self.ids.ndim == 2 else self.ids[None]  # (B or 1, T_k)
+
+    def _classify(self, t):
+        ids = self._rows()
+        n = ids.shape[-1]
+        q_min, q_max = _spans(ids, t.qa, t.qb)  # (B, query blocks)
+        k_min, k_max = _spans(ids, t.ka, t.kb)  # (B, key blocks)
+        q_min, q_max = q_min[:, t.rows], q_max[:, t.rows]  # per tile
+        k_min, k_max = k_min[:, t.cols], k_max[:, t.cols]
+        inside = ((t.q_first >= 0) & (t.q_last < n))  # every query of the block has an id
+        full = inside & ((q_min == q_max) & (k_min == k_max) & (q_min == k_min)).all(0)
+        q_out = (t.q_last < 0) | (t.q_first >= n)  # no query of the block has an id
+        empty = q_out | ((q_max < k_min) | (k_max < q_min)).all(0)
+        return _codes(full, empty)
+
+    def _reach(self, t):
+        ids = self._rows()
+        if (np.diff(ids, axis=-1) < 0).any():  # ids out of order: any key may share an id
+            return super()._reach(t)
+        # Sorted ids: a query block's keys are those with ids between its first and last.
+        n = ids.shape[-1]
+        first, last = ids[:, np.clip(t.qa, 0, n - 1)], ids[:, np.clip(t.qb, 0, n - 1)]
+        lo = [np.searchsorted(row, a, "left") for row, a in zip(ids, first)]
+        hi = [np.searchsorted(row, b, "right") for row, b in zip(ids, last)]
+        return np.min(lo, 0), np.max(hi, 0)
+
+    def __repr__(self) -> str:
+        return f"document({_short(self.ids)})"
+
+
+class _PrefixLM(Mask):
+    def __init__(self, prefix: int) -> None:
+        self.prefix = _int_arg("prefix", prefix, 0)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < self.prefix)
+
+    def _classify(self, t):
+        n = self.prefix
+        return _codes((t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last))
+
+    def _reach(self, t):
+        return np.full(len(t.qa), -_FAR), np.maximum(t.qb + 1, self.prefix)
+
+    def __repr__(self) -> str:
+        return f"prefix_lm({self.prefix})"
+
+
+def _spans(ids: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Min and max of each row of ids (B, n) over positions first..last (clipped to the ids),
+    for every block at once: one reduceat over the ids, not a loop over blocks."""
+    n = ids.shape[-1]
+    lo, hi = np.clip(first, 0, n - 1), np.clip(last, 0, n - 1)
+    at = np.stack([lo, hi + 1], -1).ravel()  # [lo0, hi0 + 1, lo1, ...]; keep the even ones
+    padded = np.concatenate([ids, ids[:, -1:]], -1)  # so that hi + 1 == n is an index
+    return (np.minimum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
+            np.maximum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0])
+
+
+def full() -> Mask:
+    """Every query may attend to every key (the encoder's bidirectional attention)."""
+    return _Full()
+
+
+def causal() -> Mask:
+    """Query at absolute position ``p`` may attend to keys ``0..p`` (no peeking ahead)."""
+    return _Causal()
+
+
+def sliding_window(window: int) -> Mask:
+    """Causal, limited to the last ``window`` keys: ``p - window < kv <= p``.
+
+    ``sliding_window(T)`` equals :func:`causal` for sequences of length ``T``.
+    """
+    return _SlidingWindow(window)
+
+
+def padding(lengths: Any) -> Mask:
+    """Batch row ``b`` may attend only to its first ``lengths[b]`` keys; shape (B,)."""
+    return _Padding(lengths)
+
+
+def document(ids: Any) -> Mask:
+    """Packed sequences: attend only to keys of the same document.
+
+    ``ids`` gives the document id of every key position, shape (T_k,) or (B, T_k).
+    Bidirectional within a document; combine with :func:`causal` for decoders.
+    """
+    return _Document(ids)
+
+
+def prefix_lm(prefix: int) -> Mask:
+    """Bidirectional over the first ``prefix`` positions, causal after them."""
+    return _PrefixLM(prefix)

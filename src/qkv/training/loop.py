@@ -1,0 +1,246 @@
+"""Train a :class:`qkv.models.GPT` on bytes: ``qkv train`` and the function under it.
+
+AdamW with linear warm-up and cosine decay, gradient clipping, a seed, validation loss at
+intervals, and checkpoints that resume exactly. A checkpoint directory holds:
+
+- ``model.safetensors``: the weights (safetensors, never pickle);
+- ``optimizer.safetensors``: AdamW's moments and the random generators' states;
+- ``config.json``: the model and training configuration, the preset, the corpus;
+- ``state.json``: the step reached, the run's total, and the loss history;
+- ``loss.png``: the loss curve (when matplotlib is installed).
+
+Every file is written beside itself and renamed into place, and ``state.json`` last, so a
+crash leaves the previous checkpoint whole. Ctrl-C (SIGINT) finishes the current step,
+writes a checkpoint and stops; a second Ctrl-C stops at once.
+
+Legend: B batch · T sequence length (block_size)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
+from ..heads import head_scores
+from ..models import GPT, GPTConfig
+from .checkpoint import (_FILES, _check_same_run, _config_json, _load_training_state, _read_json,
+                         save_checkpoint, save_snapshot)
+from .presets import DEFAULT_PRESET, PRESETS, TrainConfig, learning_rate
+from .progress import _catch_sigint, _Progress
+
+
+@dataclass
+class Result:
+    """What a call to :func:`train` did."""
+
+    model: GPT
+    step: int
+    steps: int
+    history: list[dict[str, float]]
+    interrupted: bool
+    out: Path
+    unit: str = "byte"  # what the loss is per: "byte" (text) or "token"
+
+    @property
+    def val_loss(self) -> float | None:
+        """The last validation loss, nats per byte."""
+        vals = [h["val_loss"] for h in self.history if "val_loss" in h]
+        return vals[-1] if vals else None
+
+
+def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    # Positions are a table, not a map: they are not decayed (nanoGPT decays them; either
+    # works). A tied embedding appears once in parameters().
+    if model.wpe is not None:
+        decay = [p for p in decay if p is not model.wpe.weight]
+        rest.append(model.wpe.weight)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+def evaluate(model: GPT, data: torch.Tensor, windows: int, block_size: int,
+             batch_size: int = 32, autocast: str | None = None) -> float:
+    """Mean loss (nats per byte) over ``windows`` fixed windows of data."""
+    return _loss_on(model, *eval_windows(data, windows, block_size), batch_size, autocast)
+
+
+def _loss_on(model: GPT, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32,
+             autocast: str | None = None) -> float:
+    """Mean next-token loss of inputs x against targets y, both (N, T)."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), _autocast(autocast):
+        for i in range(0, len(x), batch_size):
+            logits = model(x[i:i + batch_size])
+            total += F.cross_entropy(logits.flatten(0, 1).float(), y[i:i + batch_size].flatten(),
+                                     reduction="sum").item()
+    model.train(was_training)
+    return total / y.numel()
+
+
+def _autocast(kind: str | None) -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bfloat16")
+
+
+def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | None = None,
+          steps: int | None = None, seed: int = 0, resume: bool = False,
+          compile: bool = False, model_config: GPTConfig | None = None,
+          train_config: TrainConfig | None = None, progress: bool = True,
+          on_step: Callable[[int, float], None] | None = None) -> Result:
+    """Train a GPT and keep its checkpoint in ``out``.
+
+    Args:
+        out: the checkpoint directory (created; an existing checkpoint there is refused
+            unless ``resume``).
+        preset: a name in :data:`PRESETS`.
+        text: a UTF-8 file or folder; None for the standard library's sources.
+        steps: the run's total number of steps (default: the preset's). With ``resume``
+            this carries an earlier run on to ``steps``; the cosine decay is laid over the
+            new total.
+        seed: seeds the weights, the batches and dropout.
+        resume: continue the checkpoint in ``out`` exactly where it stopped.
+        compile: run the model under ``torch.compile``.
+        model_config, train_config: replace the preset's.
+        progress: draw a progress line and evaluation lines on stderr.
+        on_step: called as ``on_step(step, loss)`` after every step.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing path, an empty corpus, a context longer than
+            the data, a checkpoint of another configuration. Raised before anything is
+            written.
+    """
+    out = Path(out)
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}; got {preset!r}")
+    mcfg, tcfg = PRESETS[preset]
+    mcfg, tcfg = model_config or mcfg, train_config or tcfg
+    state: dict[str, Any] = {"step": 0, "history": [], "tokens": 0, "seconds": 0.0}
+    wanted = _config_json(preset, mcfg, tcfg, text, seed)
+    if resume:
+        saved = _read_json(out / "config.json")
+        state = _read_json(out / "state.json")
+        _check_same_run(saved, wanted)
+    elif any((out / f).exists() for f in _FILES):
+        raise ValueError(f"--out {str(out)!r} already holds a checkpoint: pass --resume to "
+                         "continue it, or choose another directory")
+    if steps is not None:
+        tcfg = dataclasses.replace(tcfg, steps=steps)
+    if tcfg.steps < state["step"]:
+        raise ValueError(f"--steps {tcfg.steps} is below the step the checkpoint reached "
+                         f"({state['step']})")
+    data = _data(tcfg, mcfg, text)
+    wanted["data"]["source"] = data.source
+    held_out = data.held_out(tcfg.eval_windows, mcfg.block_size)
+
+    torch.manual_seed(seed)
+    model = GPT(mcfg)
+    optimizer = _optimizer(model, tcfg)
+    batches = torch.Generator().manual_seed(seed)
+    if resume:
+        _load_training_state(out, model, optimizer, batches)
+    runner = torch.compile(model) if compile else model
+    out.mkdir(parents=True, exist_ok=True)
+    config_json = {**wanted, "train": dataclasses.asdict(tcfg)}
+    bar = _Progress(tcfg.steps, state["step"], mcfg.block_size * tcfg.batch_size, progress)
+
+    stop = {"asked": False}
+    previous = _catch_sigint(stop)
+    model.train()
+    try:
+        step = state["step"]
+        while step < tcfg.steps and not stop["asked"]:
+            lr = learning_rate(step, tcfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = data.batch(tcfg.batch_size, mcfg.block_size, batches)
+            with _autocast(tcfg.autocast):
+                logits = runner(x)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if tcfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            optimizer.step()
+            step += 1
+            record: dict[str, float] = {"step": step, "loss": loss.item(), "lr": lr}
+            if step % tcfg.eval_interval == 0 or step == tcfg.steps:
+                record["val_loss"] = _loss_on(model, *held_out, autocast=tcfg.autocast)
+                scores = ""
+                if tcfg.data == "repeated_segments":  # the best head's, on held-out tokens
+                    record["induction"] = induction_score(model)
+                    scores = f", induction {record['induction']:.3f}"
+                if tcfg.snapshots:
+                    save_snapshot(out, model, step)
+                bar.note(f"step {step}: train {record['loss']:.4f}, val "
+                         f"{record['val_loss']:.4f} nats/{data.unit}{scores}")
+            state["history"].append(record)
+            state["step"] = step
+            state["tokens"] += x.numel()
+            bar.update(step, record["loss"])
+            if on_step is not None:
+                on_step(step, record["loss"])
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        state["seconds"] += bar.elapsed()
+        state["steps"] = tcfg.steps
+        bar.close()
+    save_checkpoint(out, model, optimizer, batches, config_json, state)
+    if stop["asked"]:
+        bar.note(f"interrupted: checkpoint at step {state['step']} in {out} "
+                 "(continue with --resume)")
+    return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out,
+                  data.unit)
+
+
+class _Text:
+    """Bytes of a corpus: random windows to train on, fixed validation windows."""
+
+    unit = "byte"
+
+    def __init__(self, text: str | Path | None, block_size: int) -> None:
+        self.corpus = load_corpus(text)
+        check_context(self.corpus, block_size)
+        self.source = self.corpus.source
+
+    def batch(self, batch_size: int, block_size: int, generator: torch.Generator
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_batch(self.corpus.train, batch_size, block_size, generator)
+
+    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return eval_windows(self.corpus.val, count, block_size)
+
+
+class _Repeats(RepeatedSegments):
+    unit = "token"
+
+    @property
+    def source(self) -> str:
+        return (f"random segments of {self.min_length}-{self.max_length} tokens (of "
+                f"{self.vocab_size}), repeated")
+
+
+def _data(tcfg: TrainConfig, mcfg: GPTConfig, text: Any) -> Any:
+    if tcfg.data == "text":
+        return _Text(text, mcfg.block_size)
+    if text is not None:
+        raise ValueError("--text does not apply to data='repeated_segments' (the induction "
+                         "preset makes its own sequences)")
+    return _Repeats(mcfg.vocab_size, *tcfg.segment_lengths)
+
+
+def induction_score(model: GPT, seed: int = 0) -> float:
+    """The highest induction score of any head (:func:`qkv.heads.head_scores`), on
+    sequences of half the context repeated."""
+    return head_scores(model, batch=16, seed=seed)["induction"].max().item()
+

@@ -1,0 +1,94 @@
+"""The training presets of ``qkv train`` and its configuration: sizes, steps, learning-rate
+schedule and the data each preset reads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models import GPTConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: the optimiser, its schedule, batches and evaluation.
+
+    Args:
+        steps: the run's total number of optimiser steps (the cosine decay ends there).
+        batch_size: windows of block_size bytes per step.
+        lr, min_lr: peak and final learning rate.
+        warmup: steps of linear warm-up from 0 to lr.
+        weight_decay: AdamW's, on matrices only (not biases, LayerNorms or positions).
+        betas: AdamW's.
+        grad_clip: largest global gradient norm; 0 for none.
+        eval_interval: steps between validation losses.
+        eval_windows: validation windows per evaluation (the same ones every time).
+        autocast: "bfloat16" runs the matmuls under CPU autocast in bfloat16 (the weights
+            and the optimiser stay float32); None for float32 throughout.
+        data: "text" (bytes of a corpus) or "repeated_segments" (random segments repeated,
+            :class:`qkv.training.RepeatedSegments`: the induction experiment).
+        segment_lengths: (shortest, longest) segment for "repeated_segments".
+        snapshots: also keep the weights at every evaluation, in ``snapshots/`` (a few KB
+            for small models: the viewer's slider over training).
+    """
+
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_windows: int = 64
+    autocast: str | None = None
+    data: str = "text"
+    segment_lengths: tuple[int, int] = (4, 32)
+    snapshots: bool = False
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.eval_interval < 1:
+            raise ValueError("steps, batch_size and eval_interval must be >= 1")
+        if self.autocast not in (None, "bfloat16"):
+            raise ValueError(f"autocast must be None or 'bfloat16'; got {self.autocast!r}")
+        if self.data not in ("text", "repeated_segments"):
+            raise ValueError(f"data must be 'text' or 'repeated_segments'; got {self.data!r}")
+
+
+#: The induction preset's vocabulary: tokens 0 … 63.
+INDUCTION_VOCAB = 64
+
+
+#: name -> (model, training). Named for what they are; ``cpu-10min`` is the default.
+PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
+    # Seconds: for tests and a first look.
+    "tiny": (GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+             TrainConfig(steps=20, batch_size=8, warmup=5, eval_interval=10, eval_windows=8)),
+    # Sized for ten minutes on a 2-core CPU: 398 s measured (docs/training.md).
+    "cpu-10min": (GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128,
+                            positions="rope"),
+                  TrainConfig(steps=1800, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
+                              eval_interval=200, eval_windows=64, autocast="bfloat16")),
+    # The induction experiment (docs/induction.md): a 2-layer attention-only model, no
+    # LayerNorm, untied, unit-scale init, on random segments repeated, until an induction
+    # head forms; a constant learning rate after warm-up.
+    "induction": (GPTConfig(vocab_size=INDUCTION_VOCAB, block_size=64, n_layer=2, n_head=4,
+                            n_embd=64, attention_only=True, layer_norm=False,
+                            tie_embeddings=False, init="fan_in"),
+                  TrainConfig(steps=2000, batch_size=64, lr=1e-3, min_lr=1e-3, warmup=50,
+                              weight_decay=0.0, eval_interval=100, eval_windows=256,
+                              data="repeated_segments", segment_lengths=(12, 32),
+                              snapshots=True)),
+}
+
+
+DEFAULT_PRESET = "cpu-10min"
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to lr over ``warmup`` steps, then cosine decay to min_lr at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,67 @@
+"""What a training run shows while it runs: the progress line, and what Ctrl-C does."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+
+
+
+def _catch_sigint(stop: dict[str, bool]) -> Any:
+    """Make the first Ctrl-C ask the loop to stop after its step; a second one raises."""
+    if not _main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop["asked"]:
+            raise KeyboardInterrupt
+        stop["asked"] = True
+
+    return signal.signal(signal.SIGINT, handler)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class _Progress:
+    """One line on stderr: step, loss, tokens per second and time left."""
+
+    def __init__(self, steps: int, start: int, tokens_per_step: int, enabled: bool) -> None:
+        self.steps, self.start, self.tokens = steps, start, tokens_per_step
+        self.enabled, self.t0, self.last = enabled, time.perf_counter(), 0.0
+        self.tty = sys.stderr.isatty()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def update(self, step: int, loss: float) -> None:
+        now = self.elapsed()
+        if not self.enabled or not self.tty or (now - self.last < 0.25 and step < self.steps):
+            return
+        self.last = now
+        done = step - self.start
+        rate = done / now if now > 0 else 0.0
+        left = (self.steps - step) / rate if rate > 0 else 0.0
+        bar = "#" * int(20 * step / self.steps)
+        sys.stderr.write(f"\r[{bar:<20}] step {step}/{self.steps}  loss {loss:.4f}  "
+                         f"{rate * self.tokens / 1e3:.1f}k tok/s  {_clock(left)} left ")
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(("\r\033[K" if self.tty else "") + text + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"
