@@ -4,6 +4,14 @@ compiler. Optional: where it cannot build, qkv installs without it and runs the 
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("qkv.kernels.tiled._bf16", ["src/qkv/kernels/tiled/_bf16.c"],
-                             extra_compile_args=["-O3", "-fopenmp"],
-                             extra_link_args=["-fopenmp"], optional=True)])
+setup(
+    ext_modules=[
+        Extension(
+            "qkv.kernels.tiled._bf16",
+            ["src/qkv/kernels/tiled/_bf16.c"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+    ]
+)

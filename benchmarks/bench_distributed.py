@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import qkv
-
 from qkv import masks
 from qkv.distributed import Layout, attention
 
@@ -39,8 +38,9 @@ def scored_blocks(layout: Layout, mask: masks.Mask) -> np.ndarray:
         for a, b in runs:
             for s in range(a, b, BLOCK):
                 e = min(s + BLOCK, b)
-                codes = mask.blocks(mask.batch or 1, 1, e - s, T, block_q=e - s, block_k=BLOCK,
-                                    q_offset=s)
+                codes = mask.blocks(
+                    mask.batch or 1, 1, e - s, T, block_q=e - s, block_k=BLOCK, q_offset=s
+                )
                 total += int((codes != masks.EMPTY).sum())
         work.append(total)
     return np.array(work)
@@ -48,11 +48,16 @@ def scored_blocks(layout: Layout, mask: masks.Mask) -> np.ndarray:
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    ids = np.searchsorted(np.sort(rng.choice(np.arange(1, T), 7, replace=False)), np.arange(T),
-                          side="right")  # 8 documents of random lengths
-    cases = {"causal": masks.causal(), "8 documents & causal": masks.document(ids) & masks.causal(),
-             "8 documents": masks.document(ids), "sliding_window(256)": masks.sliding_window(256),
-             "prefix_lm(4096)": masks.prefix_lm(4096)}
+    ids = np.searchsorted(
+        np.sort(rng.choice(np.arange(1, T), 7, replace=False)), np.arange(T), side="right"
+    )  # 8 documents of random lengths
+    cases = {
+        "causal": masks.causal(),
+        "8 documents & causal": masks.document(ids) & masks.causal(),
+        "8 documents": masks.document(ids),
+        "sliding_window(256)": masks.sliding_window(256),
+        "prefix_lm(4096)": masks.prefix_lm(4096),
+    }
     print(f"| mask (T={T}, W={W}) | balanced: max/mean | contiguous: max/mean | planning |")
     print("|---|---|---|---|")
     for name, mask in cases.items():
@@ -60,14 +65,17 @@ def main() -> None:
         balanced = Layout.balanced(T, W, mask)
         seconds = time.perf_counter() - t0
         b, c = scored_blocks(balanced, mask), scored_blocks(Layout.contiguous(T, W), mask)
-        print(f"| {name} | {b.max() / b.mean():.3f} | {c.max() / c.mean():.3f} | "
-              f"{seconds * 1e3:.0f} ms |")
+        print(
+            f"| {name} | {b.max() / b.mean():.3f} | {c.max() / c.mean():.3f} | "
+            f"{seconds * 1e3:.0f} ms |"
+        )
 
 
 def _kb(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field):
-            return int(line.split()[1])
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
     raise RuntimeError(field)
 
 
@@ -79,24 +87,40 @@ def _single(queue) -> None:
     q, k, v = (torch.randn(1, H, T, D).requires_grad_() for _ in range(3))
     base, t0 = _kb("VmRSS"), time.perf_counter()
     qkv.attention(q, k, v, mask=masks.causal(), backend="tiled").sum().backward()
-    queue.put({"who": "one process", "peak_mb": (_kb("VmHWM") - base) / 1024,
-               "seconds": time.perf_counter() - t0})
+    queue.put(
+        {
+            "who": "one process",
+            "peak_mb": (_kb("VmHWM") - base) / 1024,
+            "seconds": time.perf_counter() - t0,
+        }
+    )
 
 
 def _rank(rank, world, port, schedule, queue, piece=2048) -> None:
     torch.set_num_threads(1)  # 4 processes on this 2-core machine: no oversubscription
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=1800),
+    )
     T, H, D = MEM["T"], MEM["H"], MEM["D"]
     layout = Layout.balanced(T, world, masks.causal(), chunks_per_rank=2)  # head-tail
     n = layout.size(rank)
     q, k, v = (torch.randn(1, H, n, D).requires_grad_() for _ in range(3))
     base, t0 = _kb("VmRSS"), time.perf_counter()
-    attention(q, k, v, layout=layout, mask=masks.causal(), schedule=schedule,
-              ring_piece=piece).sum().backward()
-    queue.put({"who": f"{schedule}{f' (ring_piece={piece})' if schedule == 'ring' else ''}, "
-                      f"rank {rank}/{world}", "peak_mb": (_kb("VmHWM") - base) / 1024,
-               "seconds": time.perf_counter() - t0})
+    attention(
+        q, k, v, layout=layout, mask=masks.causal(), schedule=schedule, ring_piece=piece
+    ).sum().backward()
+    queue.put(
+        {
+            "who": f"{schedule}{f' (ring_piece={piece})' if schedule == 'ring' else ''}, "
+            f"rank {rank}/{world}",
+            "peak_mb": (_kb("VmHWM") - base) / 1024,
+            "seconds": time.perf_counter() - t0,
+        }
+    )
     dist.destroy_process_group()
 
 
@@ -112,18 +136,23 @@ def memory(schedules=("allgather", "ring"), piece=2048) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(4, port, schedule, queue, piece), nprocs=4, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _rank, args=(4, port, schedule, queue, piece), nprocs=4, join=True, start_method="spawn"
+        )
         for _ in range(4):
             results.append(queue.get())
             print(json.dumps(results[-1]), flush=True)
     single = results[0]["peak_mb"]
-    print(f"| who (T={MEM['T']}, H={MEM['H']}, D={MEM['D']}, causal, fwd+bwd) | peak above "
-          "baseline | ÷ one process | seconds |")
+    print(
+        f"| who (T={MEM['T']}, H={MEM['H']}, D={MEM['D']}, causal, fwd+bwd) | peak above "
+        "baseline | ÷ one process | seconds |"
+    )
     print("|---|---|---|---|")
     for r in results:
-        print(f"| {r['who']} | {r['peak_mb']:.0f} MB | {r['peak_mb'] / single:.2f} | "
-              f"{r['seconds']:.0f} |")
+        print(
+            f"| {r['who']} | {r['peak_mb']:.0f} MB | {r['peak_mb'] / single:.2f} | "
+            f"{r['seconds']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -28,20 +28,27 @@ def cases(T: int) -> dict[str, masks.Mask]:
     rng = np.random.default_rng(0)
     cuts = np.sort(rng.choice(np.arange(1, T), 7, replace=False))
     ids = np.searchsorted(cuts, np.arange(T), side="right")
-    return {"causal": masks.causal(), "sliding_window(256)": masks.sliding_window(256),
-            "8 documents & causal": masks.document(ids) & masks.causal(),
-            "prefix_lm(T/4)": masks.prefix_lm(T // 4)}
+    return {
+        "causal": masks.causal(),
+        "sliding_window(256)": masks.sliding_window(256),
+        "8 documents & causal": masks.document(ids) & masks.causal(),
+        "prefix_lm(T/4)": masks.prefix_lm(T // 4),
+    }
 
 
 def same(a, b) -> bool:
-    for count, index in (("kv_num_blocks", "kv_indices"),
-                         ("full_kv_num_blocks", "full_kv_indices")):
+    for count, index in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+    ):
         if not torch.equal(getattr(a, count), getattr(b, count)):
             return False
         n = getattr(a, count)[0, 0]
         ia, ib = getattr(a, index)[0, 0], getattr(b, index)[0, 0]
-        if any(sorted(ia[r, :k].tolist()) != sorted(ib[r, :k].tolist())
-               for r, k in enumerate(n.tolist())):
+        if any(
+            sorted(ia[r, :k].tolist()) != sorted(ib[r, :k].tolist())
+            for r, k in enumerate(n.tolist())
+        ):
             return False
     return True
 
@@ -57,25 +64,37 @@ def median(fn, repeats: int) -> float:
 
 def build(T: int = 16384) -> None:
     cpu = DEVICE
-    print(f"| mask (T = {T}) | qkv block map → BlockMask | create_block_mask | ratio | "
-          "equal block for block |")
+    print(
+        f"| mask (T = {T}) | qkv block map → BlockMask | create_block_mask | ratio | "
+        "equal block for block |"
+    )
     print("|---|---|---|---|---|")
     for name, mask in cases(T).items():
         ours = median(lambda: F.block_mask(mask, 1, 1, T, T, 0, cpu), 3)
-        theirs = median(lambda: create_block_mask(F.mask_mod(mask, 0, cpu), 1, 1, T, T,
-                                                  device=cpu, BLOCK_SIZE=F.BLOCK), 3)
-        equal = same(F.block_mask(mask, 1, 1, T, T, 0, cpu),
-                     create_block_mask(F.mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu,
-                                       BLOCK_SIZE=F.BLOCK))
-        print(f"| {name} | {ours * 1e3:.0f} ms | {theirs * 1e3:.0f} ms | {theirs / ours:.0f}× | "
-              f"{'yes' if equal else 'NO'} |", flush=True)
+        theirs = median(
+            lambda: create_block_mask(
+                F.mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK
+            ),
+            3,
+        )
+        equal = same(
+            F.block_mask(mask, 1, 1, T, T, 0, cpu),
+            create_block_mask(F.mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK),
+        )
+        print(
+            f"| {name} | {ours * 1e3:.0f} ms | {theirs * 1e3:.0f} ms | {theirs / ours:.0f}× | "
+            f"{'yes' if equal else 'NO'} |",
+            flush=True,
+        )
 
 
 def forward(T: int = 4096, H: int = 8, D: int = 64, repeats: int = 5) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, T, D, generator=g).to(DEVICE) for _ in range(3))
-    print(f"\n| mask (T = {T}, fwd, float32) | flex compile | flex | tiled | sdpa (dense mask) "
-          "| flex / tiled |")
+    print(
+        f"\n| mask (T = {T}, fwd, float32) | flex compile | flex | tiled | sdpa (dense mask) "
+        "| flex / tiled |"
+    )
     print("|---|---|---|---|---|---|")
     with torch.no_grad():
         for name, mask in cases(T).items():
@@ -89,9 +108,12 @@ def forward(T: int = 4096, H: int = 8, D: int = 64, repeats: int = 5) -> None:
                     qkv.attention(q, k, v, mask=mask, backend=backend)
                     runs[backend].append(time.perf_counter() - t0)
             m = {b: statistics.median(t) for b, t in runs.items()}
-            print(f"| {name} | {first:.1f} s | {m['flex'] * 1e3:.0f} ms | "
-                  f"{m['tiled'] * 1e3:.0f} ms | {m['sdpa'] * 1e3:.0f} ms | "
-                  f"{m['flex'] / m['tiled']:.2f} |", flush=True)
+            print(
+                f"| {name} | {first:.1f} s | {m['flex'] * 1e3:.0f} ms | "
+                f"{m['tiled'] * 1e3:.0f} ms | {m['sdpa'] * 1e3:.0f} ms | "
+                f"{m['flex'] / m['tiled']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qkv.training import bigram_loss, load_corpus
 from qkv.models import GPT
-from qkv.training import DEFAULT_PRESET, PRESETS, evaluate, train
+from qkv.training import DEFAULT_PRESET, PRESETS, bigram_loss, evaluate, load_corpus, train
 
 FINAL_WINDOWS = 1024
 
@@ -39,12 +38,16 @@ def run_train(out: Path, steps: int | None) -> dict:
         t0 = time.perf_counter()
         result = train(out / name, preset=DEFAULT_PRESET, model_config=cfg, steps=steps)
         seconds = time.perf_counter() - t0
-        final = evaluate(result.model, corpus.val, FINAL_WINDOWS, cfg.block_size,
-                         autocast=tcfg.autocast)
-        report[name] = {"seconds": seconds, "steps": result.step, "val": final,
-                        "params": result.model.num_params(),
-                        "curve": [(h["step"], h["val_loss"]) for h in result.history
-                                  if "val_loss" in h]}
+        final = evaluate(
+            result.model, corpus.val, FINAL_WINDOWS, cfg.block_size, autocast=tcfg.autocast
+        )
+        report[name] = {
+            "seconds": seconds,
+            "steps": result.step,
+            "val": final,
+            "params": result.model.num_params(),
+            "curve": [(h["step"], h["val_loss"]) for h in result.history if "val_loss" in h],
+        }
         print(json.dumps({name: report[name]}), flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -61,8 +64,12 @@ def figure(report: dict, path: Path) -> None:
     for name, label in (("gpt", "GPT (qkv attention)"), ("xbow", "same GPT, uniform attention")):
         steps, vals = zip(*report[name]["curve"])
         ax.plot(steps, vals, "o-", ms=3, label=f"{label}: {report[name]['val']:.3f}")
-    ax.axhline(report["bigram_val"], color="grey", ls="--",
-               label=f"byte bigram: {report['bigram_val']:.3f}")
+    ax.axhline(
+        report["bigram_val"],
+        color="grey",
+        ls="--",
+        label=f"byte bigram: {report['bigram_val']:.3f}",
+    )
     ax.set_xlabel("step (16 x 256 bytes)")
     ax.set_ylabel("validation loss, nats per byte")
     ax.set_title(f"preset {report['preset']}: held-out standard-library files")
@@ -79,13 +86,22 @@ def _sdpa_twin(model: GPT) -> GPT:
     for block in twin.blocks:
         attn = block.attn
 
-        def forward(x, context=None, *, mask=None, cache=None, layout=None, attn=attn,
-                    **_unused_context_parallel):  # one process: layout is None here
+        def forward(
+            x,
+            context=None,
+            *,
+            mask=None,
+            cache=None,
+            layout=None,
+            attn=attn,
+            **_unused_context_parallel,
+        ):  # one process: layout is None here
             if context is not None or mask is not None or cache is not None or layout:
                 raise ValueError("the SDPA twin runs plain causal self-attention only")
             q, k, v = attn.project(x)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
             return attn.merge(out, like=x)
 
         attn.forward = forward
@@ -117,7 +133,7 @@ def _interleaved(timers: dict, rounds: int) -> dict:
         t()
     names = list(timers)
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             times[name].append(timers[name]())
     a, b = (times[n] for n in names)
     ratios = sorted(x / y for x, y in zip(a, b))
@@ -132,10 +148,19 @@ def run_speed(rounds: int) -> dict:
     torch.manual_seed(0)
     model = GPT(mcfg)
     x = torch.randint(0, 256, (tcfg.batch_size, mcfg.block_size))
-    med = _interleaved({"qkv": _step_timer(model, x, tcfg.autocast),
-                        "sdpa": _step_timer(_sdpa_twin(model), x, tcfg.autocast)}, rounds)
-    report = {"step_qkv_ms": med["qkv"] * 1e3, "step_sdpa_ms": med["sdpa"] * 1e3,
-              "step_ratio_qkv_over_sdpa": med["ratio"], "step_ratio_iqr": med["ratio_iqr"]}
+    med = _interleaved(
+        {
+            "qkv": _step_timer(model, x, tcfg.autocast),
+            "sdpa": _step_timer(_sdpa_twin(model), x, tcfg.autocast),
+        },
+        rounds,
+    )
+    report = {
+        "step_qkv_ms": med["qkv"] * 1e3,
+        "step_sdpa_ms": med["sdpa"] * 1e3,
+        "step_ratio_qkv_over_sdpa": med["ratio"],
+        "step_ratio_iqr": med["ratio_iqr"],
+    }
     print(json.dumps(report), flush=True)
 
     t0 = time.perf_counter()
@@ -143,11 +168,18 @@ def run_speed(rounds: int) -> dict:
     compile_timer = _step_timer(compiled, x, tcfg.autocast)
     compile_timer()
     first = time.perf_counter() - t0
-    med = _interleaved({"eager": _step_timer(GPT(mcfg), x, tcfg.autocast),
-                        "compiled": compile_timer}, rounds)
-    report.update({"compile_first_step_s": first, "step_eager_ms": med["eager"] * 1e3,
-                   "step_compiled_ms": med["compiled"] * 1e3,
-                   "compile_speedup": med["ratio"], "compile_speedup_iqr": med["ratio_iqr"]})
+    med = _interleaved(
+        {"eager": _step_timer(GPT(mcfg), x, tcfg.autocast), "compiled": compile_timer}, rounds
+    )
+    report.update(
+        {
+            "compile_first_step_s": first,
+            "step_eager_ms": med["eager"] * 1e3,
+            "step_compiled_ms": med["compiled"] * 1e3,
+            "compile_speedup": med["ratio"],
+            "compile_speedup_iqr": med["ratio_iqr"],
+        }
+    )
     print(json.dumps(report), flush=True)
 
     gen = GPT(dataclasses.replace(mcfg, block_size=512)).eval()
@@ -159,9 +191,14 @@ def run_speed(rounds: int) -> dict:
             gen.generate(prompt, 256, temperature=0.0, use_cache=use_cache)
             times[use_cache].append(time.perf_counter() - t0)
     cached, uncached = statistics.median(times[True]), statistics.median(times[False])
-    report.update({"generate_cached_s": cached, "generate_uncached_s": uncached,
-                   "generate_speedup": uncached / cached,
-                   "threads": torch.get_num_threads()})
+    report.update(
+        {
+            "generate_cached_s": cached,
+            "generate_uncached_s": uncached,
+            "generate_speedup": uncached / cached,
+            "threads": torch.get_num_threads(),
+        }
+    )
     print(json.dumps(report), flush=True)
     return report
 

@@ -40,8 +40,7 @@ CASES = {
 
 
 def _call(q, k, v, mod):
-    return qkv.attention(q, k, v, mask=masks.sliding_window(256), score_mod=mod,
-                         backend="tiled")
+    return qkv.attention(q, k, v, mask=masks.sliding_window(256), score_mod=mod, backend="tiled")
 
 
 def modifications() -> None:
@@ -54,18 +53,24 @@ def modifications() -> None:
             _call(q, k, v, CASES[name])
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["none"])
-    print(f"| sliding_window(256), T={T}, H={H}, D={D}, float32, forward, tiled | median | "
-          "÷ no modification |")
+    print(
+        f"| sliding_window(256), T={T}, H={H}, D={D}, float32, forward, tiled | median | "
+        "÷ no modification |"
+    )
     print("|---|---|---|")
     for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts) * 1e3:.0f} ms | "
-              f"{statistics.median(ts) / base:.2f} |")
+        print(
+            f"| {name} | {statistics.median(ts) * 1e3:.0f} ms | "
+            f"{statistics.median(ts) / base:.2f} |"
+        )
 
 
 def _peak(name: str) -> None:
     def kb(field):
-        return next(int(line.split()[1]) for line in open("/proc/self/status")
-                    if line.startswith(field))
+        return next(
+            int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)
+        )
+
     q, k, v = _inputs()
     base = kb("VmRSS")
     _call(q, k, v, CASES[name])
@@ -76,8 +81,9 @@ def memory() -> None:
     print(f"| sliding_window(256), T={T}, float32, forward | peak above baseline |")
     print("|---|---|")
     for name in CASES:
-        out = subprocess.run([sys.executable, __file__, "_peak", name], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "_peak", name], capture_output=True, text=True, check=True
+        ).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(f"| {name} | {r['peak_mb']:.0f} MB |")
     scores_mb = H * T * T * 4 / 2**20
@@ -103,6 +109,7 @@ def compiled_step(rounds: int = 30) -> None:
             opt.zero_grad(set_to_none=True)
             fwd(x).square().mean().backward()
             opt.step()
+
         t0 = time.perf_counter()
         step()
         print(f"{name}: first step {time.perf_counter() - t0:.1f} s", flush=True)
@@ -111,19 +118,23 @@ def compiled_step(rounds: int = 30) -> None:
         steps[name] = step
     times = {name: [] for name in steps}
     for r in range(rounds):
-        for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(ts) for n, ts in times.items()}
     ratio = [e / c for e, c in zip(times["eager"], times["compiled"])]
     q1, _, q3 = statistics.quantiles(ratio, n=4)
-    print(f"| MultiHeadAttention step, B={B}, T={Tc}, E={E}, causal, RoPE | eager | compiled | "
-          "eager ÷ compiled (IQR) |")
+    print(
+        f"| MultiHeadAttention step, B={B}, T={Tc}, E={E}, causal, RoPE | eager | compiled | "
+        "eager ÷ compiled (IQR) |"
+    )
     print("|---|---|---|---|")
-    print(f"| forward + backward + AdamW | {med['eager'] * 1e3:.1f} ms | "
-          f"{med['compiled'] * 1e3:.1f} ms | {med['eager'] / med['compiled']:.2f} "
-          f"({q1:.2f}–{q3:.2f}) |")
+    print(
+        f"| forward + backward + AdamW | {med['eager'] * 1e3:.1f} ms | "
+        f"{med['compiled'] * 1e3:.1f} ms | {med['eager'] / med['compiled']:.2f} "
+        f"({q1:.2f}–{q3:.2f}) |"
+    )
 
 
 if __name__ == "__main__":

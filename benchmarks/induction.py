@@ -15,7 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-
 from qkv.heads import head_scores, repeated_tokens, run
 from qkv.training import load_checkpoint, snapshots
 
@@ -33,17 +32,25 @@ def main(out: Path) -> None:
     scores = head_scores(model, batch=64, seed=1)  # fresh held-out sequences
     best = int(scores["induction"].argmax())
     layer, head = divmod(best, scores["induction"].shape[1])
-    print(f"run: {state['step']} steps in {state['seconds']:.0f} s "
-          f"({seconds_per_step * 1e3:.0f} ms/step, evaluations included)")
+    print(
+        f"run: {state['step']} steps in {state['seconds']:.0f} s "
+        f"({seconds_per_step * 1e3:.0f} ms/step, evaluations included)"
+    )
     if first is None:
         print(f"no evaluation reached an induction score of {THRESHOLD}")
     else:
-        print(f"transition: induction score {first['induction']:.2f} >= {THRESHOLD} at step "
-              f"{first['step']} (~{first['step'] * seconds_per_step:.0f} s into the run)")
-    print(f"final, 64 held-out sequences: best head layer {layer} head {head}: "
-          + ", ".join(f"{k} {v[layer, head]:.2f}" for k, v in scores.items()))
-    print("every head's induction score:", [[round(x, 2) for x in r]
-                                            for r in scores["induction"].tolist()])
+        print(
+            f"transition: induction score {first['induction']:.2f} >= {THRESHOLD} at step "
+            f"{first['step']} (~{first['step'] * seconds_per_step:.0f} s into the run)"
+        )
+    print(
+        f"final, 64 held-out sequences: best head layer {layer} head {head}: "
+        + ", ".join(f"{k} {v[layer, head]:.2f}" for k, v in scores.items())
+    )
+    print(
+        "every head's induction score:",
+        [[round(x, 2) for x in r] for r in scores["induction"].tolist()],
+    )
     _plot_loss(evals, history)
     _plot_head(out, model, layer, head)
     _screenshot(out, layer, head)
@@ -72,15 +79,31 @@ def _plot_loss(evals, history) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.6, alpha=0.5,
-            label="training loss")
-    ax.plot([h["step"] for h in evals], [h["val_loss"] for h in evals], "o-", ms=3,
-            label="held-out loss")
+    ax.plot(
+        [h["step"] for h in history],
+        [h["loss"] for h in history],
+        lw=0.6,
+        alpha=0.5,
+        label="training loss",
+    )
+    ax.plot(
+        [h["step"] for h in evals],
+        [h["val_loss"] for h in evals],
+        "o-",
+        ms=3,
+        label="held-out loss",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     right = ax.twinx()
-    right.plot([h["step"] for h in evals], [h["induction"] for h in evals], "s-", ms=3,
-               color="tab:green", label="best induction score")
+    right.plot(
+        [h["step"] for h in evals],
+        [h["induction"] for h in evals],
+        "s-",
+        ms=3,
+        color="tab:green",
+        label="best induction score",
+    )
     right.axhline(THRESHOLD, color="tab:green", lw=0.6, ls="--")
     right.set_ylim(0, 1)
     right.set_ylabel("best induction score")
@@ -99,7 +122,8 @@ def _plot_head(out, model, layer, head) -> None:
     L = 16
     tokens = repeated_tokens(model.config.vocab_size, L, batch=1, seed=2)
     models = ([(f"step {kept[0][0]}", early)] if early is not None else []) + [
-        (f"step {json.loads((out / 'state.json').read_text())['step']}", model)]
+        (f"step {json.loads((out / 'state.json').read_text())['step']}", model)
+    ]
     fig = Figure(figsize=(4.2 * len(models), 4.2), layout="constrained")
     axes = fig.subplots(1, len(models), squeeze=False)[0]
     for ax, (name, m) in zip(axes, models):
@@ -110,8 +134,11 @@ def _plot_head(out, model, layer, head) -> None:
         ax.set_ylabel("query")
         ax.axhline(L - 0.5, color="white", lw=0.5)
         ax.axvline(L - 0.5, color="white", lw=0.5)
-    fig.suptitle(f"a random segment of {L} tokens, then the same again: the induction "
-                 "stripe sits one right of the duplicate diagonal", fontsize=9)
+    fig.suptitle(
+        f"a random segment of {L} tokens, then the same again: the induction "
+        "stripe sits one right of the duplicate diagonal",
+        fontsize=9,
+    )
     fig.savefig(DOCS / "induction-head.png", dpi=110)
 
 

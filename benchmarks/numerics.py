@@ -21,21 +21,32 @@ from qkv.kernels.tiled import native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["reference", "sdpa", "tiled"]
-MASKS = {"none": None, "causal": masks.causal(), "sliding_window(64)": masks.sliding_window(64),
-         "document": masks.document(np.arange(257) * 4 // 257)}
+MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "sliding_window(64)": masks.sliding_window(64),
+    "document": masks.document(np.arange(257) * 4 // 257),
+}
 
 
 def report() -> str:
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(2, h, 257, 64, generator=g, dtype=torch.float64) for h in (8, 4, 4)]
-    lines = ["| dtype | mask | " + " | ".join(BACKENDS) + " | tiled, P rounded once "
-             "| output's own rounding |", "|---|---|" + "---|" * (len(BACKENDS) + 2)]
+    lines = [
+        "| dtype | mask | " + " | ".join(BACKENDS) + " | tiled, P rounded once "
+        "| output's own rounding |",
+        "|---|---|" + "---|" * (len(BACKENDS) + 2),
+    ]
     for dtype in DTYPES:
         q, k, v = (x.to(dtype) for x in base)
         for name, mask in MASKS.items():
             want = qkv.numpy.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask)
-            error = lambda b: np.abs(qkv.attention(q, k, v, mask=mask, backend=b)  # noqa: E731
-                                     .double().numpy() - want).max()
+
+            def error(b):
+                return np.abs(
+                    qkv.attention(q, k, v, mask=mask, backend=b).double().numpy() - want
+                ).max()
+
             errors = [f"{error(b):.1e}" for b in BACKENDS]
             errors.append("—")
             if dtype == torch.bfloat16 and native.takes(q, k, v):
@@ -44,8 +55,11 @@ def report() -> str:
                 native.P_PARTS = 2
             # The least any kernel can do: round the exact answer to the dtype once.
             floor = np.abs(torch.from_numpy(want).to(dtype).double().numpy() - want).max()
-            lines.append(f"| {str(dtype).replace('torch.', '')} | {name} | "
-                         + " | ".join(errors) + f" | {floor:.1e} |")
+            lines.append(
+                f"| {str(dtype).replace('torch.', '')} | {name} | "
+                + " | ".join(errors)
+                + f" | {floor:.1e} |"
+            )
     return "\n".join(lines)
 
 

@@ -32,8 +32,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)  # 8 documents of random lengths, packed, causal
     cuts = np.sort(rng.choice(np.arange(1, args.T), 7, replace=False))
-    mask = masks.document(np.searchsorted(cuts, np.arange(args.T), side="right")) & \
-        masks.causal()
+    mask = masks.document(np.searchsorted(cuts, np.arange(args.T), side="right")) & masks.causal()
     layout = qd.Layout.balanced(args.T, world, mask)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, args.heads, args.T, 64, generator=g)
@@ -45,8 +44,11 @@ def main() -> None:
     out.sum().backward()
     seconds = time.perf_counter() - t0
     full = layout.gather(out.detach(), dim=2)
-    print(f"rank {rank}: {layout.size(rank)} positions in {len(layout.runs[rank])} runs, "
-          f"forward + backward {seconds:.2f} s", flush=True)
+    print(
+        f"rank {rank}: {layout.size(rank)} positions in {len(layout.runs[rank])} runs, "
+        f"forward + backward {seconds:.2f} s",
+        flush=True,
+    )
     if rank == 0:
         want = qkv.attention(q, k, v, mask=mask)
         err = (full - want).abs().max().item()

@@ -37,14 +37,23 @@ class Browser:
             raise RuntimeError("no chromium on PATH (apt-get install chromium)")
         self.timeout = timeout
         self.profile = tempfile.mkdtemp(prefix="qkv-chromium-")
-        args = [exe, "--headless=new", "--remote-debugging-port=0", "--no-first-run",
-                f"--user-data-dir={self.profile}", "--disable-gpu", "--no-default-browser-check",
-                f"--window-size={width},{height}", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "about:blank"]
+        args = [
+            exe,
+            "--headless=new",
+            "--remote-debugging-port=0",
+            "--no-first-run",
+            f"--user-data-dir={self.profile}",
+            "--disable-gpu",
+            "--no-default-browser-check",
+            f"--window-size={width},{height}",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "about:blank",
+        ]
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run as root sandboxed
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file = Path(self.profile) / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
         while not port_file.exists() or not port_file.read_text().strip():
@@ -55,8 +64,9 @@ class Browser:
         port = int(port_file.read_text().split()[0])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=timeout) as r:
             pages = [t for t in json.load(r) if t["type"] == "page"]
-        self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=timeout,
-                                              suppress_origin=True)
+        self.ws = websocket.create_connection(
+            pages[0]["webSocketDebuggerUrl"], timeout=timeout, suppress_origin=True
+        )
         self.next_id, self.events = 0, []
         self.requests: list[str] = []
         self.send("Network.enable")
@@ -90,8 +100,9 @@ class Browser:
         return time.monotonic() - t0
 
     def eval(self, expression: str) -> Any:
-        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True,
-                           awaitPromise=True)
+        result = self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -104,18 +115,19 @@ class Browser:
             time.sleep(0.02)
 
     def center(self, selector: str) -> tuple[float, float]:
-        box = self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
-                        "e.scrollIntoView({block: 'center'}); const r = "
-                        "e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + "
-                        "r.height / 2]; })()")
+        box = self.eval(
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+            "e.scrollIntoView({block: 'center'}); const r = "
+            "e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + "
+            "r.height / 2]; })()"
+        )
         return box[0], box[1]
 
     def click(self, selector: str) -> None:
         x, y = self.center(selector)
         self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
         for kind in ("mousePressed", "mouseReleased"):
-            self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left",
-                      clickCount=1)
+            self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def hover(self, selector: str) -> None:
         x, y = self.center(selector)

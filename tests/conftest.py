@@ -4,9 +4,15 @@ thousands of examples per property."""
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "default", max_examples=25, deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    "default",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 settings.register_profile(
-    "slow", max_examples=2000, deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    "slow",
+    max_examples=2000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 settings.load_profile("default")

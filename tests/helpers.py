@@ -45,15 +45,18 @@ def mask_zoo(B, T_k, T_q=None, seed=0):
 def oracle_with_lse(q, k, v, mask, scale=None):
     """The NumPy float64 oracle's out and lse on the same (rounded) inputs."""
     from qkv import numpy as qnp
+
     if isinstance(mask, torch.Tensor):
         mask = mask.numpy()
-    return qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale,
-                         return_lse=True)
+    return qnp.attention(
+        *(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale, return_lse=True
+    )
 
 
 def grads(q, k, v, g, mask, **kw):
     """dQ, dK, dV of sum(attention(q, k, v) · g) through ``qkv.attention(**kw)``."""
     import qkv
+
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = qkv.attention(q, k, v, mask=mask, **kw)
     return torch.autograd.grad((out * g).sum(), (q, k, v))
@@ -63,6 +66,7 @@ def use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=16):
     """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks,
     and let auto consider it for small inputs too."""
     import qkv.core.dispatch as d
+
     monkeypatch.setattr(d, "SMALL_SCORES", 0)
     monkeypatch.setattr(d, "BLOCK_Q", block_q)
     monkeypatch.setattr(d, "BLOCK_K", block_k)

@@ -6,20 +6,26 @@ import math
 import pytest
 import torch
 
-from qkv.cli import bench
-from qkv.cli import main
+from qkv.cli import bench, main
 
 
 def result(candidate, median_s, mask="sliding_window", **kw):
-    return bench.Result("float32", 4096, mask, "fwd", candidate, median_s, median_s,
-                        kw.pop("peak_mb", 10.0), **kw)
+    return bench.Result(
+        "float32", 4096, mask, "fwd", candidate, median_s, median_s, kw.pop("peak_mb", 10.0), **kw
+    )
 
 
 def test_table_ratios_come_from_the_same_run():
-    rows = [result("qkv auto", 0.05), result("qkv tiled", 0.04), result("sdpa dense mask", 0.32),
-            result("flex (compiled)", 0.02), result("qkv flex", 0.021), result("naive torch", 1.0),
-            result("flex (compiled)", math.nan, mask="prefix_lm", error="InductorError: x"),
-            result("qkv tiled", 0.2, mask="prefix_lm")]
+    rows = [
+        result("qkv auto", 0.05),
+        result("qkv tiled", 0.04),
+        result("sdpa dense mask", 0.32),
+        result("flex (compiled)", 0.02),
+        result("qkv flex", 0.021),
+        result("naive torch", 1.0),
+        result("flex (compiled)", math.nan, mask="prefix_lm", error="InductorError: x"),
+        result("qkv tiled", 0.2, mask="prefix_lm"),
+    ]
     table = bench.table(rows).splitlines()
     window = next(line for line in table if "| sliding_window |" in line)
     assert "| 8.0× |" in window  # 0.32 / 0.04: sdpa dense over tiled
@@ -45,12 +51,14 @@ def test_qkv_bench_is_reachable_from_the_cli(capsys):
 
 def test_a_cpu_run_with_flex_times_qkv_flex_beside_hand_written_flex():
     q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
-    names = bench.candidates("sliding_window", 256, q, k, v, flex=True, naive_max_T=0,
-                             dense_max_T=0)
+    names = bench.candidates(
+        "sliding_window", 256, q, k, v, flex=True, naive_max_T=0, dense_max_T=0
+    )
     assert {"qkv flex", "flex (compiled)"} <= set(names)
     q.requires_grad_()  # torch's Flex has no backward on CPU: neither is timed
-    names = bench.candidates("sliding_window", 256, q, k, v, flex=True, naive_max_T=0,
-                             dense_max_T=0)
+    names = bench.candidates(
+        "sliding_window", 256, q, k, v, flex=True, naive_max_T=0, dense_max_T=0
+    )
     assert not {"qkv flex", "flex (compiled)"} & set(names)
 
 
@@ -63,7 +71,21 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_runs_on_cuda(capsys):
-    main(["bench", "--device", "cuda", "--T", "256", "--masks", "sliding_window",
-          "--dtypes", "float32", "--repeats", "1", "--flex"])
+    main(
+        [
+            "bench",
+            "--device",
+            "cuda",
+            "--T",
+            "256",
+            "--masks",
+            "sliding_window",
+            "--dtypes",
+            "float32",
+            "--repeats",
+            "1",
+            "--flex",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| sliding_window |" in out and "failed" not in out

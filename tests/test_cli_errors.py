@@ -11,24 +11,33 @@ from qkv.cli import main
 @pytest.fixture
 def files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "ragged.json").write_text(json.dumps(
-        {"tokens": ["a", "b"], "embeddings": [[0.1, 0.2], [0.3]]}))
-    (tmp_path / "words.json").write_text(json.dumps(
-        {"tokens": ["a"], "embeddings": [["x", "y"]]}))
+    (tmp_path / "ragged.json").write_text(
+        json.dumps({"tokens": ["a", "b"], "embeddings": [[0.1, 0.2], [0.3]]})
+    )
+    (tmp_path / "words.json").write_text(json.dumps({"tokens": ["a"], "embeddings": [["x", "y"]]}))
     (tmp_path / "empty.json").write_text(json.dumps({"embeddings": []}))
     return tmp_path
 
 
 BAD = [
     (["explain", "--png", "missing/dir/x.png"], "--png missing/dir/x.png: the folder missing/dir"),
-    (["explain", "--input", "ragged.json", "--no-png"],
-     "--input ragged.json: embeddings must be rows of one width; row 0 has 2 numbers, row 1 has 1"),
-    (["explain", "--embeddings", "1,2;3", "--no-png"], "--embeddings: embeddings must be rows of "
-                                                      "one width"),
-    (["explain", "--input", "words.json", "--no-png"], "--input words.json: embeddings must hold "
-                                                      "numbers only"),
-    (["explain", "--input", "empty.json", "--no-png"], "--input empty.json: embeddings must be a "
-                                                      "non-empty table"),
+    (
+        ["explain", "--input", "ragged.json", "--no-png"],
+        "--input ragged.json: embeddings must be rows of one width; "
+        "row 0 has 2 numbers, row 1 has 1",
+    ),
+    (
+        ["explain", "--embeddings", "1,2;3", "--no-png"],
+        "--embeddings: embeddings must be rows of one width",
+    ),
+    (
+        ["explain", "--input", "words.json", "--no-png"],
+        "--input words.json: embeddings must hold numbers only",
+    ),
+    (
+        ["explain", "--input", "empty.json", "--no-png"],
+        "--input empty.json: embeddings must be a non-empty table",
+    ),
     (["explain", "--input", "missing.json", "--no-png"], "--input missing.json: cannot read"),
     (["explain", "--heads", "0"], "argument --heads: must be a whole number >= 1"),
     (["explain", "--bogus"], "unrecognized arguments: --bogus"),
@@ -57,8 +66,21 @@ def test_every_bench_flag_has_help(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--T", "--H", "--D", "--dtypes", "--masks", "--passes", "--repeats",
-                 "--naive-max-T", "--dense-max-T", "--flex", "--long", "--decode", "--json",
-                 "--from-json"):
+    for flag in (
+        "--T",
+        "--H",
+        "--D",
+        "--dtypes",
+        "--masks",
+        "--passes",
+        "--repeats",
+        "--naive-max-T",
+        "--dense-max-T",
+        "--flex",
+        "--long",
+        "--decode",
+        "--json",
+        "--from-json",
+    ):
         block = text.split(flag, 1)[1].split("\n  -", 1)[0]
         assert len(block.split()) > 2, flag  # the flag's metavar and some words of help

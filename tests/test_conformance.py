@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_qkv, mask_zoo, use_small_tiles
+from tolerances import FLOAT64
 from torch.nn.attention.bias import causal_lower_right
 
 import qkv
 from qkv import masks
-
-from helpers import make_qkv, mask_zoo, use_small_tiles
-from tolerances import FLOAT64
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
@@ -22,6 +21,8 @@ BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     use_small_tiles(monkeypatch)
+
+
 # (B, H, H_kv, T_q, T_k, D, D_v): odd sizes, T_q < T_k, T_q > T_k, odd D, D_v != D, GQA, MQA.
 FAST_SHAPES = [
     (1, 1, 1, 1, 1, 1, 1),
@@ -31,8 +32,9 @@ FAST_SHAPES = [
 ]
 SLOW_SHAPES = [
     (B, H, H_kv, T_q, T_k, 7, 5)
-    for B, (H, H_kv), T_q, T_k in itertools.product((1, 2), ((1, 1), (4, 2), (4, 1)),
-                                                   (1, 2, 17, 113), (1, 2, 17, 113))
+    for B, (H, H_kv), T_q, T_k in itertools.product(
+        (1, 2), ((1, 1), (4, 2), (4, 1)), (1, 2, 17, 113), (1, 2, 17, 113)
+    )
 ]
 
 
@@ -44,7 +46,7 @@ def oracle(q, k, v, **kw):
 
 
 def check_against_oracle(shape, mask_name, backend):
-    B, H, H_kv, T_q, T_k, D, D_v = shape
+    B, _H, _H_kv, T_q, T_k, _D, _D_v = shape
     q, k, v = make_qkv(*shape)
     mask = mask_zoo(B, T_k, T_q)[mask_name]
     out = qkv.attention(q, k, v, mask=mask, backend=backend)
@@ -81,8 +83,9 @@ def test_unbatched_layouts(rank, backend):
     q, k, v = make_qkv(2, 1, 1, 5, 7, 4, 3)
     squeeze = (lambda x: x[0, 0]) if rank == 2 else (lambda x: x[:, 0])
     mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(1)) < 0.6
-    out = qkv.attention(*map(squeeze, (q, k, v)), mask=mask if rank == 2 else mask[None],
-                        backend=backend)
+    out = qkv.attention(
+        *map(squeeze, (q, k, v)), mask=mask if rank == 2 else mask[None], backend=backend
+    )
     want = squeeze(qkv.attention(q, k, v, mask=mask, backend="reference"))
     assert out.shape == want.shape
     torch.testing.assert_close(out, want, atol=FLOAT64, rtol=0)
@@ -122,8 +125,9 @@ def test_explicit_q_offset():
 def test_gqa_equals_repeated_heads():
     q, k, v = make_qkv(2, 6, 2, 5, 7, 4, 3)
     gqa = qkv.attention(q, k, v, mask=masks.causal())
-    mha = qkv.attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
-                        mask=masks.causal())
+    mha = qkv.attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask=masks.causal()
+    )
     torch.testing.assert_close(gqa, mha, atol=FLOAT64, rtol=0)
 
 
@@ -132,14 +136,18 @@ def test_gradcheck(backend):
     q, k, v = (x.requires_grad_() for x in make_qkv(2, 4, 2, 5, 7, 3, 4))
     mask = masks.sliding_window(3) | masks.prefix_lm(1)
     torch.autograd.gradcheck(
-        lambda q, k, v: qkv.attention(q, k, v, mask=mask, backend=backend), (q, k, v))
+        lambda q, k, v: qkv.attention(q, k, v, mask=mask, backend=backend), (q, k, v)
+    )
 
 
 def test_gradcheck_weights_and_lse():
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 4, 5, 3, 2))
     torch.autograd.gradcheck(
-        lambda q, k, v: qkv.attention(q, k, v, mask=masks.causal(), return_weights=True,
-                                      return_lse=True), (q, k, v))
+        lambda q, k, v: qkv.attention(
+            q, k, v, mask=masks.causal(), return_weights=True, return_lse=True
+        ),
+        (q, k, v),
+    )
 
 
 @pytest.mark.parametrize("mask_name", list(mask_zoo(1, 1)))
@@ -174,6 +182,7 @@ def test_dispatch_drops_a_mask_that_allows_everything():
 
 def test_dispatch_small_inputs_skip_planning(monkeypatch):
     import qkv.core.dispatch as d
+
     monkeypatch.setattr(d, "SMALL_SCORES", 512 * 512)
     q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
     d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
@@ -196,11 +205,17 @@ def test_dispatch_prefers_tiled_for_sparse_and_long_masks():
     assert qkv.dispatch(q, k, v, mask=masks.padding([60])).backend == "sdpa"
 
 
-@pytest.mark.parametrize("options,words", [
-    (dict(backend="tiled", return_weights=True), "backend='tiled' cannot give the attention weights"),
-    (dict(backend="tiled", dropout_p=0.1), "backend='tiled' cannot give dropout"),
-    (dict(backend="sdpa", return_lse=True), "backend='sdpa' cannot give the log-sum-exp"),
-])
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        (
+            dict(backend="tiled", return_weights=True),
+            "backend='tiled' cannot give the attention weights",
+        ),
+        (dict(backend="tiled", dropout_p=0.1), "backend='tiled' cannot give dropout"),
+        (dict(backend="sdpa", return_lse=True), "backend='sdpa' cannot give the log-sum-exp"),
+    ],
+)
 def test_backends_refuse_what_they_cannot_give(options, words):
     q, k, v = make_qkv(1, 1, 1, 4, 4, 4, 4)
     with pytest.raises(ValueError, match=words):

@@ -6,12 +6,11 @@ rounding."""
 import numpy as np
 import pytest
 import torch
+from helpers import make_qkv, use_small_tiles
+from tolerances import FLOAT64, rounding_tolerance
 
 import qkv
 from qkv import masks
-
-from helpers import make_qkv, use_small_tiles
-from tolerances import FLOAT64, rounding_tolerance
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 LSE_BACKENDS = ["reference", "tiled", "auto"]
@@ -26,9 +25,12 @@ def oracle(q, k, v, **kw):
 
 # -- 1. dropout keeps the mask ---------------------------------------------------------------
 
-DROPOUT_MASKS = {"causal": masks.causal(), "padding": masks.padding([3, 6]),
-                 "window": masks.sliding_window(2),
-                 "dense": torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) < 0.5}
+DROPOUT_MASKS = {
+    "causal": masks.causal(),
+    "padding": masks.padding([3, 6]),
+    "window": masks.sliding_window(2),
+    "dense": torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) < 0.5,
+}
 
 
 @pytest.mark.parametrize("name", list(DROPOUT_MASKS))
@@ -38,8 +40,11 @@ def test_dropout_keeps_the_mask(name):
     # dropout pattern changes no row that masks j out.
     mask = DROPOUT_MASKS[name]
     q, k, v = make_qkv(2, 2, 2, 6, 6, 4, 3)
-    allowed = (torch.from_numpy(mask.to_numpy(2, 2, 6, 6).copy()) if isinstance(mask, masks.Mask)
-               else mask.expand(2, 2, 6, 6))
+    allowed = (
+        torch.from_numpy(mask.to_numpy(2, 2, 6, 6).copy())
+        if isinstance(mask, masks.Mask)
+        else mask.expand(2, 2, 6, 6)
+    )
     assert qkv.dispatch(q, k, v, mask=mask, dropout_p=0.5).sdpa_mask != "none"
     torch.manual_seed(0)
     base = qkv.attention(q, k, v, mask=mask, dropout_p=0.5)
@@ -59,19 +64,24 @@ def test_dropout_with_the_lse_is_applied():
     choice = qkv.dispatch(q, k, v, dropout_p=0.5, return_lse=True)
     assert choice.backend == "reference" and "dropout with the log-sum-exp" in choice.reason
     torch.manual_seed(0)
-    out, lse = qkv.attention(q, k, v, dropout_p=0.5, return_lse=True)
+    out, _lse = qkv.attention(q, k, v, dropout_p=0.5, return_lse=True)
     torch.manual_seed(0)
-    want, _, lse_want = qkv.attention(q, k, v, dropout_p=0.5, return_weights=True,
-                                      return_lse=True, backend="reference")
+    want, _, _lse_want = qkv.attention(
+        q, k, v, dropout_p=0.5, return_weights=True, return_lse=True, backend="reference"
+    )
     torch.testing.assert_close(out, want, atol=FLOAT64, rtol=0)
     assert not torch.allclose(out, qkv.attention(q, k, v))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: qkv.CausalAttention(4, 3, dropout=0.5),
-    lambda: qkv.SelfAttention(4, 3, causal=True, dropout=0.5),
-    lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, dropout=0.5),
-    lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True, dropout=0.5)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qkv.CausalAttention(4, 3, dropout=0.5),
+        lambda: qkv.SelfAttention(4, 3, causal=True, dropout=0.5),
+        lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, dropout=0.5),
+        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True, dropout=0.5),
+    ],
+)
 def test_causal_modules_in_training_do_not_see_the_future(make):
     torch.manual_seed(0)
     module = make().double().train()
@@ -87,14 +97,23 @@ def test_causal_modules_in_training_do_not_see_the_future(make):
 
 # -- 2. a causal module given a user mask stays causal -----------------------------------
 
-@pytest.mark.parametrize("user_mask", [
-    masks.padding([5, 7]),
-    torch.tensor([[True] * 5 + [False] * 2, [True] * 7])[:, None, :].expand(2, 7, 7),  # (B,T,T)
-    torch.ones(7, 7, dtype=torch.bool)])
-@pytest.mark.parametrize("make", [
-    lambda: qkv.SelfAttention(4, 3, causal=True),
-    lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, num_kv_heads=1),
-    lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True)])
+
+@pytest.mark.parametrize(
+    "user_mask",
+    [
+        masks.padding([5, 7]),
+        torch.tensor([[True] * 5 + [False] * 2, [True] * 7])[:, None, :].expand(2, 7, 7),  # (B,T,T)
+        torch.ones(7, 7, dtype=torch.bool),
+    ],
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qkv.SelfAttention(4, 3, causal=True),
+        lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, num_kv_heads=1),
+        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True),
+    ],
+)
 def test_causal_module_with_a_user_mask_stays_causal(make, user_mask):
     torch.manual_seed(0)
     module = make().double().eval()
@@ -114,20 +133,23 @@ def test_causal_module_with_a_user_mask_equals_the_oracle():
     q, k, v = module.project(x)  # (B, 1, T, 3)
     want = np.tril(np.ones((7, 7), bool)) & (np.arange(7) < np.array([[5], [7]]))[:, None, None]
     out = module(x, mask=masks.padding([5, 7]))
-    np.testing.assert_allclose(out.detach().numpy(), oracle(q, k, v, mask=want)[:, 0],
-                               atol=FLOAT64)
+    np.testing.assert_allclose(out.detach().numpy(), oracle(q, k, v, mask=want)[:, 0], atol=FLOAT64)
 
 
 # -- 3. uneven tiles (the tile cache keys on the diagonal offset) ---------------------------
 
-SHIFT_INVARIANT = {"causal": masks.causal(), "window": masks.sliding_window(3),
-                   "causal&window": masks.causal() & masks.sliding_window(5),
-                   "~causal": ~masks.causal(),
-                   "window|causal": masks.sliding_window(2) | ~masks.causal()}
+SHIFT_INVARIANT = {
+    "causal": masks.causal(),
+    "window": masks.sliding_window(3),
+    "causal&window": masks.causal() & masks.sliding_window(5),
+    "~causal": ~masks.causal(),
+    "window|causal": masks.sliding_window(2) | ~masks.causal(),
+}
 
 
-@pytest.mark.parametrize("tiles", [(8, 5, 10), (6, 4, 8), (5, 8, 16), (7, 3, 9), (1, 2, 2)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "tiles", [(8, 5, 10), (6, 4, 8), (5, 8, 16), (7, 3, 9), (1, 2, 2)], ids=str
+)
 @pytest.mark.parametrize("name", list(SHIFT_INVARIANT))
 @pytest.mark.parametrize("T_q, T_k", [(37, 37), (23, 41)])
 def test_tiled_with_uneven_tiles_matches_the_oracle(monkeypatch, tiles, name, T_q, T_k):
@@ -142,8 +164,12 @@ def test_tiled_with_uneven_tiles_matches_the_oracle(monkeypatch, tiles, name, T_
 
 # -- 4. dense masks with rows, offset per query block -------------------------------------
 
-@pytest.mark.parametrize("shape", [(300, 300), (2, 1, 300, 300), (2, 3, 300, 300),
-                                   (1, 3, 300, 1), (2, 1, 300, 1)], ids=str)
+
+@pytest.mark.parametrize(
+    "shape",
+    [(300, 300), (2, 1, 300, 300), (2, 3, 300, 300), (1, 3, 300, 1), (2, 1, 300, 1)],
+    ids=str,
+)
 @pytest.mark.parametrize("backend", LSE_BACKENDS)
 def test_dense_masks_with_rows_at_default_tiles(shape, backend):
     q, k, v = make_qkv(2, 3, 1, 300, 300, 8, 4)
@@ -157,6 +183,7 @@ def test_dense_masks_with_rows_at_default_tiles(shape, backend):
 
 # -- 5. the long-sequence rule ------------------------------------------------------------
 
+
 def test_dispatch_sends_long_dense_ish_masks_to_tiled(monkeypatch):
     import qkv.core.dispatch as d
 
@@ -168,11 +195,13 @@ def test_dispatch_sends_long_dense_ish_masks_to_tiled(monkeypatch):
     assert choice.backend == "tiled" and "T_q × T_k = 64 × 64" in choice.reason
     short = make_qkv(1, 1, 1, 63, 64, 4, 4)[0]
     assert qkv.dispatch(short, k, v, mask=mask).backend == "sdpa"
-    np.testing.assert_allclose(qkv.attention(q, k, v, mask=mask).numpy(),
-                               oracle(q, k, v, mask=mask), atol=FLOAT64)
+    np.testing.assert_allclose(
+        qkv.attention(q, k, v, mask=mask).numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64
+    )
 
 
 # -- guarantees: a masked-out non-finite key reaches no other row ---------------------------
+
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_masked_non_finite_key_with_dropout_reaches_no_other_row(bad):
@@ -214,9 +243,13 @@ def test_a_key_no_row_may_see_poisons_no_gradient(backend, bad):
 
 # -- gradients through the log-sum-exp: split-K with merge_attention --------------------------
 
-SPLIT_MASKS = {"none": None, "causal": masks.causal(), "padding": masks.padding([13, 20]),
-               "document": masks.document([0] * 7 + [1] * 9 + [2] * 4),
-               "window": masks.sliding_window(4)}
+SPLIT_MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "padding": masks.padding([13, 20]),
+    "document": masks.document([0] * 7 + [1] * 9 + [2] * 4),
+    "window": masks.sliding_window(4),
+}
 
 
 @pytest.mark.parametrize("name", list(SPLIT_MASKS))
@@ -234,10 +267,17 @@ def test_split_k_through_merge_attention_has_the_gradients_of_one_pass(backend, 
         if how == "one pass":
             out = qkv.attention(ql, kl, vl, mask=mask, backend="reference")
         else:
-            parts = [qkv.attention(ql, kl[:, :, s], vl[:, :, s], return_lse=True,
-                                   mask=None if dense is None else dense[..., s],
-                                   backend=backend)
-                     for s in (slice(0, 10), slice(10, 20))]
+            parts = [
+                qkv.attention(
+                    ql,
+                    kl[:, :, s],
+                    vl[:, :, s],
+                    return_lse=True,
+                    mask=None if dense is None else dense[..., s],
+                    backend=backend,
+                )
+                for s in (slice(0, 10), slice(10, 20))
+            ]
             out, _ = qkv.merge_attention([o for o, _ in parts], [l_ for _, l_ in parts])
         out.backward(dout)
         grads[how] = [out.detach()] + [x.grad for x in leaves]
@@ -250,8 +290,9 @@ def test_gradcheck_through_the_lse(backend):
     q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 5, 6, 3, 2))
 
     def f(q, k, v):
-        out, lse = qkv.attention(q, k, v, mask=masks.causal() & masks.padding([4]),
-                                 return_lse=True, backend=backend)
+        out, lse = qkv.attention(
+            q, k, v, mask=masks.causal() & masks.padding([4]), return_lse=True, backend=backend
+        )
         return out, lse.masked_fill(lse == float("-inf"), 0.0)
 
     torch.autograd.gradcheck(f, (q, k, v))
@@ -259,9 +300,12 @@ def test_gradcheck_through_the_lse(backend):
 
 def test_merge_attention_rows_no_part_saw_have_zero_gradients():
     outs = [torch.zeros(1, 3, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    lses = [torch.tensor([[0.5, float("-inf"), 1.0]], dtype=torch.float64, requires_grad=True),
-            torch.tensor([[float("-inf"), float("-inf"), 2.0]], dtype=torch.float64,
-                         requires_grad=True)]
+    lses = [
+        torch.tensor([[0.5, float("-inf"), 1.0]], dtype=torch.float64, requires_grad=True),
+        torch.tensor(
+            [[float("-inf"), float("-inf"), 2.0]], dtype=torch.float64, requires_grad=True
+        ),
+    ]
     out, lse = qkv.merge_attention(outs, lses)
     (out.sum() + lse.masked_fill(lse == float("-inf"), 0.0).sum()).backward()
     assert lse[0, 1] == float("-inf")
@@ -270,6 +314,7 @@ def test_merge_attention_rows_no_part_saw_have_zero_gradients():
 
 
 # -- low precision, held to the output's own rounding ----------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -7,13 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from helpers import make_qkv, mask_zoo, use_small_tiles
+from tolerances import FLOAT64
 
 import qkv
 from qkv import masks
 from qkv.core.dispatch import Dispatch
-
-from helpers import make_qkv, mask_zoo, use_small_tiles
-from tolerances import FLOAT64
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
@@ -66,8 +65,9 @@ def test_no_queries_with_every_mask(backend):
         assert qkv.attention(q, k, v, mask=mask, backend=backend).shape == (2, 2, 0, 3), name
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 20, 1), (20, 1), (1, 2, 1, 30), (1, 30), (20, 2),
-                                   (2, 1, 2, 2)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 1, 20, 1), (20, 1), (1, 2, 1, 30), (1, 30), (20, 2), (2, 1, 2, 2)], ids=str
+)
 def test_broadcast_dense_masks_across_many_tiles(monkeypatch, shape):
     # A mask of size 1 along T_q or T_k is read whole in every tile, wherever the tile
     # starts; one of size 2 is sliced like any other (tiles of 1 key, 1 query).
@@ -92,7 +92,7 @@ def test_chunks_never_span_an_empty_block(monkeypatch):
     codes = mask.blocks(1, 2, 64, 64, block_q=4, block_k=4)
     for i, (_, _, chunks) in enumerate(plan.rows):
         for c in chunks:
-            assert (codes[i, c.k0 // 4:-(-c.k1 // 4)] != masks.EMPTY).all(), (i, c)
+            assert (codes[i, c.k0 // 4 : -(-c.k1 // 4)] != masks.EMPTY).all(), (i, c)
     out = qkv.attention(q, k, v, mask=mask, backend="tiled")
     np.testing.assert_allclose(out.numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64, rtol=0)
 
@@ -109,9 +109,15 @@ def _plan_by_rows(codes, T_q, T_k, bq, bk, chunk):
         for run in runs:
             for piece in np.array_split(run, -(-len(run) // per)):
                 part = piece[row[piece] == masks.PARTIAL]
-                chunks.append((int(piece[0]) * bk, min((int(piece[-1]) + 1) * bk, T_k),
-                               (int(part[0]) * bk, min((int(part[-1]) + 1) * bk, T_k))
-                               if len(part) else None))
+                chunks.append(
+                    (
+                        int(piece[0]) * bk,
+                        min((int(piece[-1]) + 1) * bk, T_k),
+                        (int(part[0]) * bk, min((int(part[-1]) + 1) * bk, T_k))
+                        if len(part)
+                        else None,
+                    )
+                )
         out.append((i * bq, min((i + 1) * bq, T_q), chunks))
     return out
 
@@ -120,12 +126,19 @@ def _plan_by_rows(codes, T_q, T_k, bq, bk, chunk):
 @pytest.mark.parametrize("bq,bk,chunk", [(4, 4, 16), (8, 5, 20), (3, 2, 7)])
 def test_plan_equals_the_row_by_row_plan(T_q, T_k, bq, bk, chunk):
     from qkv.kernels.tiled.plan import make_plan
+
     for name, m in mask_zoo(2, T_k).items():
         if not isinstance(m, masks.Mask):
             continue
         codes = m.blocks(2, 3, T_q, T_k, block_q=bq, block_k=bk)
-        plan = make_plan(*m.sparse_blocks(2, 3, T_q, T_k, block_q=bq, block_k=bk), T_q, T_k,
-                         block_q=bq, block_k=bk, chunk_k=chunk)
+        plan = make_plan(
+            *m.sparse_blocks(2, 3, T_q, T_k, block_q=bq, block_k=bk),
+            T_q,
+            T_k,
+            block_q=bq,
+            block_k=bk,
+            chunk_k=chunk,
+        )
         got = [(q0, q1, [tuple(c) for c in chunks]) for q0, q1, chunks in plan.rows]
         assert got == _plan_by_rows(codes, T_q, T_k, bq, bk, chunk), name
         done = sum((q1 - q0) * (c[1] - c[0]) for q0, q1, cs in got for c in cs)
@@ -150,16 +163,18 @@ def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch):
     calls = []
     mask = masks.causal()
     block = type(mask).block
-    monkeypatch.setattr(type(mask), "block", lambda self, *a, **kw: calls.append(a) or
-                        block(self, *a, **kw))
+    monkeypatch.setattr(
+        type(mask), "block", lambda self, *a, **kw: calls.append(a) or block(self, *a, **kw)
+    )
     q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)
     qkv.attention(q, k, v, mask=mask, backend="tiled")
     assert mask.shift_invariant and len(calls) == 1
 
 
-@pytest.mark.parametrize("H, H_kv, T_q, mask", [(8, 8, 1, None), (8, 8, 1, "causal"),
-                                                (32, 8, 1, "causal"), (4, 2, 5, None),
-                                                (4, 1, 3, None)])
+@pytest.mark.parametrize(
+    "H, H_kv, T_q, mask",
+    [(8, 8, 1, None), (8, 8, 1, "causal"), (32, 8, 1, "causal"), (4, 2, 5, None), (4, 1, 3, None)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_plain_decode_path_is_the_full_path(H, H_kv, T_q, mask, dtype, monkeypatch):
     # A decode step skips the full checks and dispatch (issue: ~15 µs of Python); it must
@@ -173,18 +188,22 @@ def test_the_plain_decode_path_is_the_full_path(H, H_kv, T_q, mask, dtype, monke
     fast = qkv.attention(q, k, v, mask=m, scale=0.3)
     assert torch.equal(fast, full)
     expected = oracle(q.float(), k.float(), v.float(), mask=m, scale=0.3)
-    np.testing.assert_allclose(fast.double().numpy(), expected,
-                               atol=1e-5 if dtype != torch.bfloat16 else 2e-2)
+    np.testing.assert_allclose(
+        fast.double().numpy(), expected, atol=1e-5 if dtype != torch.bfloat16 else 2e-2
+    )
 
 
-@pytest.mark.parametrize("case, error", [
-    (lambda q, k, v: (q, k.double(), v.double()), TypeError),  # mixed dtypes
-    (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError),  # D differs
-    (lambda q, k, v: (q, k[:1], v[:1]), ValueError),  # B differs
-    (lambda q, k, v: (q[:, :3], k, v), ValueError),  # H not a multiple of H_kv
-    (lambda q, k, v: (q, k, v[:, :, :5]), ValueError),  # T_k differs
-    (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError),  # not floating point
-])
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        (lambda q, k, v: (q, k.double(), v.double()), TypeError),  # mixed dtypes
+        (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError),  # D differs
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError),  # B differs
+        (lambda q, k, v: (q[:, :3], k, v), ValueError),  # H not a multiple of H_kv
+        (lambda q, k, v: (q, k, v[:, :, :5]), ValueError),  # T_k differs
+        (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError),  # not floating point
+    ],
+)
 def test_decode_calls_the_plain_path_refuses_still_get_their_errors(case, error):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 16, generator=g)
@@ -198,8 +217,11 @@ def test_decode_calls_the_plain_path_refuses_still_get_their_errors(case, error)
 def test_calls_the_plain_path_does_not_take_go_the_full_way():
     # A causal mask with more than one query, a q_offset, a padding mask: dispatched.
     q, k, v = make_qkv(1, 2, 2, 3, 9, 8, 8, dtype=torch.float32)
-    for kw in ({"mask": masks.causal()}, {"mask": masks.causal(), "q_offset": 2},
-               {"mask": masks.padding([5])}):
+    for kw in (
+        {"mask": masks.causal()},
+        {"mask": masks.causal(), "q_offset": 2},
+        {"mask": masks.padding([5])},
+    ):
         out = qkv.attention(q, k, v, **kw)
         expected = oracle(q, k, v, **kw)
         np.testing.assert_allclose(out.double().numpy(), expected, atol=1e-5)

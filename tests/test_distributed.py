@@ -34,14 +34,26 @@ def mask_named(name, B=2):
     }[name]
 
 
-MASKS = ["none", "causal", "window", "document&causal", "padding (a row with no key)",
-         "prefix_lm", "sinks|window", "predicate", "dense"]
+MASKS = [
+    "none",
+    "causal",
+    "window",
+    "document&causal",
+    "padding (a row with no key)",
+    "prefix_lm",
+    "sinks|window",
+    "predicate",
+    "dense",
+]
 
 
 def check_case(rank, world, mask_name, layout_kind, schedule):
     mask = mask_named(mask_name)
-    layout = (qd.Layout.contiguous(T, world) if layout_kind == "contiguous" or
-              not isinstance(mask, masks.Mask) else qd.Layout.balanced(T, world, mask, block_k=4))
+    layout = (
+        qd.Layout.contiguous(T, world)
+        if layout_kind == "contiguous" or not isinstance(mask, masks.Mask)
+        else qd.Layout.balanced(T, world, mask, block_k=4)
+    )
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, T, 5, generator=g, dtype=torch.float64)  # GQA: 4 heads on 2
     k = torch.randn(2, 2, T, 5, generator=g, dtype=torch.float64)
@@ -57,18 +69,25 @@ def check_case(rank, world, mask_name, layout_kind, schedule):
     out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule, ring_piece=piece)
     (out * layout.shard(w, 2, rank)).sum().backward()
     what = f"rank {rank}/{world}, {mask_name}, {layout_kind}, {schedule}"
-    torch.testing.assert_close(out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0,
-                               msg=what)
+    torch.testing.assert_close(
+        out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0, msg=what
+    )
     for name, mine, ref in zip("qkv", local, full):
-        torch.testing.assert_close(mine.grad, layout.shard(ref.grad, 2, rank), atol=1e-10,
-                                   rtol=0, msg=f"d{name}: {what}")
+        torch.testing.assert_close(
+            mine.grad, layout.shard(ref.grad, 2, rank), atol=1e-10, rtol=0, msg=f"d{name}: {what}"
+        )
     back = layout.gather(out.detach(), dim=2)
     torch.testing.assert_close(back, want.detach(), atol=1e-10, rtol=0, msg=f"gather: {what}")
 
 
 def worker(rank, world, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         for mask_name in MASKS:
             for layout_kind in ("contiguous", "balanced"):
@@ -109,9 +128,17 @@ def test_balanced_causal_is_head_tail():
     assert layout.positions(1).tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
 
 
-@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(8),
-                                  masks.document(np.repeat([0, 1, 2], [60, 20, 48])),
-                                  masks.prefix_lm(32), None], ids=repr)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.causal(),
+        masks.sliding_window(8),
+        masks.document(np.repeat([0, 1, 2], [60, 20, 48])),
+        masks.prefix_lm(32),
+        None,
+    ],
+    ids=repr,
+)
 def test_balanced_layouts_even_the_work(mask):
     # Work = (query, key) pairs the mask leaves, per rank: within 10% of the mean.
     T, world = 128, 4
@@ -142,8 +169,17 @@ def check_gpt(rank, world, positions, schedule):
     from qkv.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
-                          n_embd=16, positions=positions)).double()
+    model = GPT(
+        GPTConfig(
+            vocab_size=50,
+            block_size=T,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=16,
+            positions=positions,
+        )
+    ).double()
     idx = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(1))
     layout = qd.Layout.balanced(T, world, masks.causal(), block_k=4)
     want = model(idx)
@@ -164,9 +200,22 @@ def test_the_torchrun_example_runs_on_two_processes():
     import sys
 
     example = pathlib.Path(__file__).parents[1] / "examples" / "context_parallel.py"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "2", str(example), "--T", "512"],
-                       capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(example),
+            "--T",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 ranks, T=512: max |distributed - one process|" in r.stdout
 
@@ -185,8 +234,10 @@ def check_errors(rank, world):
         (dict(mask=masks.causal() if rank else masks.sliding_window(3)), "differ in mask"),
         (dict(query=x.float() if rank == 0 else x), "differ in dtype"),
         (dict(layout=qd.Layout.contiguous(40, world + 1)), "the layout is for"),
-        (dict(query=x[:, :, :-1] if rank == 0 else x),
-         "holds T_r=" if rank == 0 else r"rank\(s\) \[0\] passed invalid input"),
+        (
+            dict(query=x[:, :, :-1] if rank == 0 else x),
+            "holds T_r=" if rank == 0 else r"rank\(s\) \[0\] passed invalid input",
+        ),
     ]
     if world == 2:  # same shard sizes, other positions
         other = qd.Layout.balanced(40, 2, masks.causal(), chunks_per_rank=2)
@@ -204,12 +255,17 @@ FLOAT32_MASKS = ["causal", "window", "documents", "prefix_lm", "padding", "compo
 
 def float32_mask(name, T):
     rng = np.random.default_rng(T)
-    ids = np.searchsorted(np.sort(rng.choice(np.arange(1, T), 5, replace=False)), np.arange(T),
-                          side="right")  # 6 documents of random lengths
-    return {"causal": masks.causal(), "window": masks.sliding_window(T // 8),
-            "documents": masks.document(ids) & masks.causal(), "prefix_lm": masks.prefix_lm(T // 5),
-            "padding": masks.padding([T - T // 3]),
-            "composition": (masks.document(ids) & masks.causal()) | masks.prefix_lm(7)}[name]
+    ids = np.searchsorted(
+        np.sort(rng.choice(np.arange(1, T), 5, replace=False)), np.arange(T), side="right"
+    )  # 6 documents of random lengths
+    return {
+        "causal": masks.causal(),
+        "window": masks.sliding_window(T // 8),
+        "documents": masks.document(ids) & masks.causal(),
+        "prefix_lm": masks.prefix_lm(T // 5),
+        "padding": masks.padding([T - T // 3]),
+        "composition": (masks.document(ids) & masks.causal()) | masks.prefix_lm(7),
+    }[name]
 
 
 class ByteCounter:
@@ -229,8 +285,13 @@ class ByteCounter:
 
 
 def worker_float32(rank, world, port, T, names):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, 4, T, 16, generator=g)
@@ -245,32 +306,47 @@ def worker_float32(rank, world, port, T, names):
                 local = [layout.shard(x, 2).requires_grad_() for x in (q, k, v)]
                 with pytest.MonkeyPatch.context() as mp_:
                     counter = ByteCounter(mp_)
-                    out = qd.attention(*local, layout=layout, mask=mask, schedule=schedule,
-                                       check=False, ring_piece=max(50, T // 16))
+                    out = qd.attention(
+                        *local,
+                        layout=layout,
+                        mask=mask,
+                        schedule=schedule,
+                        check=False,
+                        ring_piece=max(50, T // 16),
+                    )
                     out.sum().backward()
                 what = f"{name}, {schedule}, rank {rank}/{world}, T={T}"
-                torch.testing.assert_close(out, layout.shard(want.detach(), 2), atol=1e-5,
-                                           rtol=0, msg=what)
+                torch.testing.assert_close(
+                    out, layout.shard(want.detach(), 2), atol=1e-5, rtol=0, msg=what
+                )
                 for x, ref in zip(local, full):
-                    torch.testing.assert_close(x.grad, layout.shard(ref.grad, 2), atol=1e-5,
-                                               rtol=0, msg=what)
+                    torch.testing.assert_close(
+                        x.grad, layout.shard(ref.grad, 2), atol=1e-5, rtol=0, msg=what
+                    )
                 # Bytes against docs/distributed.md: e = B·H_kv·(D + D_v)·4 bytes a position.
                 e, longest = 1 * 2 * 32 * 4, max(layout.size(r) for r in range(world))
                 if schedule == "allgather":  # a padded shard out, the full gradient reduced
-                    assert counter.sent == {"all_gather": longest * e,
-                                            "all_reduce": T * e, "isend": 0}, what
+                    assert counter.sent == {
+                        "all_gather": longest * e,
+                        "all_reduce": T * e,
+                        "isend": 0,
+                    }, what
                 else:  # forward: every shard but rank r+1's; backward: those shards
                     # again, and every shard's dK/dV accumulator (one extra pass home)
                     passed = 3 * T - 2 * layout.size((rank + 1) % world)
-                    assert counter.sent == {"all_gather": 0, "all_reduce": 0,
-                                            "isend": passed * e}, what
+                    assert counter.sent == {
+                        "all_gather": 0,
+                        "all_reduce": 0,
+                        "isend": passed * e,
+                    }, what
     finally:
         dist.destroy_process_group()
 
 
 def run_ranks(fn, world, *args, timeout=300):
-    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1):  # raises if a rank failed
@@ -299,8 +375,14 @@ def worker_bfloat16(rank, world, port, T):
     """bfloat16 through the ring, where each rank's calls run qkv's native kernel (on a
     CPU that has it): out and gradients against one process's, which runs it too."""
     from qkv.kernels.tiled import native
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         g = torch.Generator().manual_seed(0)
         q = torch.randn(1, 4, T, 64, generator=g).bfloat16()
@@ -313,17 +395,22 @@ def worker_bfloat16(rank, world, port, T):
             (want.float() * w.float()).sum().backward()
             layout = qd.Layout.balanced(T, world, mask)
             local = [layout.shard(x, 2).requires_grad_() for x in (q, k, v)]
-            out = qd.attention(*local, layout=layout, mask=mask, schedule="ring",
-                               ring_piece=T // 8)
+            out = qd.attention(*local, layout=layout, mask=mask, schedule="ring", ring_piece=T // 8)
             (out.float() * layout.shard(w, 2).float()).sum().backward()
             # The ring merges the same float32 partial results in another order: within a
             # unit or two of bfloat16's rounding of each result.
             what = f"{mask!r}, rank {rank}/{world}"
-            torch.testing.assert_close(out.float(), layout.shard(want.detach(), 2).float(),
-                                       atol=2e-2, rtol=2e-2, msg=what)
+            torch.testing.assert_close(
+                out.float(), layout.shard(want.detach(), 2).float(), atol=2e-2, rtol=2e-2, msg=what
+            )
             for x, ref in zip(local, full):
-                torch.testing.assert_close(x.grad.float(), layout.shard(ref.grad, 2).float(),
-                                           atol=6e-2, rtol=3e-2, msg=what)
+                torch.testing.assert_close(
+                    x.grad.float(),
+                    layout.shard(ref.grad, 2).float(),
+                    atol=6e-2,
+                    rtol=3e-2,
+                    msg=what,
+                )
     finally:
         dist.destroy_process_group()
 

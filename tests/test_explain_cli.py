@@ -19,14 +19,23 @@ def test_trace_steps_are_the_real_computation():
     mha = qkv.MultiHeadAttention(3, 4, num_heads=2, causal=True)
     t = qkv.explain(X, tokens=tutorial.SENTENCE, module=mha)
     assert t.queries.shape == (2, 6, 2) and t.weights.shape == (2, 6, 6)
-    torch.testing.assert_close(t.scaled_scores, t.scores * 2 ** -0.5)
+    torch.testing.assert_close(t.scaled_scores, t.scores * 2**-0.5)
     masked = t.scaled_scores.masked_fill(~t.mask, float("-inf"))
     torch.testing.assert_close(t.weights, torch.softmax(masked, -1))
     torch.testing.assert_close(t.context, t.weights @ t.values)
     torch.testing.assert_close(t.output, mha(X).detach())
     assert [name for name, _, _ in t.steps()] == [
-        "inputs", "queries", "keys", "values", "scores", "scaled_scores", "mask", "weights",
-        "context", "output"]
+        "inputs",
+        "queries",
+        "keys",
+        "values",
+        "scores",
+        "scaled_scores",
+        "mask",
+        "weights",
+        "context",
+        "output",
+    ]
 
 
 def test_simplified_trace_has_no_weights_and_no_scaling():
@@ -77,24 +86,47 @@ def test_cli_explain_default(tmp_path, capsys):
 def test_cli_explain_options(tmp_path, capsys):
     data = tmp_path / "in.json"
     data.write_text(json.dumps({"tokens": ["a", "b", "c"], "embeddings": [[1, 0], [0, 1], [1, 1]]}))
-    assert main(["explain", "--input", str(data), "--heads", "2", "--d-out", "4", "--causal",
-                 "--json", "--no-png"]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--input",
+                str(data),
+                "--heads",
+                "2",
+                "--d-out",
+                "4",
+                "--causal",
+                "--json",
+                "--no-png",
+            ]
+        )
+        == 0
+    )
     trace = json.loads(capsys.readouterr().out)
     assert trace["tokens"] == ["a", "b", "c"] and len(trace["steps"]["weights"]) == 2
-    assert main(["explain", "--tokens", "x y", "--embeddings", "1,2;3,4", "--simplified",
-                 "--no-png"]) == 0
+    assert (
+        main(["explain", "--tokens", "x y", "--embeddings", "1,2;3,4", "--simplified", "--no-png"])
+        == 0
+    )
     assert "simplified attention" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["explain", "--heads", "3", "--no-png"], "d_out must be a multiple of num_heads"),
-    (["explain", "--tokens", "a b", "--no-png"], "2 tokens but 6 embedding rows"),
-    (["explain", "--embeddings", "1,x"], "embeddings must be rows of comma-separated numbers"),
-    (["explain", "--heads", "0"], "must be a whole number >= 1"),
-    (["explain", "--input", "/nonexistent.json", "--no-png"], "cannot read tokens and embeddings"),
-    (["mask", "sliding_window", "--window", "-2"], "must be a whole number >= 1"),
-    (["mask", "nope"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["explain", "--heads", "3", "--no-png"], "d_out must be a multiple of num_heads"),
+        (["explain", "--tokens", "a b", "--no-png"], "2 tokens but 6 embedding rows"),
+        (["explain", "--embeddings", "1,x"], "embeddings must be rows of comma-separated numbers"),
+        (["explain", "--heads", "0"], "must be a whole number >= 1"),
+        (
+            ["explain", "--input", "/nonexistent.json", "--no-png"],
+            "cannot read tokens and embeddings",
+        ),
+        (["mask", "sliding_window", "--window", "-2"], "must be a whole number >= 1"),
+        (["mask", "nope"], "invalid choice"),
+    ],
+)
 def test_cli_bad_options_get_a_message_not_a_traceback(argv, words, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -111,6 +143,10 @@ def test_cli_mask_picture(capsys):
 
 
 def test_python_dash_m(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "qkv", "mask", "sliding_window", "--size", "4",
-                        "--window", "2"], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "qkv", "mask", "sliding_window", "--size", "4", "--window", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "· █ █ ·" in r.stdout

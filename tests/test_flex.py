@@ -5,14 +5,13 @@ tests run on CUDA when one is present). On CPU torch's FlexAttention runs infere
 import numpy as np
 import pytest
 import torch
+from helpers import mask_zoo
+from test_scores import zoo
 
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
 from qkv.kernels import flex as F
-
-from helpers import mask_zoo
-from test_scores import zoo
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 # A fall back to flex's unfused eager path (past the recompile limit) is a failure here.
@@ -20,8 +19,7 @@ pytestmark = pytest.mark.filterwarnings("error:flex_attention called without tor
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 B, H, H_KV, T_Q, T_K, D, D_V = 2, 4, 2, 150, 300, 16, 8  # 2 x 3 blocks of 128
-QKV_MASKS = [name for name, m in mask_zoo(B, T_K, T_Q).items()
-             if not isinstance(m, torch.Tensor)]
+QKV_MASKS = [name for name, m in mask_zoo(B, T_K, T_Q).items() if not isinstance(m, torch.Tensor)]
 QUICK_MASKS = ["none", "causal", "sliding_window", "padding", "document&causal", "predicate"]
 QUICK_MODS = ["alibi", "softcap", "relative_bias", "bias"]
 
@@ -43,8 +41,9 @@ def check_mask(device, name):
     q, k, v = inputs(device)
     with torch.no_grad():
         out = qkv.attention(q, k, v, mask=mask, backend="flex")
-    np.testing.assert_allclose(out.cpu().double().numpy(), oracle(q, k, v, mask=mask),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        out.cpu().double().numpy(), oracle(q, k, v, mask=mask), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -62,17 +61,21 @@ def test_flex_equals_the_oracle_for_every_other_mask(device, name):
 
 def check_mod(device, mod_name, mask_name):
     # test_scores' modifications are built for (T_q, T_k) = (37, 53): run at that size.
-    from test_scores import T_K as t_k, T_Q as t_q
+    from test_scores import T_K as t_k
+    from test_scores import T_Q as t_q
 
     mod = zoo(torch.float32)[mod_name]
     mask = mask_zoo(B, t_k, t_q)[mask_name]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, h, t, D, generator=g).to(device)
-               for h, t in ((H, t_q), (H_KV, t_k), (H_KV, t_k)))
+    q, k, v = (
+        torch.randn(B, h, t, D, generator=g).to(device)
+        for h, t in ((H, t_q), (H_KV, t_k), (H_KV, t_k))
+    )
     with torch.no_grad():
         out = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend="flex")
-    np.testing.assert_allclose(out.cpu().double().numpy(),
-                               oracle(q, k, v, mask=mask, score_mod=mod), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        out.cpu().double().numpy(), oracle(q, k, v, mask=mask, score_mod=mod), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,8 +87,9 @@ def test_flex_applies_score_modifications(device, mod_name):
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mod_name", list(zoo()))
-@pytest.mark.parametrize("mask_name", ["none", "sliding_window", "padding", "document&causal",
-                                       "prefix_lm", "predicate"])
+@pytest.mark.parametrize(
+    "mask_name", ["none", "sliding_window", "padding", "document&causal", "prefix_lm", "predicate"]
+)
 def test_flex_applies_every_modification_under_every_mask(device, mod_name, mask_name):
     check_mod(device, mod_name, mask_name)
 
@@ -109,15 +113,19 @@ def test_the_block_mask_equals_create_block_mask_block_for_block(name):
     # T as masked, so a last block qkv calls FULL is PARTIAL there (both compute the same).
     mask, T = STRUCTURED[name], 768
     ours = F.block_mask(mask, 1, 1, T, T, 0, torch.device("cpu"))
-    theirs = create_block_mask(F.mask_mod(mask, 0, torch.device("cpu")), 1, 1, T, T,
-                               device="cpu", BLOCK_SIZE=F.BLOCK)
-    for count, index in (("kv_num_blocks", "kv_indices"),
-                         ("full_kv_num_blocks", "full_kv_indices")):
+    theirs = create_block_mask(
+        F.mask_mod(mask, 0, torch.device("cpu")), 1, 1, T, T, device="cpu", BLOCK_SIZE=F.BLOCK
+    )
+    for count, index in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+    ):
         n_ours, n_theirs = getattr(ours, count), getattr(theirs, count)
         assert torch.equal(n_ours, n_theirs), count
         for row, n in enumerate(n_ours[0, 0].tolist()):
-            assert sorted(getattr(ours, index)[0, 0, row, :n].tolist()) == \
-                sorted(getattr(theirs, index)[0, 0, row, :n].tolist()), (index, row)
+            assert sorted(getattr(ours, index)[0, 0, row, :n].tolist()) == sorted(
+                getattr(theirs, index)[0, 0, row, :n].tolist()
+            ), (index, row)
 
 
 def test_new_document_ids_do_not_recompile():
@@ -132,16 +140,20 @@ def test_new_document_ids_do_not_recompile():
             out = qkv.attention(q, k, v, mask=mask, backend="flex")
             if step == 0:
                 graphs = counters["stats"]["unique_graphs"]
-            np.testing.assert_allclose(out.double().numpy(), oracle(q, k, v, mask=mask),
-                                       atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(
+                out.double().numpy(), oracle(q, k, v, mask=mask), atol=1e-5, rtol=1e-5
+            )
     assert counters["stats"]["unique_graphs"] == graphs  # the ids are inputs, not constants
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"mask": torch.ones(T_Q, T_K, dtype=torch.bool)}, "takes a qkv mask"),
-    ({"dropout_p": 0.1}, "cannot give dropout"),
-    ({"return_weights": True}, "cannot give the attention weights"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"mask": torch.ones(T_Q, T_K, dtype=torch.bool)}, "takes a qkv mask"),
+        ({"dropout_p": 0.1}, "cannot give dropout"),
+        ({"return_weights": True}, "cannot give the attention weights"),
+    ],
+)
 def test_what_flex_cannot_do_is_refused(kw, match):
     q, k, v = inputs("cpu")
     with pytest.raises(ValueError, match=match):
@@ -166,6 +178,7 @@ def test_auto_prefers_flex_on_cuda(monkeypatch):
     # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.dispatch._flex_on_gpu)
     # send what the tiled kernel would take to flex, and leave SDPA what it does best.
     import qkv.core.dispatch as d
+
     monkeypatch.setattr(d, "_flex_on_gpu", lambda key, mask: not isinstance(mask, torch.Tensor))
     q, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))
     choose = lambda **kw: qkv.dispatch(q, k, v, **kw)  # noqa: E731
@@ -178,4 +191,3 @@ def test_auto_prefers_flex_on_cuda(monkeypatch):
     assert choose(mask=masks.causal(), dropout_p=0.1).backend == "sdpa"  # flex has no dropout
     dense = masks.sliding_window(256).dense(1, 1, 4096, 4096)
     assert choose(mask=dense).backend != "flex"
-

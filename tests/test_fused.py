@@ -6,14 +6,13 @@ precision (which the fused step runs in float32)."""
 import numpy as np
 import pytest
 import torch
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
+from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
 from qkv.kernels.tiled import flash as K
-
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
-from tolerances import FLOAT64, LOW_PRECISION
 
 pytestmark = pytest.mark.skipif(K.FLASH is None, reason="this torch has no fused CPU kernel")
 
@@ -31,8 +30,7 @@ def run(q, k, v, mask, fused, monkeypatch):
 
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 53, 37)))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16,
-                                   torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
     if small:  # 8 x 8 tiles, 16-key chunks: many blocks, spans with EMPTY gaps
         use_small_tiles(monkeypatch)
@@ -49,8 +47,9 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
     np.testing.assert_allclose(lse.double().numpy(), want_lse, atol=tol * 4, rtol=tol)
     loop_out, loop_lse, fused = run(q, k, v, mask, False, monkeypatch)
     assert not fused
-    np.testing.assert_allclose(out.double().numpy(), loop_out.double().numpy(),
-                               atol=2 * tol, rtol=2 * tol)
+    np.testing.assert_allclose(
+        out.double().numpy(), loop_out.double().numpy(), atol=2 * tol, rtol=2 * tol
+    )
     assert torch.equal(lse == float("-inf"), loop_lse == float("-inf"))  # the same empty rows
 
 
@@ -65,7 +64,8 @@ def small_calls(monkeypatch):
 
 @pytest.mark.parametrize("T_q,T_k", [(37, 53), (64, 64), (120, 41), (1, 30)])
 def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
-    from qkv.core.dispatch import _plan, Problem
+    from qkv.core.dispatch import Problem, _plan
+
     use_small_tiles(monkeypatch)
     small_calls(monkeypatch)
     for name, mask in mask_zoo(2, T_k, T_q).items():
@@ -75,15 +75,15 @@ def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
             for c in group:
                 assert c.k0 < c.k1 and c.q0 < c.q1, (name, c)
                 if c.chunks is None:  # every key FULL for every query of the call
-                    count[c.q0:c.q1, c.k0:c.k1] += 1
+                    count[c.q0 : c.q1, c.k0 : c.k1] += 1
                     continue
                 for x in c.chunks:
                     assert c.k0 <= x.k0 < x.k1 <= c.k1, (name, c)
-                    count[c.q0:c.q1, x.k0:x.k1] += 1
+                    count[c.q0 : c.q1, x.k0 : x.k1] += 1
         want = np.zeros((T_q, T_k), int)
         for q0, q1, chunks in plan.rows:
             for x in chunks:
-                want[q0:q1, x.k0:x.k1] += 1
+                want[q0:q1, x.k0 : x.k1] += 1
         np.testing.assert_array_equal(count, want, err_msg=name)
         assert want.max() <= 1
 
@@ -108,17 +108,20 @@ def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch):
     with torch.no_grad():
         _, _, fused = run(q, k, v, masks.causal(), True, monkeypatch)
         assert fused
-    out = qkv.attention(q, k, v, mask=masks.causal(), backend="tiled",
-                        score_mod=qkv.scores.softcap(2.0))  # modifications: the loop
-    want = qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=masks.causal(),
-                         score_mod=qkv.scores.softcap(2.0))
+    out = qkv.attention(
+        q, k, v, mask=masks.causal(), backend="tiled", score_mod=qkv.scores.softcap(2.0)
+    )  # modifications: the loop
+    want = qnp.attention(
+        *(x.double().numpy() for x in (q, k, v)),
+        mask=masks.causal(),
+        score_mod=qkv.scores.softcap(2.0),
+    )
     np.testing.assert_allclose(out.double().numpy(), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", [n for n, m in mask_zoo(2, 53, 37).items()])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16,
-                                   torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monkeypatch):
     if small:
         use_small_tiles(monkeypatch)
@@ -133,8 +136,9 @@ def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monke
     fused = grads(q, k, v, g, mask, backend="tiled")
     assert calls
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
-    tol = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 6e-2,
-           torch.float16: 8e-3}[dtype]
+    tol = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 8e-3}[
+        dtype
+    ]
     for got, exp in zip(fused, want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=tol, rtol=tol)
 
@@ -145,5 +149,9 @@ def test_a_loss_on_the_log_sum_exp_takes_the_loop_backward(monkeypatch):
     out, lse = qkv.attention(q, k, v, mask=masks.causal(), backend="tiled", return_lse=True)
     (out.sum() + lse.sum()).backward()
     monkeypatch.undo()  # gradcheck also sends zero lse gradients, which the fused pass takes
-    torch.autograd.gradcheck(lambda a, b, c: qkv.attention(
-        a, b, c, mask=masks.causal(), backend="tiled", return_lse=True)[1], (q, k, v))
+    torch.autograd.gradcheck(
+        lambda a, b, c: qkv.attention(
+            a, b, c, mask=masks.causal(), backend="tiled", return_lse=True
+        )[1],
+        (q, k, v),
+    )

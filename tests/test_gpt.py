@@ -20,16 +20,23 @@ def prompt(B=2, T=7, V=61, seed=0):
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kw", [{}, {"positions": "rope"}, {"n_kv_head": 2},
-                                {"n_kv_head": 1, "positions": "rope"},
-                                {"attention_only": True},
-                                {"layer_norm": False, "tie_embeddings": False}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"positions": "rope"},
+        {"n_kv_head": 2},
+        {"n_kv_head": 1, "positions": "rope"},
+        {"attention_only": True},
+        {"layer_norm": False, "tie_embeddings": False},
+    ],
+)
 def test_cached_forward_equals_full_forward(kw):
     model, idx = model64(**kw), prompt(T=11)
     full = model(idx)  # (B, T, V)
     caches = model.new_caches(2)
     steps = [model(idx[:, :5], caches=caches)]
-    steps += [model(idx[:, t:t + 1], caches=caches) for t in range(5, 11)]
+    steps += [model(idx[:, t : t + 1], caches=caches) for t in range(5, 11)]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-10)
 
 
@@ -43,7 +50,7 @@ def test_greedy_with_and_without_cache_agree_past_the_window(kw):
     # The documented window: each token is the argmax over the last block_size tokens.
     seq = idx
     for _ in range(40):
-        nxt = model(seq[:, -model.config.block_size:])[:, -1].argmax(-1, keepdim=True)
+        nxt = model(seq[:, -model.config.block_size :])[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(cached, seq)
 
@@ -66,8 +73,9 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     greedy = model.generate(idx, 12, temperature=0.0)
     assert torch.equal(sample(5, top_k=1), greedy)
     assert torch.equal(sample(5, top_p=1e-9), greedy)
-    assert torch.equal(sample(6, top_k=5, top_p=0.5, use_cache=False),
-                       sample(6, top_k=5, top_p=0.5))
+    assert torch.equal(
+        sample(6, top_k=5, top_p=0.5, use_cache=False), sample(6, top_k=5, top_p=0.5)
+    )
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -83,8 +91,13 @@ def test_generate_restores_training_mode_and_validates():
     model = model64().train()
     model.generate(prompt(), 2)
     assert model.training
-    for bad in [dict(max_new_tokens=-1), dict(temperature=-1.0), dict(top_k=0),
-                dict(top_p=0.0), dict(top_p=1.5)]:
+    for bad in [
+        dict(max_new_tokens=-1),
+        dict(temperature=-1.0),
+        dict(top_k=0),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+    ]:
         args = {"max_new_tokens": 2, **bad}
         with pytest.raises(ValueError, match=next(iter(bad))):
             model.generate(prompt(), args.pop("max_new_tokens"), **args)
@@ -102,10 +115,16 @@ def test_forward_errors_name_the_problem():
         model(prompt(), caches=[])
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(n_embd=30), "multiple of n_head"), (dict(n_kv_head=3), "multiple of n_kv_head"),
-    (dict(positions="alibi"), "positions must be one of"), (dict(dropout=1.0), "dropout"),
-    (dict(n_layer=0), "n_layer must be an int >= 1")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(n_embd=30), "multiple of n_head"),
+        (dict(n_kv_head=3), "multiple of n_kv_head"),
+        (dict(positions="alibi"), "positions must be one of"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(n_layer=0), "n_layer must be an int >= 1"),
+    ],
+)
 def test_config_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{**SMALL, **bad})
@@ -117,7 +136,7 @@ def test_structure_tied_head_and_gpt2_init():
     model = GPT(GPTConfig(n_layer=6, n_embd=64, n_head=2))
     assert model.lm_head.weight is model.wte.weight
     stds = [b.attn.out_proj.weight.std().item() for b in model.blocks]
-    assert all(abs(s - 0.02 / 12 ** 0.5) < 1e-3 for s in stds)  # 12 residual projections
+    assert all(abs(s - 0.02 / 12**0.5) < 1e-3 for s in stds)  # 12 residual projections
     assert abs(model.blocks[0].attn.W_query.weight.std().item() - 0.02) < 2e-3
     only = GPT(GPTConfig(attention_only=True, n_layer=2))
     assert all(b.mlp is None for b in only.blocks)
@@ -135,14 +154,18 @@ def test_no_layer_norm_and_an_untied_head():
 
 
 def test_fan_in_initialisation():
-    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, init="fan_in",
-                          tie_embeddings=False))
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, init="fan_in", tie_embeddings=False))
     assert abs(model.wte.weight.std().item() - 1.0) < 0.05
     tied = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, init="fan_in"))
     assert abs(tied.wte.weight.std().item() * 8 - 1.0) < 0.05  # the LM head's N(0, 1/E)
-    for lin in (model.blocks[0].attn.W_query, model.blocks[1].attn.out_proj,
-                model.blocks[0].mlp.fc, model.blocks[0].mlp.proj, model.lm_head):
-        assert abs(lin.weight.std().item() * lin.in_features ** 0.5 - 1.0) < 0.05
+    for lin in (
+        model.blocks[0].attn.W_query,
+        model.blocks[1].attn.out_proj,
+        model.blocks[0].mlp.fc,
+        model.blocks[0].mlp.proj,
+        model.lm_head,
+    ):
+        assert abs(lin.weight.std().item() * lin.in_features**0.5 - 1.0) < 0.05
     with pytest.raises(ValueError, match="init must be one of"):
         GPTConfig(init="xavier")
 
@@ -158,17 +181,31 @@ def test_uniform_attention_averages_the_past():
 
 GPT2_CONFIGS = [
     dict(vocab_size=97, n_positions=40, n_embd=48, n_layer=3, n_head=4),
-    dict(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=1, n_inner=40,
-         activation_function="gelu"),
-    dict(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=8,
-         activation_function="gelu_pytorch_tanh"),
+    dict(
+        vocab_size=50,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=1,
+        n_inner=40,
+        activation_function="gelu",
+    ),
+    dict(
+        vocab_size=128,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=8,
+        activation_function="gelu_pytorch_tanh",
+    ),
 ]
 
 
 def gpt2(**kw):
     torch.manual_seed(1)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        bos_token_id=0, eos_token_id=0, **kw)).eval()
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(bos_token_id=0, eos_token_id=0, **kw)
+    ).eval()
 
 
 @pytest.mark.parametrize("kw", GPT2_CONFIGS)
@@ -182,8 +219,14 @@ def test_from_huggingface_matches_gpt2_logits_and_greedy_generate(kw):
         # flips either way: compare token for token in float64. The explicit mask stops
         # transformers from treating the prompt's token 0 (pad_token_id) as padding.
         hf64 = hf.double()
-        want = hf64.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=12,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        want = hf64.generate(
+            idx,
+            attention_mask=torch.ones_like(idx),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     assert torch.equal(GPT.from_huggingface(hf64).generate(idx, 12, temperature=0.0), want)
 
 
@@ -196,11 +239,14 @@ def test_from_huggingface_reads_a_saved_directory(tmp_path):
         assert (ours(idx) - hf(idx).logits).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(activation_function="relu"), "activation_function='relu'"),
-    (dict(scale_attn_by_inverse_layer_idx=True), "scaled other than"),
-    (dict(resid_pdrop=0.2), "unequal dropouts"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(activation_function="relu"), "activation_function='relu'"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scaled other than"),
+        (dict(resid_pdrop=0.2), "unequal dropouts"),
+    ],
+)
 def test_from_huggingface_refuses_what_it_cannot_reproduce(kw, match):
     with pytest.raises(ValueError, match=match):
         GPT.from_huggingface(gpt2(**{**GPT2_CONFIGS[1], **kw}))

@@ -26,8 +26,9 @@ class Scripted(torch.nn.Module):
         same = (ids[:, :, None] == ids[:, None, :]) & (j < i)  # (B, T, T) earlier duplicates
         after = torch.zeros_like(same)
         after[:, :, 1:] = same[:, :, :-1]  # the key right after an earlier duplicate
-        wanted = torch.stack([(j == i - 1).expand(B, T, T), same, after & (j < i),
-                              (j == 0).expand(B, T, T)], dim=1)  # (B, 4, T, T)
+        wanted = torch.stack(
+            [(j == i - 1).expand(B, T, T), same, after & (j < i), (j == 0).expand(B, T, T)], dim=1
+        )  # (B, 4, T, T)
         bias = wanted.float() * 30.0
         q = k = v = torch.zeros(B, 4, T, 8)
         return qkv.attention(q, k, v, mask=masks.causal(), score_mod=scores.bias(bias))
@@ -51,8 +52,7 @@ def test_scores_over_blocks_of_rows_equal_scores_over_all_rows():
     for layer, call in enumerate(calls):
         whole = heads.scores_from_weights(call.weights(rows=slice(L, 2 * L)), L)
         for name in heads.SCORES:
-            torch.testing.assert_close(blocked[name][layer], whole[name], atol=1e-6,
-                                       rtol=1e-5)
+            torch.testing.assert_close(blocked[name][layer], whole[name], atol=1e-6, rtol=1e-5)
 
 
 def test_recording_leaves_the_output_alone_and_stops_with_the_block():
@@ -75,11 +75,16 @@ def test_recorded_weights_are_the_modules_weights():
     attn = model.blocks[1].attn
     x = model.blocks[0](model.wte(idx))
     q, k, v = attn.project(model.blocks[1].ln_1(x))
-    _, expected = qkv.attention(q, k, v, mask=masks.causal(), return_weights=True,
-                                backend="reference")
+    _, expected = qkv.attention(
+        q, k, v, mask=masks.causal(), return_weights=True, backend="reference"
+    )
     torch.testing.assert_close(calls[1].weights(), expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(calls[1].weights(rows=[3, 29], heads=[2]),
-                               expected[:, [2]][:, :, [3, 29]], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        calls[1].weights(rows=[3, 29], heads=[2]),
+        expected[:, [2]][:, :, [3, 29]],
+        atol=1e-6,
+        rtol=1e-5,
+    )
 
 
 def test_one_query_step_by_step_agrees_with_the_kernel():
@@ -106,14 +111,21 @@ def test_huggingface_models_are_scored_through_qkv():
     from qkv.integrations import huggingface
 
     huggingface.register()
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
-    model = transformers.LlamaModel._from_config(copy.deepcopy(config),
-                                                 attn_implementation="qkv").eval()
-    eager = transformers.LlamaModel._from_config(copy.deepcopy(config),
-                                                 attn_implementation="eager").eval()
+    model = transformers.LlamaModel._from_config(
+        copy.deepcopy(config), attn_implementation="qkv"
+    ).eval()
+    eager = transformers.LlamaModel._from_config(
+        copy.deepcopy(config), attn_implementation="eager"
+    ).eval()
     eager.load_state_dict(model.state_dict())
     ids = heads.repeated_tokens(50, 8, batch=2)
     found = heads.head_scores(model, tokens=ids)
@@ -123,8 +135,7 @@ def test_huggingface_models_are_scored_through_qkv():
     for layer, w in enumerate(weights):
         expected = heads.scores_from_weights(w[:, :, 8:], 8)
         for name in heads.SCORES:
-            torch.testing.assert_close(found[name][layer], expected[name], atol=1e-5,
-                                       rtol=1e-4)
+            torch.testing.assert_close(found[name][layer], expected[name], atol=1e-5, rtol=1e-4)
 
 
 def test_bad_input_is_refused():

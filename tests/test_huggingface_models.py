@@ -19,12 +19,20 @@ TOL = 1e-5  # float32, last hidden state, the issue's bound
 
 def configs():
     t = transformers
-    small = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
+    small = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return {
         # A cap small enough to matter at these score sizes (Gemma 2 uses 50 on real ones).
-        "gemma2": (t.Gemma2Model, t.Gemma2Config(**small, head_dim=8, sliding_window=5,
-                                                  attn_logit_softcapping=0.5)),
+        "gemma2": (
+            t.Gemma2Model,
+            t.Gemma2Config(**small, head_dim=8, sliding_window=5, attn_logit_softcapping=0.5),
+        ),
         "mistral": (t.MistralModel, t.MistralConfig(**small, sliding_window=5)),
         "qwen2": (t.Qwen2Model, t.Qwen2Config(**small)),
     }
@@ -60,8 +68,9 @@ def test_decoder_models_match_eager_on_a_padded_batch(name, monkeypatch):
     ours, eager = pair(model_class, config)
     ids, mask = batch()
     calls = []  # proof that qkv ran: one call per layer per forward
-    monkeypatch.setattr(huggingface, "attention",
-                        lambda *a, **kw: calls.append(kw) or qkv.attention(*a, **kw))
+    monkeypatch.setattr(
+        huggingface, "attention", lambda *a, **kw: calls.append(kw) or qkv.attention(*a, **kw)
+    )
     with torch.no_grad():
         got = ours(input_ids=ids, attention_mask=mask).last_hidden_state
         want = eager(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -91,9 +100,16 @@ def test_gemma2_softcap_is_applied_not_ignored():
 
 
 def test_t5_relative_position_bias_matches_eager():
-    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                   num_heads=4, relative_attention_num_buckets=8,
-                                   relative_attention_max_distance=16)
+    config = transformers.T5Config(
+        vocab_size=100,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
     ours, eager = pair(transformers.T5Model, config)
     ids, mask = batch()
     decoder_ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(2))
@@ -112,8 +128,9 @@ def test_an_argument_qkv_cannot_honour_is_refused():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"cannot honour the attention argument\(s\) s_aux"):
         huggingface.qkv_attention_forward(Module(), q, q, q, None, s_aux=torch.zeros(2))
-    out, _ = huggingface.qkv_attention_forward(Module(), q, q, q, None, position_ids=None,
-                                               sliding_window=2)
+    out, _ = huggingface.qkv_attention_forward(
+        Module(), q, q, q, None, position_ids=None, sliding_window=2
+    )
     assert out.shape == (1, 3, 2, 4)
 
 
@@ -145,12 +162,20 @@ def test_generation_with_caches_matches_eager(name, cache, monkeypatch):
     """Decoding through transformers' dynamic and static caches (key buffers longer than
     the tokens seen: the structural mask carries the queries' offset), padded batch."""
     seen = spy_masks(monkeypatch)
-    model_class = {"gemma2": transformers.Gemma2ForCausalLM,
-                   "mistral": transformers.MistralForCausalLM}[name]
+    model_class = {
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[name]
     ours, eager = pair(model_class, configs()[name][1])
     ids, mask = batch()
-    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache,
-              output_logits=True, return_dict_in_generate=True)
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation=cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     got = ours.generate(input_ids=ids, attention_mask=mask, **kw)
     want = eager.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(got.sequences, want.sequences)
@@ -163,8 +188,15 @@ def test_a_structural_mask_is_the_dense_mask_to_any_torch_operation():
 
     padding = torch.ones(2, 9, dtype=torch.bool)
     padding[1, :3] = False
-    args = dict(batch_size=2, q_length=4, kv_length=9, q_offset=5, attention_mask=padding,
-                mask_function=causal_mask_function, allow_is_causal_skip=False)
+    args = dict(
+        batch_size=2,
+        q_length=4,
+        kv_length=9,
+        q_offset=5,
+        attention_mask=padding,
+        mask_function=causal_mask_function,
+        allow_is_causal_skip=False,
+    )
     ours = huggingface.qkv_mask(**args)
     assert type(ours) is huggingface.StructuralMask and ours.shape == (2, 1, 4, 9)
     want = sdpa_mask(**args)

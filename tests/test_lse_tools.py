@@ -1,14 +1,15 @@
 """attention_weights (weights on demand from the lse) and merge_attention (split-K)."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from helpers import make_qkv, use_small_tiles
+from tolerances import FLOAT64
 
 import qkv
 from qkv import masks
-
-from helpers import make_qkv, use_small_tiles
-from tolerances import FLOAT64
 
 
 @pytest.mark.parametrize("splits", [[0, 7, 19], [0, 1, 2, 19], [0, 19]])
@@ -17,12 +18,16 @@ def test_merge_equals_one_pass_over_all_keys(splits, mask_name):
     B, H, H_kv, T_q, T_k = 2, 4, 2, 5, 19
     q, k, v = make_qkv(B, H, H_kv, T_q, T_k, 6, 3)
     ids = np.repeat([0, 1, 2], [4, 9, 6])
-    mask = {"none": None, "causal": masks.causal(), "window": masks.sliding_window(3),
-            "doc&causal": masks.document(ids) & masks.causal()}[mask_name]
+    mask = {
+        "none": None,
+        "causal": masks.causal(),
+        "window": masks.sliding_window(3),
+        "doc&causal": masks.document(ids) & masks.causal(),
+    }[mask_name]
     dense = None if mask is None else mask.dense(B, H, T_q, T_k)
     whole, lse = qkv.attention(q, k, v, mask=dense, return_lse=True)
     parts = []
-    for a, b in zip(splits, splits[1:]):
+    for a, b in itertools.pairwise(splits):
         sub = None if dense is None else dense[..., a:b]
         parts.append(qkv.attention(q, k[:, :, a:b], v[:, :, a:b], mask=sub, return_lse=True))
     out, merged_lse = qkv.merge_attention(*zip(*parts))
@@ -75,11 +80,15 @@ def test_attention_weights_for_chosen_heads_and_rows(monkeypatch):
 def test_attention_weights_3d_and_errors():
     q, k, v = make_qkv(2, 1, 1, 6, 6, 4, 4)
     q, k, v = q[:, 0], k[:, 0], v[:, 0]
-    _, w_all, lse = qkv.attention(q, k, v, mask=masks.causal(), return_weights=True,
-                                  return_lse=True)
-    torch.testing.assert_close(qkv.attention_weights(q, k, lse, mask=masks.causal(), rows=[2]),
-                               w_all[:, [2]])
-    with pytest.raises(ValueError, match=r"lse must have shape \(B, T_q\) = \(2, 6\); got \(2, 5\)"):
+    _, w_all, lse = qkv.attention(
+        q, k, v, mask=masks.causal(), return_weights=True, return_lse=True
+    )
+    torch.testing.assert_close(
+        qkv.attention_weights(q, k, lse, mask=masks.causal(), rows=[2]), w_all[:, [2]]
+    )
+    with pytest.raises(
+        ValueError, match=r"lse must have shape \(B, T_q\) = \(2, 6\); got \(2, 5\)"
+    ):
         qkv.attention_weights(q, k, lse[:, :5])
     with pytest.raises(ValueError, match="heads can be chosen only for"):
         qkv.attention_weights(q, k, lse, heads=[0])

@@ -41,8 +41,9 @@ def test_dense_matches_definition(name, T_q, T_k):
 @pytest.mark.parametrize("T_q,T_k", [(4, 4), (2, 6), (6, 6)])
 def test_document_matches_definition(T_q, T_k):
     ids = np.array([0, 0, 1, 1, 1, 2][:T_k])
-    want = loop_lowering(lambda b, h, q, kv: 0 <= q < T_k and ids[q] == ids[kv],
-                         1, 1, T_q, T_k, T_k - T_q)
+    want = loop_lowering(
+        lambda b, h, q, kv: 0 <= q < T_k and ids[q] == ids[kv], 1, 1, T_q, T_k, T_k - T_q
+    )
     np.testing.assert_array_equal(masks.document(ids).to_numpy(1, 1, T_q, T_k), want)
 
 
@@ -61,21 +62,32 @@ def test_batched_document_ids():
 
 def test_default_alignment_is_bottom_right():
     # T_q = 2 queries against T_k = 5 keys sit at positions 3 and 4.
-    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 2, 5)[0, 0],
-                                  [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
-    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 2, 5, q_offset=0)[0, 0],
-                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        masks.causal().to_numpy(1, 1, 2, 5)[0, 0], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    )
+    np.testing.assert_array_equal(
+        masks.causal().to_numpy(1, 1, 2, 5, q_offset=0)[0, 0], [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    )
     # T_q > T_k: the first queries have no key at all.
-    np.testing.assert_array_equal(masks.causal().to_numpy(1, 1, 3, 2)[0, 0],
-                                  [[0, 0], [1, 0], [1, 1]])
+    np.testing.assert_array_equal(
+        masks.causal().to_numpy(1, 1, 3, 2)[0, 0], [[0, 0], [1, 0], [1, 1]]
+    )
 
 
 def dense(m, T=9, B=2, H=2):
     return m.to_numpy(B, H, T, T)
 
 
-@pytest.mark.parametrize("m", [masks.causal(), masks.sliding_window(2), masks.prefix_lm(3),
-                               masks.padding([4, 9]), masks.document([0, 0, 0, 1, 1, 2, 2, 2, 2])])
+@pytest.mark.parametrize(
+    "m",
+    [
+        masks.causal(),
+        masks.sliding_window(2),
+        masks.prefix_lm(3),
+        masks.padding([4, 9]),
+        masks.document([0, 0, 0, 1, 1, 2, 2, 2, 2]),
+    ],
+)
 def test_algebra_laws(m):
     full, causal = masks.full(), masks.causal()
     np.testing.assert_array_equal(dense(m & full), dense(m))
@@ -89,7 +101,9 @@ def test_algebra_laws(m):
 def test_named_identities():
     np.testing.assert_array_equal(dense(masks.causal() & masks.full()), dense(masks.causal()))
     np.testing.assert_array_equal(dense(masks.sliding_window(9)), dense(masks.causal()))
-    np.testing.assert_array_equal(dense(masks.sliding_window(1)), np.broadcast_to(np.eye(9, dtype=bool), (2, 2, 9, 9)))
+    np.testing.assert_array_equal(
+        dense(masks.sliding_window(1)), np.broadcast_to(np.eye(9, dtype=bool), (2, 2, 9, 9))
+    )
     np.testing.assert_array_equal(dense(masks.prefix_lm(0)), dense(masks.causal()))
     np.testing.assert_array_equal(dense(masks.prefix_lm(9)), dense(masks.full()))
     np.testing.assert_array_equal(dense(masks.padding([9, 9])), dense(masks.full()))
@@ -111,24 +125,58 @@ def test_repr_and_picture():
     assert masks.causal().picture(2, 3) == "█ █ ·\n█ █ █"
 
 
-@pytest.mark.parametrize("make,exc,words", [
-    (lambda: masks.sliding_window(-1), ValueError, "window must be >= 1; got -1"),
-    (lambda: masks.sliding_window(0), ValueError, "window must be >= 1; got 0"),
-    (lambda: masks.sliding_window(2.5), TypeError, "window must be an int; got float"),
-    (lambda: masks.prefix_lm(-2), ValueError, "prefix must be >= 0; got -2"),
-    (lambda: masks.padding([3, -1]), ValueError, "lengths must be >= 0"),
-    (lambda: masks.padding([[1, 2]]), TypeError, "lengths must be integers of 1 dims"),
-    (lambda: masks.padding([1.5]), TypeError, "lengths must be integers"),
-    (lambda: masks.document(np.zeros((1, 1, 2), int)), TypeError, "ids must be integers of 1 dims or 2 dims"),
-    (lambda: masks.predicate(3), TypeError, "predicate must be callable"),
-    (lambda: masks.padding([2, 3]).to_numpy(3, 1, 4, 4), ValueError, "padding lengths must have shape (B,) = (3,); got (2,)"),
-    (lambda: masks.padding([2, 5]).to_numpy(2, 1, 4, 4), ValueError, "padding lengths must be <= T_k=4"),
-    (lambda: masks.document([0, 1]).to_numpy(1, 1, 4, 4), ValueError, "document ids must have shape (T_k,) = (4,); got (2,)"),
-    (lambda: masks.document([[0, 1, 1, 1]]).to_numpy(2, 1, 4, 4), ValueError, "document ids must have shape (B, T_k) = (2, 4); got (1, 4)"),
-    (lambda: masks.predicate(lambda b, h, q, kv: q - kv, "diff").to_numpy(1, 1, 3, 3), TypeError, "mask predicate(diff) must return bool"),
-    (lambda: masks.predicate(lambda b, h, q, kv: (q >= 0)[..., :2, :], "cut").to_numpy(1, 1, 3, 3), ValueError, "returned shape (1, 1, 2, 1), which does not broadcast to (B, H, T_q, T_k) = (1, 1, 3, 3)"),
-    (lambda: masks.causal() & np.ones((2, 2), bool), TypeError, ""),
-])
+@pytest.mark.parametrize(
+    "make,exc,words",
+    [
+        (lambda: masks.sliding_window(-1), ValueError, "window must be >= 1; got -1"),
+        (lambda: masks.sliding_window(0), ValueError, "window must be >= 1; got 0"),
+        (lambda: masks.sliding_window(2.5), TypeError, "window must be an int; got float"),
+        (lambda: masks.prefix_lm(-2), ValueError, "prefix must be >= 0; got -2"),
+        (lambda: masks.padding([3, -1]), ValueError, "lengths must be >= 0"),
+        (lambda: masks.padding([[1, 2]]), TypeError, "lengths must be integers of 1 dims"),
+        (lambda: masks.padding([1.5]), TypeError, "lengths must be integers"),
+        (
+            lambda: masks.document(np.zeros((1, 1, 2), int)),
+            TypeError,
+            "ids must be integers of 1 dims or 2 dims",
+        ),
+        (lambda: masks.predicate(3), TypeError, "predicate must be callable"),
+        (
+            lambda: masks.padding([2, 3]).to_numpy(3, 1, 4, 4),
+            ValueError,
+            "padding lengths must have shape (B,) = (3,); got (2,)",
+        ),
+        (
+            lambda: masks.padding([2, 5]).to_numpy(2, 1, 4, 4),
+            ValueError,
+            "padding lengths must be <= T_k=4",
+        ),
+        (
+            lambda: masks.document([0, 1]).to_numpy(1, 1, 4, 4),
+            ValueError,
+            "document ids must have shape (T_k,) = (4,); got (2,)",
+        ),
+        (
+            lambda: masks.document([[0, 1, 1, 1]]).to_numpy(2, 1, 4, 4),
+            ValueError,
+            "document ids must have shape (B, T_k) = (2, 4); got (1, 4)",
+        ),
+        (
+            lambda: masks.predicate(lambda b, h, q, kv: q - kv, "diff").to_numpy(1, 1, 3, 3),
+            TypeError,
+            "mask predicate(diff) must return bool",
+        ),
+        (
+            lambda: masks.predicate(lambda b, h, q, kv: (q >= 0)[..., :2, :], "cut").to_numpy(
+                1, 1, 3, 3
+            ),
+            ValueError,
+            "returned shape (1, 1, 2, 1), which does not broadcast to "
+            "(B, H, T_q, T_k) = (1, 1, 3, 3)",
+        ),
+        (lambda: masks.causal() & np.ones((2, 2), bool), TypeError, ""),
+    ],
+)
 def test_bad_mask_arguments(make, exc, words):
     with pytest.raises(exc) as info:
         make()
@@ -137,11 +185,14 @@ def test_bad_mask_arguments(make, exc, words):
 
 def zoo_for(B, T_k):
     from helpers import mask_zoo
+
     return {k: m for k, m in mask_zoo(B, T_k).items() if isinstance(m, masks.Mask)}
 
 
-@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
-                                              (20, 41, 7), (64, 64, None)])
+@pytest.mark.parametrize(
+    "T_q,T_k,q_offset",
+    [(37, 37, None), (13, 50, None), (50, 13, None), (20, 41, 7), (64, 64, None)],
+)
 @pytest.mark.parametrize("bq,bk", [(4, 4), (8, 5), (16, 16)])
 def test_block_map_agrees_with_dense(T_q, T_k, q_offset, bq, bk):
     B, H = 2, 3
@@ -150,15 +201,17 @@ def test_block_map_agrees_with_dense(T_q, T_k, q_offset, bq, bk):
         codes = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
         assert codes.shape == (-(-T_q // bq), -(-T_k // bk))
         for i, j in np.ndindex(codes.shape):
-            tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            tile = dense[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
             if codes[i, j] == masks.FULL:
                 assert tile.all(), (name, i, j)
             elif codes[i, j] == masks.EMPTY:
                 assert not tile.any(), (name, i, j)
 
 
-@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
-                                              (20, 41, 7), (5, 40, -20), (5, 40, 60)])
+@pytest.mark.parametrize(
+    "T_q,T_k,q_offset",
+    [(37, 37, None), (13, 50, None), (50, 13, None), (20, 41, 7), (5, 40, -20), (5, 40, 60)],
+)
 @pytest.mark.parametrize("bq,bk", [(4, 4), (8, 5), (3, 2)])
 def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
     # sparse_blocks reaches only the tiles a mask's structure may leave non-empty; it must
@@ -174,8 +227,9 @@ def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
     }
     for name, m in zoo.items():
         dense = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
-        rows, cols, codes = m.sparse_blocks(B, H, T_q, T_k, block_q=bq, block_k=bk,
-                                            q_offset=q_offset)
+        rows, cols, codes = m.sparse_blocks(
+            B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset
+        )
         want_rows, want_cols = np.nonzero(dense)
         np.testing.assert_array_equal(rows, want_rows, err_msg=name)
         np.testing.assert_array_equal(cols, want_cols, err_msg=name)
@@ -185,11 +239,13 @@ def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
 def test_sparse_block_map_scales_with_what_is_attended():
     # A window over 4M positions: its band is ~200K tiles, the dense map 2 G cells.
     import tracemalloc
+
     T = 1 << 22
     tracemalloc.start()
     try:
-        rows, cols, codes = masks.sliding_window(256).sparse_blocks(
-            1, 1, T, T, block_q=128, block_k=64)
+        rows, _cols, _codes = masks.sliding_window(256).sparse_blocks(
+            1, 1, T, T, block_q=128, block_k=64
+        )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -207,27 +263,35 @@ def test_block_map_is_tight_for_structured_masks():
     ids = np.repeat(np.arange(4), 16)
     codes = (masks.document(ids)).blocks(1, 1, 64, 64, block_q=8, block_k=8)
     assert set(np.unique(codes)) == {masks.EMPTY, masks.FULL}
-    assert (masks.predicate(lambda b, h, q, kv: q >= kv).blocks(1, 1, 9, 9, block_q=4,
-                                                                 block_k=4) == masks.PARTIAL).all()
+    assert (
+        masks.predicate(lambda b, h, q, kv: q >= kv).blocks(1, 1, 9, 9, block_q=4, block_k=4)
+        == masks.PARTIAL
+    ).all()
 
 
-@pytest.mark.parametrize("T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None),
-                                              (20, 41, 7), (9, 9, None)])
+@pytest.mark.parametrize(
+    "T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None), (20, 41, 7), (9, 9, None)]
+)
 @pytest.mark.parametrize("bq,bk", [(1, 1), (1, 3), (4, 4), (8, 5)])
 def test_block_map_is_exact_for_structured_leaf_masks(T_q, T_k, q_offset, bq, bk):
     # Not only sound: a structured mask knows its tiles exactly (FULL iff every entry may
     # attend, EMPTY iff none), so the tiled kernel never evaluates what it could skip.
     B, H = 2, 3
     rng = np.random.default_rng(T_k)
-    leaves = [masks.full(), masks.causal(), masks.sliding_window(3), masks.prefix_lm(5),
-              masks.padding(rng.integers(0, T_k + 1, size=B)),
-              masks.document(np.sort(rng.integers(0, 4, size=(B, T_k)), axis=-1)),
-              masks.document(np.sort(rng.integers(0, 3, size=T_k)))]
+    leaves = [
+        masks.full(),
+        masks.causal(),
+        masks.sliding_window(3),
+        masks.prefix_lm(5),
+        masks.padding(rng.integers(0, T_k + 1, size=B)),
+        masks.document(np.sort(rng.integers(0, 4, size=(B, T_k)), axis=-1)),
+        masks.document(np.sort(rng.integers(0, 3, size=T_k))),
+    ]
     for m in leaves:
         dense = m.to_numpy(B, H, T_q, T_k, q_offset=q_offset)
         codes = m.blocks(B, H, T_q, T_k, block_q=bq, block_k=bk, q_offset=q_offset)
         for i, j in np.ndindex(codes.shape):
-            tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            tile = dense[:, :, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
             want = masks.FULL if tile.all() else masks.EMPTY if not tile.any() else masks.PARTIAL
             assert codes[i, j] == want, (m, i, j)
 

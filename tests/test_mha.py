@@ -1,14 +1,12 @@
 """The production MultiHeadAttention: GQA, RoPE, KV cache, cross-attention, torch interop."""
 
-
 import pytest
 import torch
+from tolerances import FLOAT64
 from torch import nn
 
 import qkv
 from qkv import masks
-
-from tolerances import FLOAT64
 
 torch.manual_seed(0)
 
@@ -19,11 +17,11 @@ def mha(**kw):
 
 
 def x_(B=2, T=9, E=16, seed=1):
-    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed),
-                       dtype=torch.float64)
+    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 # ------------------------------------------------------------------ GQA and RoPE
+
 
 def test_gqa_with_repeated_kv_weights_equals_mha():
     gqa = mha(num_kv_heads=2, causal=True, qkv_bias=True)
@@ -43,29 +41,42 @@ def test_mqa_and_shapes():
 
 def test_rope_is_a_rotation_that_sees_relative_positions():
     rope = qkv.RoPE(8).double()
-    q, k = torch.randn(2, 3, 5, 8, dtype=torch.float64), torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    q, k = (
+        torch.randn(2, 3, 5, 8, dtype=torch.float64),
+        torch.randn(2, 3, 5, 8, dtype=torch.float64),
+    )
     torch.testing.assert_close(rope(q, 7).norm(dim=-1), q.norm(dim=-1))
     shifted = rope(q, 11) @ rope(k, 11).transpose(-1, -2)
     torch.testing.assert_close(rope(q, 0) @ rope(k, 0).transpose(-1, -2), shifted)
     # Against the complex-number definition: x_j + i·x_{j+D/2} times e^{i·p·θ_j}.
     p = torch.arange(3, 8, dtype=torch.float64)
     theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones(5, 4, dtype=torch.float64),
-                                                             p[:, None] * theta)
+    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(
+        torch.ones(5, 4, dtype=torch.float64), p[:, None] * theta
+    )
     torch.testing.assert_close(rope(q, 3), torch.cat([z.real, z.imag], -1))
     torch.testing.assert_close(rope(q, torch.arange(3, 8)), rope(q, 3))
 
 
-@pytest.mark.parametrize("make,words", [
-    (lambda: qkv.RoPE(7), "head_dim must be even"),
-    (lambda: qkv.RoPE(8, base=1.0), "base must be > 1"),
-    (lambda: qkv.RoPE(8)(torch.zeros(2, 6)), "x must have shape (..., T, D) with D=8; got (2, 6)"),
-    (lambda: qkv.RoPE(8)(torch.zeros(3, 8), torch.arange(4)), "positions must have shape (T,) = (3,)"),
-    (lambda: mha(num_kv_heads=3), "num_heads must be a multiple of num_kv_heads"),
-    (lambda: mha(rope=qkv.RoPE(8)), "rope must have head_dim = d_out / num_heads = 4; got 8"),
-    (lambda: mha(rope=qkv.RoPE(4))(x_(), x_()), "rope and cache apply to self-attention"),
-    (lambda: mha()(x_(), x_(B=3)), "context must have the layout and batch of x"),
-])
+@pytest.mark.parametrize(
+    "make,words",
+    [
+        (lambda: qkv.RoPE(7), "head_dim must be even"),
+        (lambda: qkv.RoPE(8, base=1.0), "base must be > 1"),
+        (
+            lambda: qkv.RoPE(8)(torch.zeros(2, 6)),
+            "x must have shape (..., T, D) with D=8; got (2, 6)",
+        ),
+        (
+            lambda: qkv.RoPE(8)(torch.zeros(3, 8), torch.arange(4)),
+            "positions must have shape (T,) = (3,)",
+        ),
+        (lambda: mha(num_kv_heads=3), "num_heads must be a multiple of num_kv_heads"),
+        (lambda: mha(rope=qkv.RoPE(8)), "rope must have head_dim = d_out / num_heads = 4; got 8"),
+        (lambda: mha(rope=qkv.RoPE(4))(x_(), x_()), "rope and cache apply to self-attention"),
+        (lambda: mha()(x_(), x_(B=3)), "context must have the layout and batch of x"),
+    ],
+)
 def test_mha_errors(make, words):
     with pytest.raises(ValueError) as info:
         make()
@@ -73,6 +84,7 @@ def test_mha_errors(make, words):
 
 
 # ------------------------------------------------------------------ KV cache
+
 
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
@@ -82,7 +94,7 @@ def test_cached_decoding_equals_full_forward(rope, num_kv_heads, chunk):
     x = x_(T=10)
     full = m(x)
     cache = m.new_cache(batch=2, max_len=10)
-    parts = [m(x[:, i:i + chunk], cache=cache) for i in range(0, 10, chunk)]
+    parts = [m(x[:, i : i + chunk], cache=cache) for i in range(0, 10, chunk)]
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=FLOAT64, rtol=0)
     assert cache.length == 10
 
@@ -93,20 +105,28 @@ def test_cached_decoding_with_a_sliding_window():
     window = masks.sliding_window(4)
     full = m(x, mask=window)
     cache = m.new_cache(2, 12)
-    steps = torch.cat([m(x[:, i:i + 1], mask=window, cache=cache) for i in range(12)], 1)
+    steps = torch.cat([m(x[:, i : i + 1], mask=window, cache=cache) for i in range(12)], 1)
     torch.testing.assert_close(steps, full, atol=FLOAT64, rtol=0)
 
 
 def test_cache_errors():
     cache = qkv.KVCache(2, 2, max_len=4, head_dim=3)
-    with pytest.raises(ValueError, match=r"key must have shape \(B, H_kv, T, D\) with B=2, H_kv=2, D=3; got \(2, 1, 1, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"key must have shape \(B, H_kv, T, D\) with B=2, H_kv=2, D=3; got \(2, 1, 1, 3\)",
+    ):
         cache.append(torch.zeros(2, 1, 1, 3), torch.zeros(2, 1, 1, 3))
-    with pytest.raises(TypeError, match="key is torch.float64 on cpu but the cache holds torch.float32"):
+    with pytest.raises(
+        TypeError, match="key is torch.float64 on cpu but the cache holds torch.float32"
+    ):
         cache.append(torch.zeros(2, 2, 1, 3, dtype=torch.float64), torch.zeros(2, 2, 1, 3))
     with pytest.raises(ValueError, match="value must have T=2 tokens like key; got 1"):
         cache.append(torch.zeros(2, 2, 2, 3), torch.zeros(2, 2, 1, 3))
     cache.append(torch.zeros(2, 2, 4, 3), torch.zeros(2, 2, 4, 3))
-    with pytest.raises(ValueError, match="KVCache overflow: appending T=1 tokens to 4 cached would exceed max_len=4"):
+    with pytest.raises(
+        ValueError,
+        match="KVCache overflow: appending T=1 tokens to 4 cached would exceed max_len=4",
+    ):
         cache.append(torch.zeros(2, 2, 1, 3), torch.zeros(2, 2, 1, 3))
     cache.reset()
     assert cache.length == 0 and "length=0" in repr(cache)
@@ -115,6 +135,7 @@ def test_cache_errors():
 
 
 # ------------------------------------------------------------------ cross-attention and masks
+
 
 def test_cross_attention_with_its_own_width():
     m = mha(d_kv=6)
@@ -132,6 +153,7 @@ def test_cross_attention_with_same_input_is_self_attention():
 
 # ------------------------------------------------------------------ torch.nn.MultiheadAttention
 
+
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_from_torch_equals_torch(batch_first, bias):
@@ -145,8 +167,9 @@ def test_from_torch_equals_torch(batch_first, bias):
     want = want if batch_first else want.transpose(0, 1)
     got = ours(x, mask=masks.from_torch(key_padding_mask=kpm, attn_mask=am))
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-    torch.testing.assert_close(ours(x, mask=masks.causal() & masks.padding([7, 5])), want,
-                               atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        ours(x, mask=masks.causal() & masks.padding([7, 5])), want, atol=1e-12, rtol=0
+    )
 
 
 def test_from_torch_float_and_per_head_masks_and_kdim():

@@ -10,33 +10,36 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerances import rounding_tolerance
 
 import qkv
 from qkv import numpy as qnp
-from qkv.kernels.tiled import flash as fused, native
-
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
-from tolerances import rounding_tolerance
+from qkv.kernels.tiled import flash as fused
+from qkv.kernels.tiled import native
 
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="native kernel not built, or no AVX512-BF16 here")
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="native kernel not built, or no AVX512-BF16 here"
+)
 
 
-@pytest.mark.parametrize("B,H_kv,G,R,T_k,k0,k1,D", [
-    (1, 2, 1, 37, 53, 0, 53, 32),     # rows and keys off the tiles
-    (2, 2, 2, 19, 100, 3, 91, 64),    # GQA rows, a call starting inside a 32-key block
-    (1, 1, 3, 8, 300, 33, 290, 96),   # D % 64 == 32, several 128-key steps
-    (1, 2, 1, 130, 161, 1, 160, 128),
-    (1, 1, 1, 5, 40, 31, 33, 256),    # two keys, the widest head
-])
+@pytest.mark.parametrize(
+    "B,H_kv,G,R,T_k,k0,k1,D",
+    [
+        (1, 2, 1, 37, 53, 0, 53, 32),  # rows and keys off the tiles
+        (2, 2, 2, 19, 100, 3, 91, 64),  # GQA rows, a call starting inside a 32-key block
+        (1, 1, 3, 8, 300, 33, 290, 96),  # D % 64 == 32, several 128-key steps
+        (1, 2, 1, 130, 161, 1, 160, 128),
+        (1, 1, 1, 5, 40, 31, 33, 256),  # two keys, the widest head
+    ],
+)
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "per_batch"])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, parts,
-                                    monkeypatch):
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, parts, monkeypatch):
     monkeypatch.setattr(native, "P_PARTS", parts)
     g = torch.Generator().manual_seed(B * 1000 + R)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).bfloat16()
@@ -53,8 +56,10 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
     q = q5.reshape(B, H_kv, G * R, D)
     mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N).numpy()
     want, want_lse = oracle_with_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
-    got, got_lse = out.reshape(B, H_kv, G * R, D).double().numpy(), lse.reshape(
-        B, H_kv, G * R).double().numpy()
+    got, got_lse = (
+        out.reshape(B, H_kv, G * R, D).double().numpy(),
+        lse.reshape(B, H_kv, G * R).double().numpy(),
+    )
     # float32 arithmetic on bfloat16 inputs. With P as hi + lo (~16 bits, the default) the
     # error is float32's; with P rounded once to bfloat16 (P_PARTS = 1) it is up to about
     # the bfloat16 output's own rounding (0.7× here), before out is rounded. The lse is
@@ -92,8 +97,9 @@ def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(name, small
     assert seen, "the bfloat16 call did not run natively"
     want, want_lse = oracle_with_lse(q, k, v, mask)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
-                               atol=rounding_tolerance(want, torch.bfloat16))
+    np.testing.assert_allclose(
+        out.double().numpy(), want, rtol=0, atol=rounding_tolerance(want, torch.bfloat16)
+    )
     finite = np.isfinite(want_lse)
     assert np.array_equal(np.isfinite(lse.numpy()), finite)
     np.testing.assert_allclose(lse.double().numpy()[finite], want_lse[finite], atol=1e-4)
@@ -106,38 +112,57 @@ def test_long_rows_stay_within_their_own_rounding(monkeypatch):
     out = qkv.attention(q, k, v, backend="tiled")
     assert seen
     want, _ = oracle_with_lse(q, k, v, None)
-    np.testing.assert_allclose(out.double().numpy(), want, rtol=0,
-                               atol=rounding_tolerance(want, torch.bfloat16))
+    np.testing.assert_allclose(
+        out.double().numpy(), want, rtol=0, atol=rounding_tolerance(want, torch.bfloat16)
+    )
 
 
-@given(T_q=st.sampled_from([1, 2, 7, 31, 33, 100]), T_k=st.sampled_from([1, 3, 32, 65, 200]),
-       H_kv=st.integers(1, 2), D=st.sampled_from([32, 64]), sharp=st.sampled_from([1, 4, 16]),
-       seed=st.integers(0, 2**16),
-       mask=st.sampled_from([None, qkv.masks.causal(), qkv.masks.sliding_window(3),
-                             qkv.masks.prefix_lm(2) | ~qkv.masks.causal()]))
-def test_native_output_within_its_own_rounding_on_random_problems(T_q, T_k, H_kv, D, sharp,
-                                                                  seed, mask):
+@given(
+    T_q=st.sampled_from([1, 2, 7, 31, 33, 100]),
+    T_k=st.sampled_from([1, 3, 32, 65, 200]),
+    H_kv=st.integers(1, 2),
+    D=st.sampled_from([32, 64]),
+    sharp=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+    mask=st.sampled_from(
+        [
+            None,
+            qkv.masks.causal(),
+            qkv.masks.sliding_window(3),
+            qkv.masks.prefix_lm(2) | ~qkv.masks.causal(),
+        ]
+    ),
+)
+def test_native_output_within_its_own_rounding_on_random_problems(
+    T_q, T_k, H_kv, D, sharp, seed, mask
+):
     """qkv's accuracy promise for half precision (docs/semantics.md): within 1.5× the
     output's own rounding of the exact answer on the same inputs — here for the native
     kernel, P rounded once to bfloat16, over sizes, masks and sharper softmaxes (scores
     scaled up to 16×)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in
-               [(1, 2 * H_kv, T_q, D), (1, H_kv, T_k, D), (1, H_kv, T_k, D)])
+    q, k, v = (
+        torch.randn(*s, generator=g).bfloat16()
+        for s in [(1, 2 * H_kv, T_q, D), (1, H_kv, T_k, D), (1, H_kv, T_k, D)]
+    )
     scale = sharp / math.sqrt(D)
     assert native.takes(q, k, v)
     got = qkv.attention(q, k, v, mask=mask, backend="tiled", scale=scale)
     want = qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale)
-    np.testing.assert_allclose(got.double().numpy(), want, rtol=0,
-                               atol=rounding_tolerance(want, torch.bfloat16, 1.5))
+    np.testing.assert_allclose(
+        got.double().numpy(), want, rtol=0, atol=rounding_tolerance(want, torch.bfloat16, 1.5)
+    )
 
 
-@pytest.mark.parametrize("B,H_kv,G,R,T_k,k0,k1,D", [
-    (1, 2, 1, 37, 53, 0, 53, 32),
-    (2, 2, 2, 19, 100, 3, 91, 64),    # GQA rows, a call starting inside a 32-key block
-    (1, 1, 3, 8, 300, 33, 290, 96),   # D % 64 == 32, several 64-key blocks
-    (1, 1, 1, 5, 40, 31, 33, 256),
-])
+@pytest.mark.parametrize(
+    "B,H_kv,G,R,T_k,k0,k1,D",
+    [
+        (1, 2, 1, 37, 53, 0, 53, 32),
+        (2, 2, 2, 19, 100, 3, 91, 64),  # GQA rows, a call starting inside a 32-key block
+        (1, 1, 3, 8, 300, 33, 290, 96),  # D % 64 == 32, several 64-key blocks
+        (1, 1, 1, 5, 40, 31, 33, 256),
+    ],
+)
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head"])
 def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
@@ -152,21 +177,37 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
         allowed[..., 0, :] = False  # a row with no key
         bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    qd, kd, vd = (x.double().requires_grad_() for x in (q5.reshape(B, H_kv, G * R, D),
-                                                       k[:, :, k0:k1], v[:, :, k0:k1]))
+    qd, kd, vd = (
+        x.double().requires_grad_()
+        for x in (q5.reshape(B, H_kv, G * R, D), k[:, :, k0:k1], v[:, :, k0:k1])
+    )
     mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N)
     out = qkv.attention(qd, kd, vd, mask=mask, scale=scale, backend="reference")
     dout = do5.reshape(B, H_kv, G * R, D).double()
     want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
     with torch.no_grad():  # a row with no key: lse -inf
-        lse = torch.logsumexp(qd @ kd.transpose(-1, -2) * scale
-                              + (0 if bias is None else bias.double()), -1)
+        lse = torch.logsumexp(
+            qd @ kd.transpose(-1, -2) * scale + (0 if bias is None else bias.double()), -1
+        )
         delta = (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
     packed, vk = native.pack_backward(k, v)
     dq = native.gradient_buffer(B, H_kv, G, R, D)
-    native.backward(q5, do5, packed, vk, k0, k1, bias, lse.float().reshape(B, H_kv, G, R),
-                    delta.float().reshape(B, H_kv, G, R), scale, dq, dk, dv)
+    native.backward(
+        q5,
+        do5,
+        packed,
+        vk,
+        k0,
+        k1,
+        bias,
+        lse.float().reshape(B, H_kv, G, R),
+        delta.float().reshape(B, H_kv, G, R),
+        scale,
+        dq,
+        dk,
+        dv,
+    )
     dq = dq.sum(0)
     for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=1e-4, rtol=1e-4)
@@ -191,12 +232,15 @@ def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
     upcast = grads(q, k, v, g, mask, backend="tiled")
     for a, b, c in zip(got, want, upcast):
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
-        np.testing.assert_allclose(a.double().numpy(), c.double().numpy(), rtol=0,
-                                   atol=rounding_tolerance(b.numpy(), torch.bfloat16, 2.0))
+        np.testing.assert_allclose(
+            a.double().numpy(),
+            c.double().numpy(),
+            rtol=0,
+            atol=rounding_tolerance(b.numpy(), torch.bfloat16, 2.0),
+        )
 
 
-@pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16",
-                                  "native_off"])
+@pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16", "native_off"])
 def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
     """Forward and backward: neither native call is made."""
     D = 48 if case == "head_dim_48" else 32
@@ -216,8 +260,9 @@ def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
     out.float().sum().backward()
     assert not seen
     want = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference")
-    np.testing.assert_allclose(out.detach().double().numpy(), want.detach().numpy(),
-                               atol=2e-2, equal_nan=True)
+    np.testing.assert_allclose(
+        out.detach().double().numpy(), want.detach().numpy(), atol=2e-2, equal_nan=True
+    )
 
 
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():

@@ -54,7 +54,9 @@ def test_seed_function_works_batched():
 
 def test_seed_function_rejects_bad_masks():
     Q = np.ones((2, 4))
-    with pytest.raises(ValueError, match=r"mask must have shape \(T_q, T_k\) .* = \(2, 2\); got \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"mask must have shape \(T_q, T_k\) .* = \(2, 2\); got \(3, 3\)"
+    ):
         qnp.scaled_dot_product_attention(Q, Q, Q, mask=np.zeros((3, 3)))
     with pytest.raises(TypeError, match="mask must be bool"):
         qnp.scaled_dot_product_attention(Q, Q, Q, mask=np.zeros((2, 2), dtype=int))

@@ -6,13 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import make_qkv, mask_zoo
+from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks, scores
 from qkv import numpy as qnp
-
-from helpers import make_qkv, mask_zoo
-from tolerances import FLOAT64, LOW_PRECISION
 
 B, H, H_KV, T_Q, T_K, D = 2, 4, 2, 37, 53, 8
 
@@ -32,22 +31,36 @@ def zoo(dtype=torch.float64):
         "relative_bias_bidirectional": scores.relative_bias(table, max_distance=16),
         "bias": scores.bias(bias),
         "bias_2d": scores.bias(bias[0, 0, 10:11].expand(T_Q, T_K) * 0.5),
-        "function": scores.function(lambda s, b, h, q, kv: s * (1 + h) / 2 - (q - kv) / 8,
-                                    "by_head"),
+        "function": scores.function(
+            lambda s, b, h, q, kv: s * (1 + h) / 2 - (q - kv) / 8, "by_head"
+        ),
         "alibi>softcap": scores.alibi(slopes).then(scores.softcap(1.5)),
         "bias>alibi": scores.chain(scores.bias(bias), scores.alibi(slopes)),
     }
 
 
 MODS = list(zoo())
-MASKS = ["none", "causal", "sliding_window", "padding", "document&causal", "prefix_lm",
-         "predicate", "dense_rows"]
+MASKS = [
+    "none",
+    "causal",
+    "sliding_window",
+    "padding",
+    "document&causal",
+    "prefix_lm",
+    "predicate",
+    "dense_rows",
+]
 
 
 def oracle(q, k, v, mask, mod, **kw):
-    return qnp.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(),
-                         mask=mask if not isinstance(mask, torch.Tensor) else mask.numpy(),
-                         score_mod=mod, **kw)
+    return qnp.attention(
+        q.double().numpy(),
+        k.double().numpy(),
+        v.double().numpy(),
+        mask=mask if not isinstance(mask, torch.Tensor) else mask.numpy(),
+        score_mod=mod,
+        **kw,
+    )
 
 
 def backends(mod):
@@ -65,8 +78,7 @@ def test_every_backend_matches_the_oracle(mod_name, mask_name):
         out = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend=backend)
         np.testing.assert_allclose(out.numpy(), want, atol=FLOAT64, err_msg=backend)
     for backend in ("reference", "tiled"):
-        _, lse = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend=backend,
-                               return_lse=True)
+        _, lse = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend=backend, return_lse=True)
         np.testing.assert_allclose(lse.numpy(), want_lse, atol=FLOAT64, err_msg=backend)
 
 
@@ -90,8 +102,9 @@ def test_tiled_gradients_equal_reference(mod_name):
     grads = {}
     for backend in ("reference", "tiled"):
         q, k, v = (x.requires_grad_() for x in make_qkv(B, H, H_KV, T_Q, T_K, D, 5))
-        out, lse = qkv.attention(q, k, v, mask=masks.sliding_window(11), score_mod=mod,
-                                 backend=backend, return_lse=True)
+        out, lse = qkv.attention(
+            q, k, v, mask=masks.sliding_window(11), score_mod=mod, backend=backend, return_lse=True
+        )
         loss = out.sin().sum() + lse.masked_fill(lse == -math.inf, 0.0).cos().sum()
         leaves = [q, k, v, *mod.tensors()]
         grads[backend] = torch.autograd.grad(loss, leaves)
@@ -109,10 +122,15 @@ def test_gradcheck_learnable_tables(backend):
     bias = torch.randn(1, 2, 9, 12, generator=g, dtype=torch.float64, requires_grad=True)
 
     def f(q, k, v, table, slopes, bias):
-        mod = scores.chain(scores.relative_bias(table, max_distance=5), scores.alibi(slopes),
-                           scores.bias(bias), scores.softcap(3.0))
-        out, lse = qkv.attention(q, k, v, mask=masks.causal(), score_mod=mod, backend=backend,
-                                 return_lse=True)
+        mod = scores.chain(
+            scores.relative_bias(table, max_distance=5),
+            scores.alibi(slopes),
+            scores.bias(bias),
+            scores.softcap(3.0),
+        )
+        out, lse = qkv.attention(
+            q, k, v, mask=masks.causal(), score_mod=mod, backend=backend, return_lse=True
+        )
         return out, lse
 
     assert torch.autograd.gradcheck(f, (q, k, v, table, slopes, bias))
@@ -129,8 +147,9 @@ def test_the_modification_sees_scaled_scores_before_the_mask():
     qkv.attention(q, k, v, mask=masks.causal(), scale=0.3, score_mod=spy, backend="reference")
     torch.testing.assert_close(seen[0], q @ k.transpose(-2, -1) * 0.3)  # no -inf yet
     # softcap of a masked score: the mask applies after it, so the weight stays 0.
-    _, w = qkv.attention(q, k, v, mask=masks.causal(), score_mod=scores.softcap(1.0),
-                         return_weights=True)
+    _, w = qkv.attention(
+        q, k, v, mask=masks.causal(), score_mod=scores.softcap(1.0), return_weights=True
+    )
     assert (w[0, 0].triu(1) == 0).all()
 
 
@@ -141,12 +160,12 @@ def test_a_bias_minus_inf_is_a_mask_and_a_fully_masked_row_is_zero():
     bias = torch.zeros(1, 1, 5, 6, dtype=torch.float64).masked_fill(~allowed, -math.inf)
     for backend in ("reference", "sdpa", "tiled"):
         out = qkv.attention(q, k, v, score_mod=scores.bias(bias), backend=backend)
-        torch.testing.assert_close(out, qkv.attention(q, k, v, mask=allowed), atol=FLOAT64,
-                                   rtol=0)
+        torch.testing.assert_close(out, qkv.attention(q, k, v, mask=allowed), atol=FLOAT64, rtol=0)
         assert (out[0, :, 2] == 0).all() and not out.isnan().any()
         if backend != "sdpa":
-            _, lse = qkv.attention(q, k, v, score_mod=scores.bias(bias), backend=backend,
-                                   return_lse=True)
+            _, lse = qkv.attention(
+                q, k, v, score_mod=scores.bias(bias), backend=backend, return_lse=True
+            )
             assert (lse[0, :, 2] == -math.inf).all()
     # softcap keeps a bias's -inf masked, in either order of the chain
     capped = scores.chain(scores.bias(bias), scores.softcap(2.0))
@@ -159,22 +178,25 @@ def test_attention_weights_and_lse_account_for_the_modification():
     mod = scores.alibi(scores.alibi_slopes(4)).then(scores.softcap(5.0))
     mask = masks.sliding_window(40)
     _, lse = qkv.attention(q, k, v, mask=mask, score_mod=mod, return_lse=True)
-    w = qkv.attention_weights(q, k, lse, mask=mask, score_mod=mod, heads=[1, 3],
-                              rows=[0, 150, 299])
+    w = qkv.attention_weights(q, k, lse, mask=mask, score_mod=mod, heads=[1, 3], rows=[0, 150, 299])
     _, full = qkv.attention(q, k, v, mask=mask, score_mod=mod, return_weights=True)
     torch.testing.assert_close(w, full[:, [1, 3]][:, :, [0, 150, 299]], atol=FLOAT64, rtol=0)
 
 
 def test_explain_shows_the_modified_scores_as_a_step():
     x = qkv.tutorial.sentence_embeddings()
-    t = qkv.explain(x, tokens=qkv.tutorial.SENTENCE, mask=masks.causal(),
-                    score_mod=scores.alibi(torch.tensor([0.5])))
+    t = qkv.explain(
+        x,
+        tokens=qkv.tutorial.SENTENCE,
+        mask=masks.causal(),
+        score_mod=scores.alibi(torch.tensor([0.5])),
+    )
     names = [name for name, _, _ in t.steps()]
-    assert names.index("scaled_scores") + 1 == names.index("modified_scores") < names.index(
-        "mask")
+    assert names.index("scaled_scores") + 1 == names.index("modified_scores") < names.index("mask")
     i = torch.arange(6)
-    torch.testing.assert_close(t.modified_scores[0],
-                               t.scaled_scores[0] + 0.5 * (i[None, :] - i[:, None]))
+    torch.testing.assert_close(
+        t.modified_scores[0], t.scaled_scores[0] + 0.5 * (i[None, :] - i[:, None])
+    )
     assert "alibi(1 heads) applied" in t.to_text()
 
 
@@ -198,12 +220,14 @@ def test_alibi_slopes_equal_bloom():
 def test_relative_buckets_equal_t5(bidirectional):
     t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
     rel = torch.arange(-300, 301)
-    want = t5.T5Attention._relative_position_bucket(rel, bidirectional=bidirectional,
-                                                    num_buckets=32, max_distance=128)
+    want = t5.T5Attention._relative_position_bucket(
+        rel, bidirectional=bidirectional, num_buckets=32, max_distance=128
+    )
     got = scores.relative_position_bucket(rel, bidirectional=bidirectional)
     assert torch.equal(got, want)
-    assert (scores.relative_position_bucket(rel.numpy(), bidirectional=bidirectional)
-            == want.numpy()).all()
+    assert (
+        scores.relative_position_bucket(rel.numpy(), bidirectional=bidirectional) == want.numpy()
+    ).all()
 
 
 def test_dispatch_says_where_each_modification_runs():
@@ -213,8 +237,9 @@ def test_dispatch_says_where_each_modification_runs():
     assert qkv.dispatch(q, k, v, score_mod=scores.softcap(5.0)).backend == "tiled"
     learnable = scores.relative_bias(torch.zeros(32, 4, dtype=torch.float64).requires_grad_())
     assert qkv.dispatch(q, k, v, score_mod=learnable).backend == "tiled"
-    assert qkv.dispatch(q, k, v, score_mod=scores.softcap(5.0),
-                        dropout_p=0.1).backend == "reference"
+    assert (
+        qkv.dispatch(q, k, v, score_mod=scores.softcap(5.0), dropout_p=0.1).backend == "reference"
+    )
     k_nan = k.clone()
     k_nan[0, 0, 3, 0] = math.nan
     assert qkv.dispatch(q, k_nan, v, score_mod=additive).backend == "tiled"
@@ -224,26 +249,37 @@ def test_dispatch_says_where_each_modification_runs():
 
 def test_long_sliding_window_keeps_the_tiled_kernel_with_a_modification():
     q, k, v = make_qkv(1, 2, 2, 4096, 4096, 8, 8, dtype=torch.float32)
-    d = qkv.dispatch(q, k, v, mask=masks.sliding_window(256),
-                     score_mod=scores.alibi(scores.alibi_slopes(2)))
+    d = qkv.dispatch(
+        q, k, v, mask=masks.sliding_window(256), score_mod=scores.alibi(scores.alibi_slopes(2))
+    )
     assert d.backend == "tiled" and d.plan.density < 0.1
 
 
 def test_bad_modifications_raise_clear_errors():
     q, k, v = make_qkv(1, 4, 4, 5, 5, 8, 8)
     cases = [
-        (lambda: qkv.attention(q, k, v, score_mod=scores.alibi(torch.ones(3))),
-         r"alibi slopes must have shape \(H,\) = \(4,\); got \(3,\)"),
-        (lambda: qkv.attention(q, k, v, score_mod=scores.bias(torch.zeros(5, 6))),
-         r"bias must broadcast to \(B, H, T_q, T_k\) = \(1, 4, 5, 5\); got \(1, 1, 5, 6\)"),
-        (lambda: qkv.attention(q, k, v, score_mod=scores.bias(torch.full((5, 5), math.nan))),
-         "bias holds NaN or \\+inf"),
-        (lambda: qkv.attention(q, k, v, score_mod=scores.relative_bias(torch.zeros(32, 2))),
-         r"relative_bias table must have shape \(num_buckets, H\) with H=4; got \(32, 2\)"),
+        (
+            lambda: qkv.attention(q, k, v, score_mod=scores.alibi(torch.ones(3))),
+            r"alibi slopes must have shape \(H,\) = \(4,\); got \(3,\)",
+        ),
+        (
+            lambda: qkv.attention(q, k, v, score_mod=scores.bias(torch.zeros(5, 6))),
+            r"bias must broadcast to \(B, H, T_q, T_k\) = \(1, 4, 5, 5\); got \(1, 1, 5, 6\)",
+        ),
+        (
+            lambda: qkv.attention(q, k, v, score_mod=scores.bias(torch.full((5, 5), math.nan))),
+            "bias holds NaN or \\+inf",
+        ),
+        (
+            lambda: qkv.attention(q, k, v, score_mod=scores.relative_bias(torch.zeros(32, 2))),
+            r"relative_bias table must have shape \(num_buckets, H\) with H=4; got \(32, 2\)",
+        ),
         (lambda: scores.softcap(0.0), "softcap cap must be a finite number > 0; got 0.0"),
         (lambda: qkv.attention(q, k, v, score_mod=3), "score_mod must be a qkv.scores"),
-        (lambda: qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s[..., :2]),
-         r"must return the score's shape \(1, 4, 5, 5\); got \(1, 4, 5, 2\)"),
+        (
+            lambda: qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s[..., :2]),
+            r"must return the score's shape \(1, 4, 5, 5\); got \(1, 4, 5, 2\)",
+        ),
     ]
     for call, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
@@ -259,7 +295,8 @@ def test_a_function_reading_an_undeclared_learnable_tensor_is_refused():
     declared = scores.function(lambda s, b, h, qi, kv: s * w, tensors=[w])
     qkv.attention(q, k, v, score_mod=declared, backend="tiled").sum().backward()
     want = torch.autograd.grad(
-        qkv.attention(q, k, v, score_mod=declared, backend="reference").sum(), w)[0]
+        qkv.attention(q, k, v, score_mod=declared, backend="reference").sum(), w
+    )[0]
     torch.testing.assert_close(w.grad, want, atol=FLOAT64, rtol=0)
 
 

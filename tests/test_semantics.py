@@ -5,12 +5,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import make_qkv
+from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks
-
-from helpers import make_qkv
-from tolerances import FLOAT64, LOW_PRECISION
 
 BACKENDS = ["reference", "sdpa", "tiled"]
 
@@ -18,8 +17,10 @@ BACKENDS = ["reference", "sdpa", "tiled"]
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_scale_is_inverse_sqrt_d(backend):
     q, k, v = make_qkv(1, 2, 2, 4, 6, 9, 3)
-    torch.testing.assert_close(qkv.attention(q, k, v, backend=backend),
-                               qkv.attention(q, k, v, scale=1 / 3, backend=backend))
+    torch.testing.assert_close(
+        qkv.attention(q, k, v, backend=backend),
+        qkv.attention(q, k, v, scale=1 / 3, backend=backend),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -34,11 +35,12 @@ def test_fully_masked_rows_are_zero_never_nan(backend):
 def test_fully_masked_rows_weights_and_lse():
     q, k, v = make_qkv(1, 1, 1, 3, 4, 2, 2)
     dense = torch.tensor([[True, False, True, True], [False] * 4, [True] * 4])
-    out, w, lse = qkv.attention(q, k, v, mask=dense, return_weights=True, return_lse=True)
+    _out, w, lse = qkv.attention(q, k, v, mask=dense, return_weights=True, return_lse=True)
     assert (w[0, 0, 1] == 0).all() and lse[0, 0, 1] == -math.inf
     assert torch.isfinite(lse[0, 0, [0, 2]]).all()
-    _, w_np, lse_np = qkv.numpy.attention(*(x.numpy() for x in (q, k, v)), mask=dense.numpy(),
-                                          return_weights=True, return_lse=True)
+    _, w_np, lse_np = qkv.numpy.attention(
+        *(x.numpy() for x in (q, k, v)), mask=dense.numpy(), return_weights=True, return_lse=True
+    )
     assert (w_np[0, 0, 1] == 0).all() and lse_np[0, 0, 1] == -np.inf
 
 
@@ -47,8 +49,9 @@ def test_nan_in_a_key_stays_in_the_rows_that_attend_to_it(backend):
     q, k, v = make_qkv(1, 1, 1, 4, 4, 3, 2)
     k[0, 0, 2, 1] = float("nan")
     if backend == "numpy":
-        out = torch.from_numpy(qkv.numpy.attention(q.numpy(), k.numpy(), v.numpy(),
-                                                   mask=masks.causal()))
+        out = torch.from_numpy(
+            qkv.numpy.attention(q.numpy(), k.numpy(), v.numpy(), mask=masks.causal())
+        )
     else:
         out = qkv.attention(q, k, v, mask=masks.causal(), backend=backend)
     # Causal: queries 0 and 1 never see key 2; queries 2 and 3 do.
@@ -65,7 +68,7 @@ def test_sdpa_itself_spreads_a_masked_nan_key():
     assert qkv.attention(q, k, v, mask=masks.causal(), backend="sdpa")[..., :2, :].isnan().any()
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["numpy"])
+@pytest.mark.parametrize("backend", [*BACKENDS, "numpy"])
 def test_huge_logits_do_not_overflow(backend):
     q, k, v = make_qkv(1, 1, 1, 3, 5, 4, 2)
     q = q * 1e4
@@ -100,8 +103,14 @@ def test_low_precision_lse_is_float32(dtype):
 
 def test_dropout_is_reproducible_from_a_generator():
     q, k, v = make_qkv(2, 2, 2, 16, 16, 8, 8)
-    run = lambda seed: qkv.attention(q, k, v, dropout_p=0.3, return_weights=True,  # noqa: E731
-                                     generator=torch.Generator().manual_seed(seed))
+    run = lambda seed: qkv.attention(  # noqa: E731
+        q,
+        k,
+        v,
+        dropout_p=0.3,
+        return_weights=True,
+        generator=torch.Generator().manual_seed(seed),
+    )
     (a, wa), (b, wb), (c, _) = run(7), run(7), run(8)
     assert torch.equal(a, b) and torch.equal(wa, wb)
     assert not torch.equal(a, c)
@@ -111,8 +120,9 @@ def test_dropout_is_reproducible_from_a_generator():
 def test_dropout_keep_rate_and_scaling():
     p, n = 0.25, 64
     q, k, v = make_qkv(4, 4, 4, n, n, 4, 4)
-    _, w = qkv.attention(q, k, v, dropout_p=p, return_weights=True,
-                         generator=torch.Generator().manual_seed(0))
+    _, w = qkv.attention(
+        q, k, v, dropout_p=p, return_weights=True, generator=torch.Generator().manual_seed(0)
+    )
     _, w0 = qkv.attention(q, k, v, return_weights=True)
     kept = w != 0
     # 65,536 Bernoulli(0.75) draws: std of the rate is 0.0017; 0.01 is ~6 sigma.
@@ -122,8 +132,9 @@ def test_dropout_keep_rate_and_scaling():
 
 def test_no_dropout_when_p_is_zero():
     q, k, v = make_qkv(1, 1, 1, 5, 5, 4, 4)
-    torch.testing.assert_close(qkv.attention(q, k, v, dropout_p=0.0),
-                               qkv.attention(q, k, v), atol=0, rtol=0)
+    torch.testing.assert_close(
+        qkv.attention(q, k, v, dropout_p=0.0), qkv.attention(q, k, v), atol=0, rtol=0
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -147,5 +158,6 @@ def test_same_inputs_give_bit_identical_outputs():
 def test_numpy_mask_accepted_by_the_torch_core():
     q, k, v = make_qkv(1, 1, 1, 3, 3, 2, 2)
     tri = np.tri(3, dtype=bool)
-    torch.testing.assert_close(qkv.attention(q, k, v, mask=tri),
-                               qkv.attention(q, k, v, mask=masks.causal()))
+    torch.testing.assert_close(
+        qkv.attention(q, k, v, mask=tri), qkv.attention(q, k, v, mask=masks.causal())
+    )

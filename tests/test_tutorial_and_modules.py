@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from tolerances import FLOAT64
 from torch import nn
 
 import qkv
 from qkv import masks, tutorial
-
-from tolerances import FLOAT64
 
 
 def test_naive_softmax_overflows_where_the_stable_one_does_not():
@@ -26,8 +25,7 @@ def test_dot_product_variance_grows_with_dim_and_scaling_flattens_it(dim):
     v = tutorial.dot_product_variance(dim, 20_000, np.random.default_rng(0))
     assert v.unscaled == pytest.approx(dim, rel=0.1)
     assert v.scaled == pytest.approx(1.0, rel=0.1)
-    u = tutorial.dot_product_variance(dim, 20_000, np.random.default_rng(1),
-                                      distribution="uniform")
+    u = tutorial.dot_product_variance(dim, 20_000, np.random.default_rng(1), distribution="uniform")
     assert u.unscaled == pytest.approx(dim * 7 / 144, rel=0.1)  # seed 000's draw
     assert u.scaled == pytest.approx(7 / 144, rel=0.1)  # flat, but not 1
     with pytest.raises(ValueError, match="distribution must be 'normal' or 'uniform'"):
@@ -75,19 +73,28 @@ def test_cross_attention_other_width_and_length():
     ca = qkv.CrossAttention(4, 3, d_kv=5).double()
     x_q, x_kv = torch.randn(2, 6, 4, dtype=torch.float64), torch.randn(2, 9, 5, dtype=torch.float64)
     out = ca(x_q, x_kv, mask=masks.padding([9, 4]))
-    want = qkv.numpy.attention(ca.W_query(x_q).detach().numpy(), ca.W_key(x_kv).detach().numpy(),
-                               ca.W_value(x_kv).detach().numpy(), mask=masks.padding([9, 4]))
+    want = qkv.numpy.attention(
+        ca.W_query(x_q).detach().numpy(),
+        ca.W_key(x_kv).detach().numpy(),
+        ca.W_value(x_kv).detach().numpy(),
+        mask=masks.padding([9, 4]),
+    )
     np.testing.assert_allclose(out.detach().numpy(), want, atol=FLOAT64)
 
 
 def test_multi_head_attention_equals_heads_done_by_hand():
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     mha = qkv.MultiHeadAttention(8, 12, num_heads=3, causal=True, qkv_bias=True).double()
-    q, k, v = (W(x).view(2, 5, 3, 4).transpose(1, 2)
-               for W in (mha.W_query, mha.W_key, mha.W_value))
-    heads = [qkv.numpy.attention(q[:, h].detach().numpy(), k[:, h].detach().numpy(),
-                                 v[:, h].detach().numpy(), mask=masks.causal())
-             for h in range(3)]
+    q, k, v = (W(x).view(2, 5, 3, 4).transpose(1, 2) for W in (mha.W_query, mha.W_key, mha.W_value))
+    heads = [
+        qkv.numpy.attention(
+            q[:, h].detach().numpy(),
+            k[:, h].detach().numpy(),
+            v[:, h].detach().numpy(),
+            mask=masks.causal(),
+        )
+        for h in range(3)
+    ]
     want = mha.out_proj(torch.from_numpy(np.concatenate(heads, axis=-1)))
     torch.testing.assert_close(mha(x), want, atol=FLOAT64, rtol=0)
     torch.testing.assert_close(mha(x[0]), mha(x)[0])  # (T, E) input
@@ -135,16 +142,35 @@ def test_weights_created_in_the_seeds_order():
         assert torch.equal(ours.weight, theirs.weight)
 
 
-@pytest.mark.parametrize("make,x,exc,words", [
-    (lambda: qkv.MultiHeadAttention(4, 6, num_heads=4), None, ValueError,
-     "d_out must be a multiple of num_heads; got d_out=6, num_heads=4"),
-    (lambda: qkv.SelfAttention(4, 2), torch.randn(5, 3), ValueError,
-     "x must have shape (T, E) or (B, T, E) with E=4; got (5, 3)"),
-    (lambda: qkv.MultiHeadAttention(4, 4, 2), torch.randn(1, 2, 5, 4), ValueError,
-     "x must have shape (T, E) or (B, T, E) with E=4; got (1, 2, 5, 4)"),
-    (lambda: qkv.CrossAttention(4, 2, d_kv=3), (torch.randn(5, 4), torch.randn(5, 4)),
-     ValueError, "x_k must have shape (T, E) or (B, T, E) with E=3; got (5, 4)"),
-])
+@pytest.mark.parametrize(
+    "make,x,exc,words",
+    [
+        (
+            lambda: qkv.MultiHeadAttention(4, 6, num_heads=4),
+            None,
+            ValueError,
+            "d_out must be a multiple of num_heads; got d_out=6, num_heads=4",
+        ),
+        (
+            lambda: qkv.SelfAttention(4, 2),
+            torch.randn(5, 3),
+            ValueError,
+            "x must have shape (T, E) or (B, T, E) with E=4; got (5, 3)",
+        ),
+        (
+            lambda: qkv.MultiHeadAttention(4, 4, 2),
+            torch.randn(1, 2, 5, 4),
+            ValueError,
+            "x must have shape (T, E) or (B, T, E) with E=4; got (1, 2, 5, 4)",
+        ),
+        (
+            lambda: qkv.CrossAttention(4, 2, d_kv=3),
+            (torch.randn(5, 4), torch.randn(5, 4)),
+            ValueError,
+            "x_k must have shape (T, E) or (B, T, E) with E=3; got (5, 4)",
+        ),
+    ],
+)
 def test_module_errors(make, x, exc, words):
     with pytest.raises(exc) as info:
         module = make()

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from browser import Browser, find_chromium
 
 from qkv import heads
 from qkv.cli import main
@@ -17,20 +18,18 @@ from qkv.models import GPT, GPTConfig
 from qkv.training import PRESETS, TrainConfig, load_checkpoint, snapshots, train
 from qkv.view import byte_labels, view
 
-from browser import Browser, find_chromium
-
 PROMPT = b"def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
 
 def small_gpt(block_size=128, n_layer=2, n_head=4):
     torch.manual_seed(0)
-    return GPT(GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=32)).eval()
+    return GPT(GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=32)).eval()
 
 
 def page_data(html):
-    payload = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', html,
-                        re.S).group(1)
+    payload = re.search(
+        r'<script type="application/json" id="qkv-data">(.*?)</script>', html, re.S
+    ).group(1)
     return json.loads(payload)
 
 
@@ -78,7 +77,8 @@ def test_bad_requests_get_clear_errors():
 
 needs_browser = pytest.mark.skipif(
     find_chromium() is None and not os.environ.get("QKV_REQUIRE_BROWSER"),
-    reason="no chromium on PATH (.ci/run installs Debian's and sets QKV_REQUIRE_BROWSER)")
+    reason="no chromium on PATH (.ci/run installs Debian's and sets QKV_REQUIRE_BROWSER)",
+)
 
 
 @needs_browser
@@ -87,8 +87,9 @@ def test_a_real_browser_clicks_a_head_and_hovers_a_token(tmp_path):
     snapshot = small_gpt()
     torch.nn.init.zeros_(snapshot.blocks[1].attn.W_query.weight)  # a different frame
     path = tmp_path / "heads.html"
-    view(model, list(PROMPT), labels=byte_labels(PROMPT),
-         snapshots=[("step 10", snapshot)]).save(path)
+    view(model, list(PROMPT), labels=byte_labels(PROMPT), snapshots=[("step 10", snapshot)]).save(
+        path
+    )
     with Browser() as b:
         b.open(path)
         blank = b.screenshot()
@@ -101,8 +102,10 @@ def test_a_real_browser_clicks_a_head_and_hovers_a_token(tmp_path):
         info = b.eval("document.getElementById('qkv-info').textContent")
         assert info.startswith(f"{byte_labels(PROMPT)[40]}@40 attends to:")
         # the slider moves between the snapshot and the final weights
-        b.eval("(() => { const s = document.getElementById('qkv-slider'); s.value = 0; "
-               "s.dispatchEvent(new Event('input')); })()")
+        b.eval(
+            "(() => { const s = document.getElementById('qkv-slider'); s.value = 0; "
+            "s.dispatchEvent(new Event('input')); })()"
+        )
         assert b.eval("document.getElementById('qkv-frame-label').textContent") == "step 10"
         shot = b.screenshot()
         # Drawn, not blank: many distinct colours, and not the page before the click.
@@ -135,9 +138,10 @@ def test_the_viewer_stays_responsive_at_2048_tokens(tmp_path):
 def induction_run(tmp_path_factory):
     """The induction preset at CI size: a few dozen steps, snapshots every 10."""
     out = tmp_path_factory.mktemp("induction")
-    mcfg, tcfg = PRESETS["induction"]
-    tcfg = TrainConfig(**{**tcfg.__dict__, "steps": 40, "eval_interval": 10,
-                          "eval_windows": 32, "batch_size": 16})
+    _mcfg, tcfg = PRESETS["induction"]
+    tcfg = TrainConfig(
+        **{**tcfg.__dict__, "steps": 40, "eval_interval": 10, "eval_windows": 32, "batch_size": 16}
+    )
     return out, train(out, preset="induction", train_config=tcfg, progress=False)
 
 
@@ -171,18 +175,34 @@ def test_heads_and_view_commands(induction_run, tmp_path, capsys):
     assert main(["view", "--checkpoint", str(out), "--out", str(html)]) == 0
     data = page_data(html.read_text())
     assert [f["label"] for f in data["frames"]] == ["step 10", "step 20", "step 30", "final"]
-    assert main(["view", "--checkpoint", str(out), "--tokens", "1,2,3,1,2,3", "--out",
-                 str(html), "--no-snapshots"]) == 0
+    assert (
+        main(
+            [
+                "view",
+                "--checkpoint",
+                str(out),
+                "--tokens",
+                "1,2,3,1,2,3",
+                "--out",
+                str(html),
+                "--no-snapshots",
+            ]
+        )
+        == 0
+    )
     assert len(page_data(html.read_text())["frames"]) == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["heads", "--checkpoint", "/nonexistent"], "no checkpoint"),
-    (["view", "--checkpoint", "/nonexistent"], "no checkpoint"),
-    (["view", "--prompt", "abc"], "not trained on bytes"),
-    (["view", "--tokens", "1,99"], "ids must be in 0"),
-    (["view", "--tokens", ",".join(["1"] * 65)], "block_size=64"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["heads", "--checkpoint", "/nonexistent"], "no checkpoint"),
+        (["view", "--checkpoint", "/nonexistent"], "no checkpoint"),
+        (["view", "--prompt", "abc"], "not trained on bytes"),
+        (["view", "--tokens", "1,99"], "ids must be in 0"),
+        (["view", "--tokens", ",".join(["1"] * 65)], "block_size=64"),
+    ],
+)
 def test_command_errors(induction_run, argv, message, capsys):
     out, _ = induction_run
     if "--checkpoint" not in argv:

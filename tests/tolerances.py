@@ -23,7 +23,7 @@ HF_WEIGHTS = 1e-4
 def float64_tolerance(score_scale: float, value_scale: float) -> float:
     """Float64 backends against the oracle for inputs of any scale: the output moves by
     about (rounding of the scores) × (size of the values), plus a floor."""
-    eps = 2.0 ** -52
+    eps = 2.0**-52
     return value_scale * (FLOAT64 + 64 * eps * score_scale)
 
 

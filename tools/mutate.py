@@ -9,7 +9,8 @@ masks, dispatch, functional, modules, cache, rope): ``<`` ↔ ``<=``, ``==`` ↔
 ``-``, ``*`` ↔ ``/``, ``and`` ↔ ``or``, a dropped ``not``, an integer ``n`` → ``n + 1``,
 ``True`` ↔ ``False``. Docstrings, strings and error messages are left alone. A mutant runs in
 a scratch copy of the repository against the default test suite less the apps' tests
-(``pytest -x``, one thread per job); it is *killed* if any test fails or it hangs past ``--timeout``. The report lists
+(``pytest -x``, one thread per job); it is *killed* if any test fails or it hangs past
+``--timeout``. The report lists
 the score and every survivor: docs/mutation.md records the latest run and argues each
 survivor killed or equivalent. Not part of CI: it takes minutes per hundred mutants.
 """
@@ -30,18 +31,47 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ["kernels/reference.py", "kernels/sdpa.py", "kernels/tiled/__init__.py",
-           "kernels/tiled/loop.py", "kernels/tiled/plan.py", "kernels/tiled/flash.py",
-           "masks/algebra.py", "masks/library.py", "masks/tiles.py", "core/dispatch.py",
-           "functional.py", "nn/modules.py", "nn/cache.py", "nn/rope.py"]
+TARGETS = [
+    "kernels/reference.py",
+    "kernels/sdpa.py",
+    "kernels/tiled/__init__.py",
+    "kernels/tiled/loop.py",
+    "kernels/tiled/plan.py",
+    "kernels/tiled/flash.py",
+    "masks/algebra.py",
+    "masks/library.py",
+    "masks/tiles.py",
+    "core/dispatch.py",
+    "functional.py",
+    "nn/modules.py",
+    "nn/cache.py",
+    "nn/rope.py",
+]
 # Tests of the apps (training loop, command line, benchmark harness): they exercise none of
 # the core files' logic that the rest of the suite does not, and take half its time.
-APP_TESTS = ["--ignore=tests/test_train.py", "--ignore=tests/test_cli_errors.py",
-             "--ignore=tests/test_bench.py"]
-SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
-         ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
-         ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Add: ast.Sub, ast.Sub: ast.Add,
-         ast.Mult: ast.Div, ast.Div: ast.Mult, ast.And: ast.Or, ast.Or: ast.And}
+APP_TESTS = [
+    "--ignore=tests/test_train.py",
+    "--ignore=tests/test_cli_errors.py",
+    "--ignore=tests/test_bench.py",
+]
+SWAPS = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.And: ast.Or,
+    ast.Or: ast.And,
+}
 
 
 @dataclass(frozen=True)
@@ -72,16 +102,29 @@ def _sites(tree: ast.AST):
         if isinstance(node, ast.Compare):
             for i, op in enumerate(node.ops):
                 if type(op) in SWAPS:
-                    yield node, "ops", i, SWAPS[type(op)], f"{type(op).__name__}->" \
-                        f"{SWAPS[type(op)].__name__}"
+                    yield (
+                        node,
+                        "ops",
+                        i,
+                        SWAPS[type(op)],
+                        f"{type(op).__name__}->{SWAPS[type(op)].__name__}",
+                    )
         elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in SWAPS:
-            yield node, "op", None, SWAPS[type(node.op)], f"{type(node.op).__name__}->" \
-                f"{SWAPS[type(node.op)].__name__}"
+            yield (
+                node,
+                "op",
+                None,
+                SWAPS[type(node.op)],
+                f"{type(node.op).__name__}->{SWAPS[type(node.op)].__name__}",
+            )
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             yield node, "not", None, None, "not-removed"
         elif isinstance(node, ast.Constant) and type(node.value) in (int, bool):
-            label = (f"{node.value}->{not node.value}" if isinstance(node.value, bool)
-                     else f"{node.value}->{node.value + 1}")
+            label = (
+                f"{node.value}->{not node.value}"
+                if isinstance(node.value, bool)
+                else f"{node.value}->{node.value + 1}"
+            )
             yield node, "value", None, None, label
 
 
@@ -103,8 +146,11 @@ class _Apply(ast.NodeTransformer):
 
     def generic_visit(self, node):
         node = super().generic_visit(node)
-        if self.done or getattr(node, "lineno", None) != self.m.line or \
-                node.col_offset != self.m.col:
+        if (
+            self.done
+            or getattr(node, "lineno", None) != self.m.line
+            or node.col_offset != self.m.col
+        ):
             return node
         for site, field, i, new, label in _sites(node):
             if site is not node or label != self.m.what:
@@ -137,13 +183,33 @@ def run_one(m: Mutant, workdir: Path, timeout: float) -> tuple[Mutant, str, floa
     target = workdir / "src/qkv" / m.file
     original = target.read_text()
     target.write_text(mutated_source(m))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": str(workdir / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONPATH": str(workdir / "src"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     t0 = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                            "--hypothesis-seed=0", *APP_TESTS], cwd=workdir, env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--hypothesis-seed=0",
+                *APP_TESTS,
+            ],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         status = "survived" if r.returncode == 0 else "killed"
     except subprocess.TimeoutExpired:
         status = "killed (timeout)"
@@ -177,11 +243,12 @@ def main() -> None:
         return
     if args.only:  # file:line:col:what, or file:line:what for every column of the line
         only = set(args.only)
-        mutants = [m for m in mutants
-                   if m.name in only or f"{m.file}:{m.line}:{m.what}" in only]
+        mutants = [m for m in mutants if m.name in only or f"{m.file}:{m.line}:{m.what}" in only]
     elif args.sample:
-        mutants = sorted(random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
-                         key=lambda m: (m.file, m.line, m.col, m.what))
+        mutants = sorted(
+            random.Random(args.seed).sample(mutants, min(args.sample, len(mutants))),
+            key=lambda m: (m.file, m.line, m.col, m.what),
+        )
     dirs = [_scratch() for _ in range(args.jobs)]
     free = list(dirs)
     results = []

@@ -8,8 +8,15 @@ from . import distributed, heads, masks, models, numpy, scores
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
 from .learn import tutorial
 from .learn.explain import Trace, explain
-from .nn import (CausalAttention, CrossAttention, KVCache, MultiHeadAttention,
-                 MultiHeadAttentionWrapper, RoPE, SelfAttention)
+from .nn import (
+    CausalAttention,
+    CrossAttention,
+    KVCache,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    RoPE,
+    SelfAttention,
+)
 
 __version__ = "0.1.0"
 

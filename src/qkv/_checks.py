@@ -55,7 +55,7 @@ class Problem:
     @property
     def mask_letters(self) -> tuple[str, ...]:
         """Legend letters of the mask shape for this layout, e.g. (B, H, T_q, T_k)."""
-        return _LAYOUT[self.rank][:-1] + ("T_k",)
+        return (*_LAYOUT[self.rank][:-1], "T_k")
 
 
 def fmt_shape(shape: Any) -> str:
@@ -106,8 +106,7 @@ def _check_tensor(name: str, x: Any) -> None:
         raise TypeError(f"{name} must be a tensor or array; got {type(x).__name__}")
     if x.ndim not in _LAYOUT:
         raise ValueError(
-            f"{name} must have shape (T, D), (B, T, D) or (B, H, T, D); "
-            f"got {fmt_shape(x.shape)}"
+            f"{name} must have shape (T, D), (B, T, D) or (B, H, T, D); got {fmt_shape(x.shape)}"
         )
     if not _is_float(x):
         raise TypeError(
@@ -179,7 +178,7 @@ def check_attention(
     kd = dict(zip(k_letters, (_dim(c, d) for c, d in zip(k_letters, key.shape))))
     _expect("key", key, k_letters, {**({"B": B} if "B" in kd else {}), "D": D}, "to match query")
     H_kv, T_k = kd.get("H_kv", 1), kd["T_k"]
-    v_letters = k_letters[:-1] + ("D_v",)
+    v_letters = (*k_letters[:-1], "D_v")
     want_v = {k: v for k, v in kd.items() if k in ("B", "H_kv", "T_k")}
     _expect("value", value, v_letters, want_v, "to match key")
     D_v = int(value.shape[-1])
@@ -199,8 +198,9 @@ def check_attention(
 
     if q_offset is None:
         q_offset = T_k - T_q  # bottom-right: the last query sits on the last key
-    elif isinstance(q_offset, bool) or not (isinstance(q_offset, (int, np.integer))
-                                            or _symbolic(q_offset)):
+    elif isinstance(q_offset, bool) or not (
+        isinstance(q_offset, (int, np.integer)) or _symbolic(q_offset)
+    ):
         raise TypeError(f"q_offset must be an int; got {type(q_offset).__name__}")
     elif not 0 <= q_offset <= T_k - T_q:
         raise ValueError(

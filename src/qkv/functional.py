@@ -10,13 +10,14 @@ D head dim · D_v value head dim.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from .core import compiled as _compiled
 from ._checks import Problem, check_attention
+from .core import compiled as _compiled
 from .core.dispatch import NATIVE_SCORES, Dispatch, MaskLike, check_backend, choose
 from .core.lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
 from .kernels.flex import flex
@@ -29,8 +30,7 @@ from .scores import ScoreMod, as_score_mod
 
 Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
-__all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch",
-           "merge_attention"]
+__all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch", "merge_attention"]
 
 
 def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
@@ -38,8 +38,9 @@ def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
     a qkv mask or a bool tensor (a NumPy bool array is moved to the first tensor's device)."""
     for name, x in tensors.items():
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (use qkv.numpy for arrays); "
-                            f"got {type(x).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.Tensor (use qkv.numpy for arrays); got {type(x).__name__}"
+            )
     if isinstance(mask, np.ndarray):
         mask = torch.from_numpy(mask).to(next(iter(tensors.values())).device)
     if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
@@ -47,26 +48,53 @@ def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
     return mask
 
 
-def _prepare(query: Any, key: Any, value: Any, *, mask: Any, scale: float | None,
-             q_offset: int | None, dropout_p: float, score_mod: Any = None, **choice: Any
-             ) -> tuple[Problem, MaskLike, ScoreMod | None, Dispatch]:
+def _prepare(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any,
+    scale: float | None,
+    q_offset: int | None,
+    dropout_p: float,
+    score_mod: Any = None,
+    **choice: Any,
+) -> tuple[Problem, MaskLike, ScoreMod | None, Dispatch]:
     """Validate one call (the torch side of it, then the shared checks) and choose a kernel."""
     mask = _torch_side(mask, query=query, key=key, value=value)
     mod = as_score_mod(score_mod)
     compiling = torch.compiler.is_compiling()
-    p = check_attention(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-                        dropout_p=dropout_p, validate_mask=not compiling)
+    p = check_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        q_offset=q_offset,
+        dropout_p=dropout_p,
+        validate_mask=not compiling,
+    )
     if mod is not None:
         mod.validate(p.B, p.H, p.T_q, p.T_k)
     if compiling:  # decide without reading values: see qkv._compiled
         if choice["backend"] == "flex":
-            raise ValueError("backend='flex' plans its BlockMask from the mask's values, "
-                             "which a torch.compile trace cannot read: call it outside the "
-                             "compiled function, or use backend='auto' inside")
-        check_backend(choice["backend"], dropout_p=dropout_p, score_mod=mod, **{
-            k: v for k, v in choice.items() if k != "backend"})
-        return p, mask, mod, _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p,
-                                              **choice)
+            raise ValueError(
+                "backend='flex' plans its BlockMask from the mask's values, "
+                "which a torch.compile trace cannot read: call it outside the "
+                "compiled function, or use backend='auto' inside"
+            )
+        check_backend(
+            choice["backend"],
+            dropout_p=dropout_p,
+            score_mod=mod,
+            **{k: v for k, v in choice.items() if k != "backend"},
+        )
+        return (
+            p,
+            mask,
+            mod,
+            _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p, **choice),
+        )
     return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
 
 
@@ -95,12 +123,24 @@ def dispatch(
         >>> x = torch.randn(1, 2, 8, 4)
         >>> qkv.dispatch(x, x, x, mask=qkv.masks.causal()).backend
         'sdpa'
-        >>> print(qkv.dispatch(x, x, x, return_weights=True))
-        reference: the attention weights asked for: only the materialised reference kernel provides them
+        >>> print(qkv.dispatch(x, x, x, return_weights=True))  # doctest: +NORMALIZE_WHITESPACE
+        reference: the attention weights asked for: only the materialised reference kernel
+        provides them
     """
-    return _prepare(query, key, value, mask=mask, scale=scale, q_offset=q_offset,
-                    dropout_p=dropout_p, generator=generator, return_weights=return_weights,
-                    return_lse=return_lse, backend=backend, score_mod=score_mod)[3]
+    return _prepare(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        q_offset=q_offset,
+        dropout_p=dropout_p,
+        generator=generator,
+        return_weights=return_weights,
+        return_lse=return_lse,
+        backend=backend,
+        score_mod=score_mod,
+    )[3]
 
 
 #: The active :func:`qkv.heads.record` blocks (innermost last).
@@ -162,8 +202,12 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    if not (RECORDERS or dropout_p or return_weights or return_lse) and backend == "auto" \
-            and score_mod is None and q_offset is None:
+    if (
+        not (RECORDERS or dropout_p or return_weights or return_lse)
+        and backend == "auto"
+        and score_mod is None
+        and q_offset is None
+    ):
         out = _plain_call(query, key, value, mask, scale)
         if out is not None:
             return out
@@ -173,11 +217,20 @@ def attention(
     recorders = RECORDERS if RECORDERS and not torch.compiler.is_compiling() else ()
     user_mask = mask
     lse_for_recorders = bool(recorders and backend == "auto" and dropout_p == 0)
-    p, mask, mod, choice = _prepare(query, key, value, mask=mask, scale=scale,
-                                    q_offset=q_offset, dropout_p=dropout_p, generator=generator,
-                                    return_weights=return_weights,
-                                    return_lse=return_lse or lse_for_recorders,
-                                    backend=backend, score_mod=score_mod)
+    p, mask, mod, choice = _prepare(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        q_offset=q_offset,
+        dropout_p=dropout_p,
+        generator=generator,
+        return_weights=return_weights,
+        return_lse=return_lse or lse_for_recorders,
+        backend=backend,
+        score_mod=score_mod,
+    )
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
     weights = lse = None
     if p.T_k == 0:  # no keys at all: every row is fully masked
@@ -189,24 +242,61 @@ def attention(
             dense = float_mask(mask, mod, p, q)
         else:
             dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
-        out = sdpa(q, k, v, mask=dense, is_causal=choice.sdpa_mask == "is_causal",
-                   scale=p.scale, dropout_p=dropout_p)
+        out = sdpa(
+            q,
+            k,
+            v,
+            mask=dense,
+            is_causal=choice.sdpa_mask == "is_causal",
+            scale=p.scale,
+            dropout_p=dropout_p,
+        )
     elif choice.backend == "flex":
-        out, lse = flex(q, k, v, mask=mask, mod=mod, q_offset=p.q_offset, scale=p.scale,
-                        return_lse=return_lse or lse_for_recorders)
+        out, lse = flex(
+            q,
+            k,
+            v,
+            mask=mask,
+            mod=mod,
+            q_offset=p.q_offset,
+            scale=p.scale,
+            return_lse=return_lse or lse_for_recorders,
+        )
     elif choice.backend == "tiled" and choice.compiled is not None:
         out, lse = _compiled.tiled_op(q, k, v, choice.compiled, p)
     elif choice.backend == "tiled":
-        out, lse = tiled(q, k, v, plan=choice.plan, mask_tile=mask_tile(mask, p, q.device),
-                         scale=p.scale, mod_tile=mod_tile(mod, p, q.device),
-                         mod_tensors=mod.tensors() if mod is not None else ())
+        out, lse = tiled(
+            q,
+            k,
+            v,
+            plan=choice.plan,
+            mask_tile=mask_tile(mask, p, q.device),
+            scale=p.scale,
+            mod_tile=mod_tile(mod, p, q.device),
+            mod_tensors=mod.tensors() if mod is not None else (),
+        )
     else:
-        out, weights, lse = reference(q, k, v, mask=dense_mask(mask, p, q.device), scale=p.scale,
-                                      dropout_p=dropout_p, generator=generator,
-                                      modify=modify(mod, p, q.device))
+        out, weights, lse = reference(
+            q,
+            k,
+            v,
+            mask=dense_mask(mask, p, q.device),
+            scale=p.scale,
+            dropout_p=dropout_p,
+            generator=generator,
+            modify=modify(mod, p, q.device),
+        )
     for recorder in recorders:
-        recorder.add(query, key, value, None if lse is None else p.restore(lse),
-                     mask=user_mask, scale=scale, q_offset=q_offset, score_mod=score_mod)
+        recorder.add(
+            query,
+            key,
+            value,
+            None if lse is None else p.restore(lse),
+            mask=user_mask,
+            scale=scale,
+            q_offset=q_offset,
+            score_mod=score_mod,
+        )
     extras = ([weights] if return_weights else []) + ([lse] if return_lse else [])
     if not extras:
         return p.restore(out)
@@ -216,33 +306,51 @@ def attention(
 _PLAIN_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
-def _plain_call(query: Any, key: Any, value: Any, mask: Any, scale: Any
-                ) -> torch.Tensor | None:
+def _plain_call(query: Any, key: Any, value: Any, mask: Any, scale: Any) -> torch.Tensor | None:
     """The most common call — a decode step — with as little Python as it can have:
     (B, H, T, D) tensors of one float dtype and device whose sizes agree, and no mask, or
     causal with one query (which allows every key before it). It runs torch's fused kernel,
     which is what the full path would choose, on the same arguments. Anything else
     returns None and takes the full path, which checks, explains and dispatches."""
-    if type(query) is not torch.Tensor or type(key) is not torch.Tensor or \
-            type(value) is not torch.Tensor or query.ndim != 4 or key.ndim != 4 or \
-            value.ndim != 4 or torch.compiler.is_compiling():
+    if (
+        type(query) is not torch.Tensor
+        or type(key) is not torch.Tensor
+        or type(value) is not torch.Tensor
+        or query.ndim != 4
+        or key.ndim != 4
+        or value.ndim != 4
+        or torch.compiler.is_compiling()
+    ):
         return None
     B, H, T_q, D = query.shape
     B_k, H_kv, T_k, D_k = key.shape
     B_v, H_v, T_v, _ = value.shape
     if not (mask is None or (type(mask) is _Causal and T_q == 1)):
         return None
-    if not (B == B_k == B_v and H_kv == H_v and T_k == T_v and D == D_k and T_q and T_k
-            and D and H % H_kv == 0):
+    if not (
+        B == B_k == B_v
+        and H_kv == H_v
+        and T_k == T_v
+        and D_k == D
+        and T_q
+        and T_k
+        and D
+        and H % H_kv == 0
+    ):
         return None
     dtype = query.dtype
-    if dtype not in _PLAIN_DTYPES or key.dtype != dtype or value.dtype != dtype or \
-            key.device != query.device or value.device != query.device:
+    if (
+        dtype not in _PLAIN_DTYPES
+        or key.dtype != dtype
+        or value.dtype != dtype
+        or key.device != query.device
+        or value.device != query.device
+    ):
         return None
     if dtype is torch.bfloat16 and T_q * T_k >= NATIVE_SCORES:  # dispatch rule 4's size
         return None
     if scale is None:
-        scale = D ** -0.5
+        scale = D**-0.5
     elif type(scale) is not float or not 0.0 < scale < math.inf:
         return None
     return sdpa(query, key, value, mask=None, is_causal=False, scale=scale)
@@ -287,10 +395,10 @@ def attention_weights(
     p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
     if tuple(lse.shape) != p.mask_shape[:-1]:
         letters = ", ".join(p.mask_letters[:-1])
-        raise ValueError(f"lse must have shape ({letters}) = {tuple(p.mask_shape[:-1])}; "
-                         f"got {tuple(lse.shape)}")
-    _, s, allowed, hs, rs = row_scores(query, key, p, mask, score_mod, heads, rows,
-                                       dtype=lse.dtype)
+        raise ValueError(
+            f"lse must have shape ({letters}) = {tuple(p.mask_shape[:-1])}; got {tuple(lse.shape)}"
+        )
+    _, s, allowed, hs, rs = row_scores(query, key, p, mask, score_mod, heads, rows, dtype=lse.dtype)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     l_ = p.to4d(lse)[:, hs][:, :, rs, None]
@@ -298,10 +406,16 @@ def attention_weights(
     return p.restore(w.to(query.dtype))
 
 
-def row_scores(query: torch.Tensor, key: torch.Tensor, p: Problem, mask: MaskLike,
-               score_mod: Any, heads: Sequence[int] | None, rows: Sequence[int] | slice | None,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                            torch.Tensor, torch.Tensor]:
+def row_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    p: Problem,
+    mask: MaskLike,
+    score_mod: Any,
+    heads: Sequence[int] | None,
+    rows: Sequence[int] | slice | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The scores of chosen heads and rows, (B, h, r, T_k) each, in 4-d layout: scaled,
     then modified (the same tensor without a score modification); the mask there (None
     for no mask); the head and row indices. O(h · r · T_k) memory."""
@@ -318,8 +432,9 @@ def row_scores(query: torch.Tensor, key: torch.Tensor, p: Problem, mask: MaskLik
     scaled = (q @ k.transpose(-2, -1)).to(dtype) * p.scale  # (B, h, r, T_k)
     modified = scaled
     if mod is not None:  # at the chosen heads and rows only
-        modified = mod.apply(scaled, *indices(p, query.device, rs, hs, 0, p.T_k)
-                             ).expand(scaled.shape)
+        modified = mod.apply(scaled, *indices(p, query.device, rs, hs, 0, p.T_k)).expand(
+            scaled.shape
+        )
     allowed = None
     if isinstance(mask, Mask):  # evaluated at the chosen rows only: O(rows · T_k)
         kv = torch.arange(p.T_k, device=query.device)
@@ -330,8 +445,9 @@ def row_scores(query: torch.Tensor, key: torch.Tensor, p: Problem, mask: MaskLik
     return scaled, modified, allowed, hs, rs
 
 
-def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention computed over disjoint sets of keys into attention over their union.
 
     If ``out_i, lse_i = attention(q, k_i, v_i, return_lse=True)`` for key sets ``k_i``, the
@@ -349,13 +465,16 @@ def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
         ``(out, lse)``: out in the dtype of ``outs[0]``, lse in float32 (or float64).
     """
     if len(outs) == 0 or len(outs) != len(lses):
-        raise ValueError(f"outs and lses must be non-empty and of equal length; got "
-                         f"{len(outs)} and {len(lses)}")
+        raise ValueError(
+            f"outs and lses must be non-empty and of equal length; got {len(outs)} and {len(lses)}"
+        )
     for i, (o, l_) in enumerate(zip(outs, lses)):
         if o.shape != outs[0].shape or tuple(l_.shape) != tuple(o.shape[:-1]):
-            raise ValueError(f"outs[{i}] must have shape {tuple(outs[0].shape)} and lses[{i}] "
-                             f"shape {tuple(outs[0].shape[:-1])}; got {tuple(o.shape)} and "
-                             f"{tuple(l_.shape)}")
+            raise ValueError(
+                f"outs[{i}] must have shape {tuple(outs[0].shape)} and lses[{i}] "
+                f"shape {tuple(outs[0].shape[:-1])}; got {tuple(o.shape)} and "
+                f"{tuple(l_.shape)}"
+            )
     acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
     lse_all = torch.stack([x.to(acc) for x in lses])  # (parts, …, T_q)
     # Shifted by the detached row max, so exp cannot overflow; a row no part saw (every

@@ -24,8 +24,9 @@ Legend: B batch · H heads · L the repeated segment's length · T = 2 L.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -56,17 +57,27 @@ class Call:
     def heads(self) -> int:
         return self.query.shape[1] if self.query.ndim == 4 else 1
 
-    def weights(self, rows: Sequence[int] | slice | None = None,
-                heads: Sequence[int] | None = None) -> torch.Tensor:
+    def weights(
+        self, rows: Sequence[int] | slice | None = None, heads: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """The attention weights of the chosen rows and heads, (…, heads, rows, T_k),
         recomputed from the log-sum-exp."""
         if self.lse is None:
-            raise ValueError("this call ran on a backend that gives no log-sum-exp "
-                             "(backend='sdpa'): record calls made with backend='auto'")
-        return attention_weights(self.query, self.key, self.lse, mask=self.mask,
-                                 scale=self.scale, q_offset=self.q_offset, heads=heads,
-                                 rows=rows, score_mod=self.score_mod)
-
+            raise ValueError(
+                "this call ran on a backend that gives no log-sum-exp "
+                "(backend='sdpa'): record calls made with backend='auto'"
+            )
+        return attention_weights(
+            self.query,
+            self.key,
+            self.lse,
+            mask=self.mask,
+            scale=self.scale,
+            q_offset=self.q_offset,
+            heads=heads,
+            rows=rows,
+            score_mod=self.score_mod,
+        )
 
     def step(self, row: int, head: int, batch: int = 0) -> dict[str, torch.Tensor]:
         """One query's computation, step by step (what :func:`qkv.explain` prints), for one
@@ -74,23 +85,41 @@ class Call:
         (after the score modification; = scaled without one), ``allowed`` (the mask,
         bool), ``weights`` (the softmax) and ``out`` = weights · V (D_v,)."""
         mask = _torch_side(self.mask, query=self.query, key=self.key)
-        p = check_attention(self.query, self.key, self.value, mask=mask, scale=self.scale,
-                            q_offset=self.q_offset)
+        p = check_attention(
+            self.query, self.key, self.value, mask=mask, scale=self.scale, q_offset=self.q_offset
+        )
         if not (0 <= row < p.T_q and 0 <= head < p.H and 0 <= batch < p.B):
-            raise ValueError(f"no query row {row}, head {head}, batch {batch} here: "
-                             f"(B, H, T_q) = ({p.B}, {p.H}, {p.T_q})")
+            raise ValueError(
+                f"no query row {row}, head {head}, batch {batch} here: "
+                f"(B, H, T_q) = ({p.B}, {p.H}, {p.T_q})"
+            )
         scaled, modified, allowed, _, _ = row_scores(
-            self.query, self.key, p, mask, self.score_mod, [head] if p.rank == 4 else None,
-            [row], dtype=torch.float64)
+            self.query,
+            self.key,
+            p,
+            mask,
+            self.score_mod,
+            [head] if p.rank == 4 else None,
+            [row],
+            dtype=torch.float64,
+        )
         scaled, modified = scaled[batch, 0, 0], modified[batch, 0, 0]  # (T_k,)
-        allowed = (torch.ones_like(scaled, dtype=torch.bool) if allowed is None
-                   else allowed[batch, 0, 0])
+        allowed = (
+            torch.ones_like(scaled, dtype=torch.bool) if allowed is None else allowed[batch, 0, 0]
+        )
         weights = torch.softmax(modified.masked_fill(~allowed, float("-inf")), dim=-1)
         weights = weights.nan_to_num(0.0)  # a fully masked row attends to nothing
         value = p.to4d(self.value)[batch, head // (p.H // p.H_kv)].double()  # (T_k, D_v)
-        return {"q": p.to4d(self.query)[batch, head, row].double(), "q·k": scaled / p.scale,
-                "scale": torch.tensor(p.scale), "scaled": scaled, "modified": modified,
-                "allowed": allowed, "weights": weights, "out": weights @ value}
+        return {
+            "q": p.to4d(self.query)[batch, head, row].double(),
+            "q·k": scaled / p.scale,
+            "scale": torch.tensor(p.scale),
+            "scaled": scaled,
+            "modified": modified,
+            "allowed": allowed,
+            "weights": weights,
+            "out": weights @ value,
+        }
 
 
 class Recorder:
@@ -101,9 +130,18 @@ class Recorder:
         self.calls: list[Call] = []
 
     def add(self, query, key, value, lse, *, mask, scale, q_offset, score_mod) -> None:
-        self.calls.append(Call(query.detach(), key.detach(), value.detach(),
-                               None if lse is None else lse.detach(), mask, scale, q_offset,
-                               score_mod))
+        self.calls.append(
+            Call(
+                query.detach(),
+                key.detach(),
+                value.detach(),
+                None if lse is None else lse.detach(),
+                mask,
+                scale,
+                q_offset,
+                score_mod,
+            )
+        )
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -133,8 +171,7 @@ def record() -> Iterator[Recorder]:
         functional.RECORDERS.remove(recorder)
 
 
-def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int = 0
-                    ) -> torch.Tensor:
+def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int = 0) -> torch.Tensor:
     """(batch, 2 · length) token ids: a uniformly random segment, then the same again."""
     if length < 2:
         raise ValueError(f"the repeated segment needs length >= 2; got {length}")
@@ -143,8 +180,9 @@ def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int =
     return torch.cat([segment, segment], dim=1)
 
 
-def scores_from_weights(weights: torch.Tensor, length: int, start: int | None = None
-                        ) -> dict[str, torch.Tensor]:
+def scores_from_weights(
+    weights: torch.Tensor, length: int, start: int | None = None
+) -> dict[str, torch.Tensor]:
     """The four scores of each head from the weights of rows of the second copy.
 
     Args:
@@ -159,15 +197,25 @@ def scores_from_weights(weights: torch.Tensor, length: int, start: int | None = 
     start = L if start is None else start
     i = torch.arange(start, start + weights.shape[2])  # query positions
     j = i - L  # their earlier occurrences
-    targets = {"previous_token": i - 1, "duplicate_token": j, "induction": j + 1,
-               "first_token": torch.zeros_like(j)}
+    targets = {
+        "previous_token": i - 1,
+        "duplicate_token": j,
+        "induction": j + 1,
+        "first_token": torch.zeros_like(j),
+    }
     rows = torch.arange(len(i))
     return {name: weights[:, :, rows, t].mean(dim=(0, 2)) for name, t in targets.items()}
 
 
-def head_scores(model: Any, *, length: int | None = None, batch: int = 8, seed: int = 0,
-                vocab_size: int | None = None, tokens: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
+def head_scores(
+    model: Any,
+    *,
+    length: int | None = None,
+    batch: int = 8,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    tokens: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Score every layer and head of a model whose attention runs on qkv.
 
     Weights are recomputed a block of :data:`ROW_BLOCK` rows at a time, so memory stays
@@ -190,8 +238,11 @@ def head_scores(model: Any, *, length: int | None = None, batch: int = 8, seed: 
         vocab_size = vocab_size or _vocab_size(model)
         length = length or _default_length(model)
         tokens = repeated_tokens(vocab_size, length, batch=batch, seed=seed)
-    elif tokens.ndim != 2 or tokens.shape[1] % 2 or not torch.equal(
-            tokens[:, :tokens.shape[1] // 2], tokens[:, tokens.shape[1] // 2:]):
+    elif (
+        tokens.ndim != 2
+        or tokens.shape[1] % 2
+        or not torch.equal(tokens[:, : tokens.shape[1] // 2], tokens[:, tokens.shape[1] // 2 :])
+    ):
         raise ValueError("tokens must be (B, 2L): each row a segment followed by itself")
     L = tokens.shape[1] // 2
     per_layer = []
@@ -218,8 +269,10 @@ def run(model: Any, tokens: torch.Tensor) -> Recorder:
         if was_training:
             model.train()
     if not len(calls):
-        raise ValueError(f"{type(model).__name__} made no qkv.attention call: its attention "
-                         "does not run on qkv (for Hugging Face models, register qkv first)")
+        raise ValueError(
+            f"{type(model).__name__} made no qkv.attention call: its attention "
+            "does not run on qkv (for Hugging Face models, register qkv first)"
+        )
     return calls
 
 
@@ -243,5 +296,13 @@ def _device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
-__all__ = ["SCORES", "Call", "Recorder", "head_scores", "record", "repeated_tokens", "run",
-           "scores_from_weights"]
+__all__ = [
+    "SCORES",
+    "Call",
+    "Recorder",
+    "head_scores",
+    "record",
+    "repeated_tokens",
+    "run",
+    "scores_from_weights",
+]

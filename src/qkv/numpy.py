@@ -165,9 +165,11 @@ def scaled_dot_product_attention(
                [0.5, 0.5]])
     """
     p = check_attention(Q, K, V)
-    if p.H != p.H_kv:
-        raise ValueError(f"scaled_dot_product_attention needs H == H_kv; got H={p.H}, "
-                         f"H_kv={p.H_kv} (use qkv.numpy.attention for GQA)")
+    if p.H_kv != p.H:
+        raise ValueError(
+            f"scaled_dot_product_attention needs H == H_kv; got H={p.H}, "
+            f"H_kv={p.H_kv} (use qkv.numpy.attention for GQA)"
+        )
     if mask is not None:
         mask = np.asarray(mask)
         check_dense_mask(mask, p, like=mask, additive=True)

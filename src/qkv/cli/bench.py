@@ -22,10 +22,10 @@ import platform
 import re
 import statistics
 import time
-from math import nan
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from math import nan
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ import qkv
 from qkv import masks
 
 from .args import Parser, positive
+
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -98,8 +99,9 @@ def make_mask(name: str, T: int) -> masks.Mask | None:
     return MASK_NAMES[name](T)
 
 
-def candidates(name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int,
-               dense_max_T: int) -> dict[str, Callable[[], torch.Tensor]]:
+def candidates(
+    name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int, dense_max_T: int
+) -> dict[str, Callable[[], torch.Tensor]]:
     """What to time for one mask: qkv (auto and tiled) and the baselines that apply."""
     mask = make_mask(name, T)
     out: dict[str, Callable[[], torch.Tensor]] = {
@@ -111,16 +113,19 @@ def candidates(name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int,
         out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
     if name == "causal":
         out["sdpa is_causal"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if mask is not None and T <= dense_max_T:
+    if mask is not None and dense_max_T >= T:
         # The dense mask is built inside the call, as a user without qkv must do.
         out["sdpa dense mask"] = lambda: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.dense(1, 1, T, T)[0, 0])
-    if T <= naive_max_T:
+            q, k, v, attn_mask=mask.dense(1, 1, T, T)[0, 0]
+        )
+    if naive_max_T >= T:
+
         def naive() -> torch.Tensor:
             s = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
             if mask is not None:
                 s = s.masked_fill(~mask.dense(1, 1, T, T), float("-inf"))
             return torch.softmax(s, dim=-1) @ v
+
         out["naive torch"] = naive
     cpu = q.device.type == "cpu"
     if flex and mask is not None and not (cpu and q.requires_grad):  # no backward on CPU
@@ -141,16 +146,19 @@ def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tens
 
     def call() -> torch.Tensor:
         if "block_mask" not in state:
-            state["block_mask"] = create_block_mask(lambda b, h, qi, ki: mask(b, h, qi, ki),
-                                                    1, 1, T, T, device=q.device)
+            state["block_mask"] = create_block_mask(
+                lambda b, h, qi, ki: mask(b, h, qi, ki), 1, 1, T, T, device=q.device
+            )
         return run_compiled(compiled, q, k, v, block_mask=state["block_mask"])
 
     return call
 
 
-def measure(fn: Callable[[], torch.Tensor], backward: bool, repeats: int,
-            leaves: list[torch.Tensor]) -> tuple[float, float, float, float]:
+def measure(
+    fn: Callable[[], torch.Tensor], backward: bool, repeats: int, leaves: list[torch.Tensor]
+) -> tuple[float, float, float, float]:
     """(first call s, median of repeats s, peak MB above entry, process peak MB)."""
+
     def call() -> None:
         out = fn()
         if backward:
@@ -178,18 +186,34 @@ def run(args: argparse.Namespace) -> list[Result]:
             for pass_ in args.passes:
                 backward = pass_ == "fwd+bwd"
                 g = torch.Generator().manual_seed(0)
-                leaves = [torch.randn(1, args.H, T, args.D, generator=g)
-                          .to(device=args.device, dtype=dtype).requires_grad_(backward)
-                          for _ in range(3)]
+                leaves = [
+                    torch.randn(1, args.H, T, args.D, generator=g)
+                    .to(device=args.device, dtype=dtype)
+                    .requires_grad_(backward)
+                    for _ in range(3)
+                ]
                 for name in args.masks:
-                    for cand, fn in candidates(name, T, *leaves, flex=args.flex,
-                                               naive_max_T=args.naive_max_T,
-                                               dense_max_T=args.dense_max_T).items():
+                    for cand, fn in candidates(
+                        name,
+                        T,
+                        *leaves,
+                        flex=args.flex,
+                        naive_max_T=args.naive_max_T,
+                        dense_max_T=args.dense_max_T,
+                    ).items():
                         try:
-                            first, med, peak, proc = measure(fn, backward, args.repeats,
-                                                             leaves)
-                            r = Result(dtype_name, T, name, pass_, cand, first, med, peak,
-                                       process_peak_mb=proc)
+                            first, med, peak, proc = measure(fn, backward, args.repeats, leaves)
+                            r = Result(
+                                dtype_name,
+                                T,
+                                name,
+                                pass_,
+                                cand,
+                                first,
+                                med,
+                                peak,
+                                process_peak_mb=proc,
+                            )
                         except Exception as err:  # e.g. a Flex compile error: report, go on
                             msg = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
                             r = Result(dtype_name, T, name, pass_, cand, nan, nan, nan, msg)
@@ -203,11 +227,13 @@ def table(results: list[Result]) -> str:
     rows = {}
     for r in results:
         rows.setdefault((r.dtype, r.pass_, r.T, r.mask), {})[r.candidate] = r
-    lines = ["| dtype | pass | T | mask | qkv auto | qkv tiled | sdpa (fastest valid) | "
-             "sdpa dense mask | naive | flex | qkv flex | tiled speed-up vs sdpa dense | "
-             "tiled / flex | qkv flex / flex | auto / best sdpa | tiled first call | "
-             "peak MB tiled / sdpa dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dtype | pass | T | mask | qkv auto | qkv tiled | sdpa (fastest valid) | "
+        "sdpa dense mask | naive | flex | qkv flex | tiled speed-up vs sdpa dense | "
+        "tiled / flex | qkv flex / flex | auto / best sdpa | tiled first call | "
+        "peak MB tiled / sdpa dense |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     fmt = lambda r: ("failed" if r.error else f"{r.median_s * 1e3:.0f} ms") if r else "—"  # noqa: E731
     for (dtype, pass_, T, mask), c in rows.items():
         ok = {name: r for name, r in c.items() if not r.error}  # ratios only of what ran
@@ -220,21 +246,30 @@ def table(results: list[Result]) -> str:
         ours = ok.get("qkv flex")
         lowered = f"{ours.median_s / flex.median_s:.2f}" if ours and flex else "—"
         first = f"{tiled.first_s:.2f} s" if tiled else "—"
-        mem = (f"{tiled.peak_mb:.0f} / {dense.peak_mb:.0f}" if tiled and dense
-               else f"{tiled.peak_mb:.0f} / —" if tiled else "—")
-        lines.append(f"| {dtype} | {pass_} | {T} | {mask} | {fmt(auto)} | {fmt(tiled)} | "
-                     f"{fmt(sdpa)} | {fmt(dense)} | {fmt(c.get('naive torch'))} | "
-                     f"{fmt(c.get('flex (compiled)'))} | {fmt(c.get('qkv flex'))} | {speedup} | "
-                     f"{vs_flex} | {lowered} | {vs_sdpa} | {first} | {mem} |")
+        mem = (
+            f"{tiled.peak_mb:.0f} / {dense.peak_mb:.0f}"
+            if tiled and dense
+            else f"{tiled.peak_mb:.0f} / —"
+            if tiled
+            else "—"
+        )
+        lines.append(
+            f"| {dtype} | {pass_} | {T} | {mask} | {fmt(auto)} | {fmt(tiled)} | "
+            f"{fmt(sdpa)} | {fmt(dense)} | {fmt(c.get('naive torch'))} | "
+            f"{fmt(c.get('flex (compiled)'))} | {fmt(c.get('qkv flex'))} | {speedup} | "
+            f"{vs_flex} | {lowered} | {vs_sdpa} | {first} | {mem} |"
+        )
     return "\n".join(lines)
 
 
 def decode(lengths: list[int], repeats: int) -> str:
     """One decode step (T_q = 1, causal) against KV caches of each length: qkv.attention vs
     a bare SDPA call on the same tensors, for MHA (H = H_kv) and GQA (H = 32, H_kv = 8)."""
-    lines = ["| L (cached tokens) | heads H / H_kv | cache read per step | qkv.attention | "
-             "bare sdpa | qkv / sdpa | qkv through MultiHeadAttention + KVCache |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| L (cached tokens) | heads H / H_kv | cache read per step | qkv.attention | "
+        "bare sdpa | qkv / sdpa | qkv through MultiHeadAttention + KVCache |",
+        "|---|---|---|---|---|---|---|",
+    ]
     D = 64
     for L in lengths:
         for H, H_kv in ((8, 8), (32, 32), (32, 8)):
@@ -243,7 +278,7 @@ def decode(lengths: list[int], repeats: int) -> str:
             k, v = (torch.randn(1, H_kv, L, D, generator=g) for _ in range(2))
             mask = masks.causal()
             ours = lambda: qkv.attention(q, k, v, mask=mask)  # noqa: E731
-            bare = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H != H_kv)  # noqa: E731
+            bare = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H_kv != H)  # noqa: E731
             mha = qkv.MultiHeadAttention(H * D, H * D, H, num_kv_heads=H_kv, causal=True)
             cache = mha.new_cache(1, L + 1)
             cache.keys[:, :, :L], cache.values[:, :, :L] = k, v
@@ -256,9 +291,11 @@ def decode(lengths: list[int], repeats: int) -> str:
 
             t_ours, t_bare, t_mod = _interleaved([ours, bare, module_step], repeats)
             mb = 2 * L * H_kv * D * 4 / 2**20
-            lines.append(f"| {L} | {H} / {H_kv} | {mb:.1f} MB | {t_ours * 1e3:.3f} ms | "
-                         f"{t_bare * 1e3:.3f} ms | {t_ours / t_bare:.2f} | "
-                         f"{t_mod * 1e3:.3f} ms |")
+            lines.append(
+                f"| {L} | {H} / {H_kv} | {mb:.1f} MB | {t_ours * 1e3:.3f} ms | "
+                f"{t_bare * 1e3:.3f} ms | {t_ours / t_bare:.2f} | "
+                f"{t_mod * 1e3:.3f} ms |"
+            )
             print(lines[-1], flush=True)
     return "\n".join(lines)
 
@@ -281,37 +318,84 @@ def _interleaved(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = Parser(prog="qkv bench", description="Time qkv against torch "
-                                     "SDPA, naive PyTorch and Flex; ratios within one run.")
-    parser.add_argument("--T", type=positive, nargs="+", default=[1024, 4096, 16384],
-                        help="sequence lengths T_q = T_k (default 1024 4096 16384)")
+    parser = Parser(
+        prog="qkv bench",
+        description="Time qkv against torch SDPA, naive PyTorch and Flex; ratios within one run.",
+    )
+    parser.add_argument(
+        "--T",
+        type=positive,
+        nargs="+",
+        default=[1024, 4096, 16384],
+        help="sequence lengths T_q = T_k (default 1024 4096 16384)",
+    )
     parser.add_argument("--H", type=positive, default=8, help="heads (default 8)")
     parser.add_argument("--D", type=positive, default=64, help="head dim (default 64)")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                        choices=["float32", "bfloat16", "float16", "float64"],
-                        help="dtypes to time (default float32 bfloat16)")
-    parser.add_argument("--masks", nargs="+", choices=list(MASK_NAMES),
-                        default=list(MASK_NAMES), help="masks to time (default: all)")
-    parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"],
-                        choices=["fwd", "fwd+bwd"], help="forward, or forward and backward")
-    parser.add_argument("--repeats", type=positive, default=3,
-                        help="timed calls per candidate; the median is reported (default 3)")
-    parser.add_argument("--naive-max-T", type=int, default=4096,
-                        help="longest T for the naive PyTorch baseline (default 4096)")
-    parser.add_argument("--dense-max-T", type=int, default=16384,
-                        help="longest T for baselines that need a dense T x T mask (16384)")
-    parser.add_argument("--flex", action="store_true",
-                        help="also time qkv's flex backend and hand-written compiled Flex")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where the inputs live (default cpu); on cuda, memory is the "
-                             "CUDA allocator's peak")
-    parser.add_argument("--long", action="store_true",
-                        help="only causal T=65536, H=2, fwd+bwd through tiled")
-    parser.add_argument("--decode", action="store_true",
-                        help="only the decode-step table: KV caches of 1k, 8k and 32k tokens")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="dtypes to time (default float32 bfloat16)",
+    )
+    parser.add_argument(
+        "--masks",
+        nargs="+",
+        choices=list(MASK_NAMES),
+        default=list(MASK_NAMES),
+        help="masks to time (default: all)",
+    )
+    parser.add_argument(
+        "--passes",
+        nargs="+",
+        default=["fwd", "fwd+bwd"],
+        choices=["fwd", "fwd+bwd"],
+        help="forward, or forward and backward",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=3,
+        help="timed calls per candidate; the median is reported (default 3)",
+    )
+    parser.add_argument(
+        "--naive-max-T",
+        type=int,
+        default=4096,
+        help="longest T for the naive PyTorch baseline (default 4096)",
+    )
+    parser.add_argument(
+        "--dense-max-T",
+        type=int,
+        default=16384,
+        help="longest T for baselines that need a dense T x T mask (16384)",
+    )
+    parser.add_argument(
+        "--flex",
+        action="store_true",
+        help="also time qkv's flex backend and hand-written compiled Flex",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the inputs live (default cpu); on cuda, memory is the CUDA allocator's peak",
+    )
+    parser.add_argument(
+        "--long", action="store_true", help="only causal T=65536, H=2, fwd+bwd through tiled"
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="only the decode-step table: KV caches of 1k, 8k and 32k tokens",
+    )
     parser.add_argument("--json", type=Path, help="append results as JSON lines here")
-    parser.add_argument("--from-json", type=Path, nargs="+",
-                        help="print the table of earlier runs' JSON lines; run nothing")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        help="print the table of earlier runs' JSON lines; run nothing",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
@@ -323,12 +407,20 @@ def main(argv: list[str] | None = None) -> None:
         print(decode([1024, 8192, 32768], max(args.repeats, 50)))
         return
     if args.long:
-        args.T, args.H, args.dtypes, args.masks, args.passes = [65536], 2, ["float32"], \
-            ["causal"], ["fwd+bwd"]
+        args.T, args.H, args.dtypes, args.masks, args.passes = (
+            [65536],
+            2,
+            ["float32"],
+            ["causal"],
+            ["fwd+bwd"],
+        )
         args.dense_max_T = args.naive_max_T = 0
     gpu = f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}{gpu}", flush=True)
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}{gpu}",
+        flush=True,
+    )
     results = run(args)
     if args.json:
         with args.json.open("a") as f:

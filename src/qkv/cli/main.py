@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -30,118 +30,184 @@ def _embeddings(text: str) -> list[list[float]]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"embeddings must be rows of comma-separated numbers split by ';', "
-            f"e.g. '0.1,0.2;0.3,0.4'; got {text!r}") from None
+            f"e.g. '0.1,0.2;0.3,0.4'; got {text!r}"
+        ) from None
 
 
 def _ids(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"ids must be comma-separated integers; got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(
+            f"ids must be comma-separated integers; got {text!r}"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkv", description="qkv: attention, step by step.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ex = sub.add_parser("explain", help="trace one attention computation step by step",
-                        description="Trace attention over a sentence step by step and draw "
-                        "its weights. With no options: the seeds' six tokens and 3-d "
-                        "embeddings through SelfAttention(3, 2) seeded with 789.")
+    ex = sub.add_parser(
+        "explain",
+        help="trace one attention computation step by step",
+        description="Trace attention over a sentence step by step and draw "
+        "its weights. With no options: the seeds' six tokens and 3-d "
+        "embeddings through SelfAttention(3, 2) seeded with 789.",
+    )
     ex.add_argument("--causal", action="store_true", help="mask out the future")
-    ex.add_argument("--heads", type=positive, default=1,
-                    help="number of heads (>1 uses MultiHeadAttention; d-out must divide)")
+    ex.add_argument(
+        "--heads",
+        type=positive,
+        default=1,
+        help="number of heads (>1 uses MultiHeadAttention; d-out must divide)",
+    )
     ex.add_argument("--d-out", type=positive, default=2, help="width of Q, K, V (default 2)")
     ex.add_argument("--seed", type=int, default=789, help="torch seed for the weights (789)")
-    ex.add_argument("--simplified", action="store_true",
-                    help="no trainable weights: Q = K = V = the embeddings, no scaling")
+    ex.add_argument(
+        "--simplified",
+        action="store_true",
+        help="no trainable weights: Q = K = V = the embeddings, no scaling",
+    )
     ex.add_argument("--tokens", help="token labels, space-separated")
-    ex.add_argument("--embeddings", type=_embeddings,
-                    help="one row per token: '0.1,0.2,0.3;0.4,0.5,0.6'")
-    ex.add_argument("--input", type=Path,
-                    help='a JSON file {"tokens": [...], "embeddings": [[...], ...]}')
+    ex.add_argument(
+        "--embeddings", type=_embeddings, help="one row per token: '0.1,0.2,0.3;0.4,0.5,0.6'"
+    )
+    ex.add_argument(
+        "--input", type=Path, help='a JSON file {"tokens": [...], "embeddings": [[...], ...]}'
+    )
     ex.add_argument("--json", action="store_true", help="print the trace as JSON")
-    ex.add_argument("--png", type=Path, default=Path("attention.png"),
-                    help="where to write the heatmap (default attention.png)")
+    ex.add_argument(
+        "--png",
+        type=Path,
+        default=Path("attention.png"),
+        help="where to write the heatmap (default attention.png)",
+    )
     ex.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
     ex.add_argument("--precision", type=int, default=4, help="decimals in the tables (4)")
 
-    sub.add_parser("bench", help="benchmark qkv against torch SDPA (qkv bench --help)",
-                   add_help=False)
+    sub.add_parser(
+        "bench", help="benchmark qkv against torch SDPA (qkv bench --help)", add_help=False
+    )
 
-    mk = sub.add_parser("mask", help="print a mask's picture",
-                        description="Print a mask as a picture: █ may attend, · masked.")
-    mk.add_argument("kind", choices=["full", "causal", "sliding_window", "prefix_lm",
-                                     "document", "padding"])
+    mk = sub.add_parser(
+        "mask",
+        help="print a mask's picture",
+        description="Print a mask as a picture: █ may attend, · masked.",
+    )
+    mk.add_argument(
+        "kind", choices=["full", "causal", "sliding_window", "prefix_lm", "document", "padding"]
+    )
     mk.add_argument("--size", type=positive, default=8, help="number of queries T_q (8)")
     mk.add_argument("--keys", type=positive, help="number of keys T_k (default: --size)")
     mk.add_argument("--window", type=positive, default=3, help="for sliding_window (3)")
     mk.add_argument("--prefix", type=int, default=2, help="for prefix_lm (2)")
     mk.add_argument("--ids", type=_ids, help="for document: one id per key, '0,0,1,1'")
     mk.add_argument("--length", type=int, help="for padding: number of valid keys")
-    tr = sub.add_parser("train", help="train a GPT on bytes (qkv train --help)",
-                        description="Train a qkv GPT on the bytes of the Python standard "
-                        "library's sources (or --text) and keep a checkpoint in --out.")
-    tr.add_argument("--preset", default=None,
-                    help="model and recipe: tiny (seconds), cpu-10min (the default, about "
-                    "ten minutes on a 2-core CPU) or induction (docs/induction.md); on "
-                    "--resume, the checkpoint's")
+    tr = sub.add_parser(
+        "train",
+        help="train a GPT on bytes (qkv train --help)",
+        description="Train a qkv GPT on the bytes of the Python standard "
+        "library's sources (or --text) and keep a checkpoint in --out.",
+    )
+    tr.add_argument(
+        "--preset",
+        default=None,
+        help="model and recipe: tiny (seconds), cpu-10min (the default, about "
+        "ten minutes on a 2-core CPU) or induction (docs/induction.md); on "
+        "--resume, the checkpoint's",
+    )
     tr.add_argument("--text", type=Path, help="a UTF-8 file or folder to train on instead")
-    tr.add_argument("--out", type=Path, default=Path("runs/gpt"),
-                    help="checkpoint directory (default runs/gpt)")
-    tr.add_argument("--steps", type=positive,
-                    help="the run's total steps (with --resume: carry the run on to N)")
+    tr.add_argument(
+        "--out", type=Path, default=Path("runs/gpt"), help="checkpoint directory (default runs/gpt)"
+    )
+    tr.add_argument(
+        "--steps",
+        type=positive,
+        help="the run's total steps (with --resume: carry the run on to N)",
+    )
     tr.add_argument("--seed", type=int, default=0, help="seed of weights, batches, dropout (0)")
     tr.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     tr.add_argument("--compile", action="store_true", help="run the model under torch.compile")
     tr.add_argument("--quiet", action="store_true", help="no progress output")
 
-    ge = sub.add_parser("generate", help="sample text from a trained GPT",
-                        description="Continue a prompt with a GPT checkpoint written by "
-                        "qkv train. The same --seed gives the same text.")
-    ge.add_argument("--checkpoint", type=Path, required=True,
-                    help="a directory written by qkv train")
+    ge = sub.add_parser(
+        "generate",
+        help="sample text from a trained GPT",
+        description="Continue a prompt with a GPT checkpoint written by "
+        "qkv train. The same --seed gives the same text.",
+    )
+    ge.add_argument(
+        "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
+    )
     ge.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
-    ge.add_argument("--tokens", type=positive, default=200,
-                    help="bytes to generate (default 200)")
+    ge.add_argument("--tokens", type=positive, default=200, help="bytes to generate (default 200)")
     ge.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
-    ge.add_argument("--temperature", type=float, default=0.8,
-                    help="divides the logits; 0 is greedy (default 0.8)")
+    ge.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="divides the logits; 0 is greedy (default 0.8)",
+    )
     ge.add_argument("--top-k", type=positive, help="sample among the k likeliest bytes")
     ge.add_argument("--top-p", type=float, help="sample from the smallest set reaching p")
-    ge.add_argument("--no-cache", action="store_true",
-                    help="recompute the context every step instead of using KV caches")
-    hd = sub.add_parser("heads", help="score every head of a trained GPT",
-                        description="Score every layer and head of a checkpoint on a random "
-                        "sequence repeated twice: previous-token, duplicate-token, induction "
-                        "and first-token scores (mean attention weights, 0 to 1).")
-    hd.add_argument("--checkpoint", type=Path, required=True,
-                    help="a directory written by qkv train")
-    hd.add_argument("--length", type=positive,
-                    help="length of the repeated segment (default: half the context)")
+    ge.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the context every step instead of using KV caches",
+    )
+    hd = sub.add_parser(
+        "heads",
+        help="score every head of a trained GPT",
+        description="Score every layer and head of a checkpoint on a random "
+        "sequence repeated twice: previous-token, duplicate-token, induction "
+        "and first-token scores (mean attention weights, 0 to 1).",
+    )
+    hd.add_argument(
+        "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
+    )
+    hd.add_argument(
+        "--length", type=positive, help="length of the repeated segment (default: half the context)"
+    )
     hd.add_argument("--batch", type=positive, default=16, help="sequences averaged (16)")
     hd.add_argument("--seed", type=int, default=0, help="draws the sequences (0)")
     hd.add_argument("--json", action="store_true", help="print the scores as JSON")
-    hd.add_argument("--png", type=Path, default=Path("heads.png"),
-                    help="where to write the layers × heads heatmap (default heads.png)")
+    hd.add_argument(
+        "--png",
+        type=Path,
+        default=Path("heads.png"),
+        help="where to write the layers × heads heatmap (default heads.png)",
+    )
     hd.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
 
-    vw = sub.add_parser("view", help="write an interactive HTML view of a GPT's heads",
-                        description="Write one self-contained HTML file (works offline) "
-                        "showing what every head of a checkpoint attends to over a prompt, "
-                        "with a slider over the run's snapshots when it kept them.")
-    vw.add_argument("--checkpoint", type=Path, required=True,
-                    help="a directory written by qkv train")
+    vw = sub.add_parser(
+        "view",
+        help="write an interactive HTML view of a GPT's heads",
+        description="Write one self-contained HTML file (works offline) "
+        "showing what every head of a checkpoint attends to over a prompt, "
+        "with a slider over the run's snapshots when it kept them.",
+    )
+    vw.add_argument(
+        "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
+    )
     vw.add_argument("--prompt", help="text to show (models trained on bytes)")
-    vw.add_argument("--tokens", type=_ids,
-                    help="token ids to show instead, '3,14,15' (default for a model trained "
-                    "on repeated segments: a random segment of half the context, twice)")
+    vw.add_argument(
+        "--tokens",
+        type=_ids,
+        help="token ids to show instead, '3,14,15' (default for a model trained "
+        "on repeated segments: a random segment of half the context, twice)",
+    )
     vw.add_argument("--query", type=int, help="position shown step by step (default: last)")
-    vw.add_argument("--out", type=Path, default=Path("heads.html"),
-                    help="the HTML file to write (default heads.html)")
-    vw.add_argument("--no-snapshots", action="store_true",
-                    help="show the final weights only, not the run's snapshots")
+    vw.add_argument(
+        "--out",
+        type=Path,
+        default=Path("heads.html"),
+        help="the HTML file to write (default heads.html)",
+    )
+    vw.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="show the final weights only, not the run's snapshots",
+    )
     return parser
 
 
@@ -151,8 +217,10 @@ def _heads(args: argparse.Namespace) -> None:
 
     model = load_checkpoint(args.checkpoint)
     if args.length is not None and 2 * args.length > model.config.block_size:
-        raise ValueError(f"--length {args.length}: twice it must fit the context "
-                         f"(block_size={model.config.block_size})")
+        raise ValueError(
+            f"--length {args.length}: twice it must fit the context "
+            f"(block_size={model.config.block_size})"
+        )
     scores = head_scores(model, length=args.length, batch=args.batch, seed=args.seed)
     if args.json:
         print(json.dumps({name: s.tolist() for name, s in scores.items()}))
@@ -176,34 +244,46 @@ def _view(args: argparse.Namespace) -> None:
     from ..view import byte_labels, view
 
     model = load_checkpoint(args.checkpoint)
-    on_bytes = json.loads((args.checkpoint / "config.json").read_text())["train"].get(
-        "data", "text") == "text"
+    on_bytes = (
+        json.loads((args.checkpoint / "config.json").read_text())["train"].get("data", "text")
+        == "text"
+    )
     if args.prompt is not None and args.tokens is not None:
         raise ValueError("give --prompt or --tokens, not both")
     labels = None
     if args.prompt is not None:
         if not on_bytes:
-            raise ValueError(f"this checkpoint was not trained on bytes (its vocabulary is "
-                             f"{model.config.vocab_size} tokens): give --tokens instead")
+            raise ValueError(
+                f"this checkpoint was not trained on bytes (its vocabulary is "
+                f"{model.config.vocab_size} tokens): give --tokens instead"
+            )
         data = args.prompt.encode("utf-8")
         tokens, labels = list(data), byte_labels(data)
     elif args.tokens is not None:
         tokens = args.tokens
         if max(tokens) >= model.config.vocab_size or min(tokens) < 0:
-            raise ValueError(f"--tokens: ids must be in 0 … {model.config.vocab_size - 1}; "
-                             f"got {tokens}")
+            raise ValueError(
+                f"--tokens: ids must be in 0 … {model.config.vocab_size - 1}; got {tokens}"
+            )
     elif on_bytes:
         raise ValueError("give --prompt TEXT: the text to show")
     else:
-        tokens = repeated_tokens(model.config.vocab_size, model.config.block_size // 2,
-                                 batch=1, seed=1)[0].tolist()
+        tokens = repeated_tokens(
+            model.config.vocab_size, model.config.block_size // 2, batch=1, seed=1
+        )[0].tolist()
     kept = [] if args.no_snapshots else snapshots(args.checkpoint)
     if kept:  # the snapshot of the last step is the final model itself: not loaded twice
         final = json.loads((args.checkpoint / "state.json").read_text())["step"]
         kept = [(step, path) for step, path in kept if step != final]
     frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
-    page = view(model, tokens, labels=labels, snapshots=frames, query=args.query,
-                title=f"qkv: {args.checkpoint}")
+    page = view(
+        model,
+        tokens,
+        labels=labels,
+        snapshots=frames,
+        query=args.query,
+        title=f"qkv: {args.checkpoint}",
+    )
     page.save(args.out)
     print(f"view written to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
 
@@ -216,28 +296,36 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
             data = json.loads(args.input.read_text())
             rows, tokens = data["embeddings"], tokens or data.get("tokens")
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"--input {args.input}: cannot read tokens and embeddings "
-                             f"({err})") from None
+            raise ValueError(
+                f"--input {args.input}: cannot read tokens and embeddings ({err})"
+            ) from None
     if rows is None:
         rows = tutorial.EMBEDDINGS
         tokens = tokens or list(tutorial.SENTENCE)
     where = f"--input {args.input}" if args.input is not None else "--embeddings"
-    if not isinstance(rows, (list, tuple)) or not rows or \
-            not all(isinstance(r, (list, tuple)) for r in rows):
+    if (
+        not isinstance(rows, (list, tuple))
+        or not rows
+        or not all(isinstance(r, (list, tuple)) for r in rows)
+    ):
         raise ValueError(f"{where}: embeddings must be a non-empty table, one row per token")
     widths = [len(r) for r in rows]
     if len(set(widths)) != 1 or widths[0] == 0:
         bad = next((i for i, w in enumerate(widths) if w != widths[0]), 0)
-        raise ValueError(f"{where}: embeddings must be rows of one width; row 0 has "
-                         f"{widths[0]} numbers, row {bad} has {widths[bad]}")
+        raise ValueError(
+            f"{where}: embeddings must be rows of one width; row 0 has "
+            f"{widths[0]} numbers, row {bad} has {widths[bad]}"
+        )
     try:
         x = torch.tensor(rows, dtype=torch.float32)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: embeddings must hold numbers only") from None
     tokens = tokens or [str(i) for i in range(x.shape[0])]
     if len(tokens) != x.shape[0]:
-        raise ValueError(f"{len(tokens)} tokens but {x.shape[0]} embedding rows: give one "
-                         "row per token (--embeddings or --input)")
+        raise ValueError(
+            f"{len(tokens)} tokens but {x.shape[0]} embedding rows: give one "
+            "row per token (--embeddings or --input)"
+        )
     return tokens, x
 
 
@@ -256,9 +344,12 @@ def _explain(args: argparse.Namespace) -> None:
             module = SelfAttention(E, args.d_out, causal=args.causal)
         else:
             module = MultiHeadAttention(E, args.d_out, args.heads, causal=args.causal)
-        title = (f"{type(module).__name__}(d_in={E}, d_out={args.d_out}"
-                 + (f", heads={args.heads}" if args.heads > 1 else "")
-                 + (", causal" if args.causal else "") + f"), seed {args.seed}")
+        title = (
+            f"{type(module).__name__}(d_in={E}, d_out={args.d_out}"
+            + (f", heads={args.heads}" if args.heads > 1 else "")
+            + (", causal" if args.causal else "")
+            + f"), seed {args.seed}"
+        )
     trace = explain(x, tokens=tokens, module=module, mask=mask, title=title)
     print(json.dumps(trace.to_dict()) if args.json else trace.to_text(args.precision), end="")
     if not args.no_png:
@@ -277,8 +368,9 @@ def _mask(args: argparse.Namespace) -> None:
         "causal": lambda: masks.causal(),
         "sliding_window": lambda: masks.sliding_window(args.window),
         "prefix_lm": lambda: masks.prefix_lm(args.prefix),
-        "document": lambda: masks.document(args.ids if args.ids else
-                                           [2 * j // T_k for j in range(T_k)]),
+        "document": lambda: masks.document(
+            args.ids if args.ids else [2 * j // T_k for j in range(T_k)]
+        ),
         "padding": lambda: masks.padding([T_k // 2 if args.length is None else args.length]),
     }
     mask = make[args.kind]()
@@ -292,14 +384,24 @@ def _train(args: argparse.Namespace) -> int:
     preset = args.preset
     if preset is None:
         preset = _saved_preset(args.out) if args.resume else DEFAULT_PRESET
-    result = train(args.out, preset=preset, text=args.text, steps=args.steps, seed=args.seed,
-                   resume=args.resume, compile=args.compile, progress=not args.quiet)
+    result = train(
+        args.out,
+        preset=preset,
+        text=args.text,
+        steps=args.steps,
+        seed=args.seed,
+        resume=args.resume,
+        compile=args.compile,
+        progress=not args.quiet,
+    )
     if result.interrupted:
         return 130  # the shell's code for a run stopped by Ctrl-C
     val = result.val_loss
-    print(f"trained to step {result.step}: validation loss "
-          f"{'n/a' if val is None else f'{val:.4f} nats/{result.unit}'}; checkpoint in "
-          f"{result.out}")
+    print(
+        f"trained to step {result.step}: validation loss "
+        f"{'n/a' if val is None else f'{val:.4f} nats/{result.unit}'}; checkpoint in "
+        f"{result.out}"
+    )
     return 0
 
 
@@ -307,8 +409,9 @@ def _saved_preset(out: Path) -> str:
     try:
         return json.loads((out / "config.json").read_text())["preset"]
     except FileNotFoundError:
-        raise FileNotFoundError(f"--out {str(out)!r} holds no checkpoint to resume "
-                                "(config.json is missing)") from None
+        raise FileNotFoundError(
+            f"--out {str(out)!r} holds no checkpoint to resume (config.json is missing)"
+        ) from None
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -318,9 +421,15 @@ def _generate(args: argparse.Namespace) -> None:
         raise ValueError("--prompt must not be empty: the model continues a text")
     model = load_checkpoint(args.checkpoint)
     idx = torch.tensor([list(args.prompt.encode("utf-8"))])  # (1, T) bytes
-    out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-                         use_cache=not args.no_cache)
+    out = model.generate(
+        idx,
+        args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=torch.Generator().manual_seed(args.seed),
+        use_cache=not args.no_cache,
+    )
     print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
 
 
@@ -337,8 +446,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     parser = _parser()
     args = parser.parse_args(argv)
-    commands = {"explain": _explain, "mask": _mask, "train": _train, "generate": _generate,
-                "heads": _heads, "view": _view}
+    commands = {
+        "explain": _explain,
+        "mask": _mask,
+        "train": _train,
+        "generate": _generate,
+        "heads": _heads,
+        "view": _view,
+    }
     try:
         return commands[args.command](args) or 0
     except (ValueError, TypeError, OSError) as err:

@@ -47,14 +47,14 @@ import numpy as np
 import torch
 
 from .._checks import Problem
-from ..kernels.tiled.plan import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
-from ..kernels.tiled import native
 from ..kernels.reference import all_finite
+from ..kernels.tiled import native
+from ..kernels.tiled.plan import BLOCK_K, BLOCK_Q, CHUNK_K, Plan, dense_to_sparse, make_plan
 from ..masks import FULL, Mask
 from ..masks.library import _Causal
 from ..scores import ScoreMod
 
-MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]
+MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]  # noqa: UP007 (a runtime alias on 3.10)
 BACKENDS: tuple[str, ...] = ("auto", "reference", "sdpa", "tiled", "flex")
 # Below this many scores per (batch, head), planning blocks costs more than it saves.
 SMALL_SCORES = 512 * 512
@@ -91,8 +91,9 @@ def block_codes(mask: MaskLike, p: Problem) -> np.ndarray:
     if mask is None:
         return np.full((nq, nk), FULL, dtype=np.int8)
     if isinstance(mask, Mask):
-        return mask.blocks(p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
-                           q_offset=p.q_offset)
+        return mask.blocks(
+            p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K, q_offset=p.q_offset
+        )
     # A dense mask is already materialised: reduce it tile by tile.
     m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape)).flatten(0, 1)  # (·, T_q|1, T_k|1)
     m = m.expand(m.shape[0], p.T_q, p.T_k)
@@ -116,9 +117,14 @@ def _sdpa_mask(p: Problem, mask: MaskLike, mod: ScoreMod | None = None) -> str:
         return "none"
     if isinstance(mask, _Causal) and p.q_offset == 0 and p.T_q == p.T_k:
         return "is_causal"
-    if isinstance(mask, Mask) and p.T_q > 0 and (mask.blocks(
-            p.B, p.H, p.T_q, p.T_k, block_q=p.T_q, block_k=p.T_k, q_offset=p.q_offset)
-            == FULL).all():
+    if (
+        isinstance(mask, Mask)
+        and p.T_q > 0
+        and (
+            mask.blocks(p.B, p.H, p.T_q, p.T_k, block_q=p.T_q, block_k=p.T_k, q_offset=p.q_offset)
+            == FULL
+        ).all()
+    ):
         return "none"
     return "dense"
 
@@ -129,12 +135,16 @@ def _flex_on_gpu(key: torch.Tensor, mask: MaskLike) -> bool:
     if key.device.type != "cuda" or not (mask is None or isinstance(mask, Mask)):
         return False
     from importlib.util import find_spec
+
     return find_spec("torch.nn.attention.flex_attention") is not None
 
 
 def _describe(mask: MaskLike, mod: ScoreMod | None = None) -> str:
-    what = [] if mask is None else [
-        f"mask {mask!r}" if isinstance(mask, Mask) else f"mask tensor{tuple(mask.shape)}"]
+    what = (
+        []
+        if mask is None
+        else [f"mask {mask!r}" if isinstance(mask, Mask) else f"mask tensor{tuple(mask.shape)}"]
+    )
     return " and ".join(what + ([f"score modification {mod!r}"] if mod is not None else []))
 
 
@@ -144,124 +154,216 @@ def _sdpa_takes(mod: ScoreMod) -> bool:
     return mod.additive and not any(t.requires_grad for t in mod.tensors())
 
 
-def check_backend(backend: str, *, dropout_p: float, generator: Any, return_weights: bool,
-                  return_lse: bool, score_mod: ScoreMod | None) -> list[str]:
+def check_backend(
+    backend: str,
+    *,
+    dropout_p: float,
+    generator: Any,
+    return_weights: bool,
+    return_lse: bool,
+    score_mod: ScoreMod | None,
+) -> list[str]:
     """Raise if ``backend`` is unknown or cannot give what the call asks for; return what
     only the materialised reference kernel can give (empty if nothing)."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; "
-                         f"got {backend!r}")
-    materialised = [what for what, asked in (
-        ("the attention weights", return_weights),
-        ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
-        ("dropout with the log-sum-exp", dropout_p > 0 and generator is None and return_lse),
-    ) if asked]
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}"
+        )
+    materialised = [
+        what
+        for what, asked in (
+            ("the attention weights", return_weights),
+            ("dropout from a torch.Generator", dropout_p > 0 and generator is not None),
+            ("dropout with the log-sum-exp", dropout_p > 0 and generator is None and return_lse),
+        )
+        if asked
+    ]
     mod = score_mod
     unfused = mod is not None and not _sdpa_takes(mod)
-    cannot = {"sdpa": materialised + (["the log-sum-exp"] if return_lse else [])
-              + ([f"{mod!r} (not additive, or it needs a gradient)"] if unfused else []),
-              "tiled": materialised + (["dropout"] if dropout_p > 0 else []),
-              "flex": materialised + (["dropout"] if dropout_p > 0 else [])}
-    if backend in cannot and cannot[backend]:
-        raise ValueError(f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
-                         "use backend='reference' or 'auto'")
+    cannot = {
+        "sdpa": materialised
+        + (["the log-sum-exp"] if return_lse else [])
+        + ([f"{mod!r} (not additive, or it needs a gradient)"] if unfused else []),
+        "tiled": materialised + (["dropout"] if dropout_p > 0 else []),
+        "flex": materialised + (["dropout"] if dropout_p > 0 else []),
+    }
+    if cannot.get(backend):
+        raise ValueError(
+            f"backend={backend!r} cannot give {' and '.join(cannot[backend])}; "
+            "use backend='reference' or 'auto'"
+        )
     return materialised
 
 
-def choose(p: Problem, mask: MaskLike, key: torch.Tensor, *, dropout_p: float,
-           generator: Any, return_weights: bool, return_lse: bool, backend: str,
-           score_mod: ScoreMod | None = None) -> Dispatch:
+def choose(
+    p: Problem,
+    mask: MaskLike,
+    key: torch.Tensor,
+    *,
+    dropout_p: float,
+    generator: Any,
+    return_weights: bool,
+    return_lse: bool,
+    backend: str,
+    score_mod: ScoreMod | None = None,
+) -> Dispatch:
     """Apply the rules of this module's docstring; explicit backends are checked."""
-    materialised = check_backend(backend, dropout_p=dropout_p, generator=generator,
-                                 return_weights=return_weights, return_lse=return_lse,
-                                 score_mod=score_mod)
+    materialised = check_backend(
+        backend,
+        dropout_p=dropout_p,
+        generator=generator,
+        return_weights=return_weights,
+        return_lse=return_lse,
+        score_mod=score_mod,
+    )
     mod = score_mod
     unfused = mod is not None and not _sdpa_takes(mod)
     if backend == "flex" and isinstance(mask, (torch.Tensor, np.ndarray)):
-        raise ValueError("backend='flex' takes a qkv mask (a predicate with a block map), not "
-                         "a dense tensor: use backend='sdpa', 'tiled' or 'auto' for a tensor mask")
+        raise ValueError(
+            "backend='flex' takes a qkv mask (a predicate with a block map), not "
+            "a dense tensor: use backend='sdpa', 'tiled' or 'auto' for a tensor mask"
+        )
     if backend != "auto":
         plan = _plan(mask, p) if backend == "tiled" else None
         mode = _sdpa_mask(p, mask, mod) if backend == "sdpa" else "dense"
         return Dispatch(backend, f"requested with backend={backend!r}", plan, mode)
     if materialised:
-        return Dispatch("reference", f"{' and '.join(materialised)} asked for: only the "
-                        "materialised reference kernel provides them")
+        return Dispatch(
+            "reference",
+            f"{' and '.join(materialised)} asked for: only the "
+            "materialised reference kernel provides them",
+        )
     gpu = _flex_on_gpu(key, mask)
     if return_lse:
         if gpu:
-            return Dispatch("flex", "the log-sum-exp asked for, on CUDA: FlexAttention "
-                            "returns it, skipping the mask's empty blocks")
-        return Dispatch("tiled", "the log-sum-exp asked for: the tiled kernel returns it "
-                        "without materialising T_q × T_k", _plan(mask, p))
+            return Dispatch(
+                "flex",
+                "the log-sum-exp asked for, on CUDA: FlexAttention "
+                "returns it, skipping the mask's empty blocks",
+            )
+        return Dispatch(
+            "tiled",
+            "the log-sum-exp asked for: the tiled kernel returns it "
+            "without materialising T_q × T_k",
+            _plan(mask, p),
+        )
     if unfused:
         if dropout_p > 0:
-            return Dispatch("reference", f"score modification {mod!r} with dropout: torch's "
-                            "kernel cannot apply it and the tiled kernel has no dropout")
+            return Dispatch(
+                "reference",
+                f"score modification {mod!r} with dropout: torch's "
+                "kernel cannot apply it and the tiled kernel has no dropout",
+            )
         if gpu:
-            return Dispatch("flex", f"score modification {mod!r} is not additive or needs a "
-                            "gradient, on CUDA: FlexAttention applies it as its score_mod")
-        return Dispatch("tiled", f"score modification {mod!r} is not additive or needs a "
-                        "gradient: torch's kernel cannot take it as a float mask; the tiled "
-                        "kernel applies it tile by tile", _plan(mask, p))
-    if (mod is None and dropout_p == 0 and p.T_q * p.T_k >= NATIVE_SCORES
-            and (mask is None or isinstance(mask, Mask))
-            and native.fits(key.dtype, key.device, p.D, p.D_v)):
-        return Dispatch("tiled", "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's "
-                        "native bfloat16 steps beat torch's kernel, which computes bfloat16 "
-                        "at float32's speed", _plan(mask, p))
+            return Dispatch(
+                "flex",
+                f"score modification {mod!r} is not additive or needs a "
+                "gradient, on CUDA: FlexAttention applies it as its score_mod",
+            )
+        return Dispatch(
+            "tiled",
+            f"score modification {mod!r} is not additive or needs a "
+            "gradient: torch's kernel cannot take it as a float mask; the tiled "
+            "kernel applies it tile by tile",
+            _plan(mask, p),
+        )
+    if (
+        mod is None
+        and dropout_p == 0
+        and p.T_q * p.T_k >= NATIVE_SCORES
+        and (mask is None or isinstance(mask, Mask))
+        and native.fits(key.dtype, key.device, p.D, p.D_v)
+    ):
+        return Dispatch(
+            "tiled",
+            "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's "
+            "native bfloat16 steps beat torch's kernel, which computes bfloat16 "
+            "at float32's speed",
+            _plan(mask, p),
+        )
     mode = _sdpa_mask(p, mask, mod)
     drawn = " (dropout drawn from torch's global generator)" if dropout_p > 0 else ""
     if mask is None and mod is None:
-        return Dispatch("sdpa", f"no mask: torch's fused kernel is the fastest dense path{drawn}",
-                        sdpa_mask=mode)
+        return Dispatch(
+            "sdpa",
+            f"no mask: torch's fused kernel is the fastest dense path{drawn}",
+            sdpa_mask=mode,
+        )
     if mode == "none":
-        return Dispatch("sdpa", f"mask {mask!r} allows every position here: torch's fused "
-                        f"kernel without a mask{drawn}", sdpa_mask=mode)
+        return Dispatch(
+            "sdpa",
+            f"mask {mask!r} allows every position here: torch's fused kernel without a mask{drawn}",
+            sdpa_mask=mode,
+        )
     if not all_finite(key):
-        why = ("key holds NaN or inf and a mask or score modification is given: torch's fused "
-               "kernel would spread it into rows that mask that key out")
+        why = (
+            "key holds NaN or inf and a mask or score modification is given: torch's fused "
+            "kernel would spread it into rows that mask that key out"
+        )
         if dropout_p > 0:
             return Dispatch("reference", f"{why}; the tiled kernel has no dropout")
         return Dispatch("tiled", why, _plan(mask, p))
     if dropout_p > 0:
         how = {"is_causal": "is_causal", "bias": f"{_describe(mask, mod)} as a float mask"}.get(
-            mode, f"the mask {_describe(mask, mod)} as a dense mask")
-        return Dispatch("sdpa", f"dropout without a generator: torch's fused kernel with {how}"
-                        f"{drawn}", sdpa_mask=mode)
+            mode, f"the mask {_describe(mask, mod)} as a dense mask"
+        )
+        return Dispatch(
+            "sdpa",
+            f"dropout without a generator: torch's fused kernel with {how}{drawn}",
+            sdpa_mask=mode,
+        )
     if mode == "is_causal":
-        return Dispatch("sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal",
-                        sdpa_mask=mode)
+        return Dispatch(
+            "sdpa", "causal with T_q == T_k: torch's fused kernel with is_causal", sdpa_mask=mode
+        )
     kind = "float" if mod is not None else "bool"
     if p.T_q * p.T_k < SMALL_SCORES:
-        return Dispatch("sdpa", f"T_q × T_k = {p.T_q} × {p.T_k} is small: "
-                        f"{_describe(mask, mod)} passed to torch's fused kernel as a dense "
-                        f"{kind} mask", sdpa_mask=mode)
+        return Dispatch(
+            "sdpa",
+            f"T_q × T_k = {p.T_q} × {p.T_k} is small: "
+            f"{_describe(mask, mod)} passed to torch's fused kernel as a dense "
+            f"{kind} mask",
+            sdpa_mask=mode,
+        )
     if isinstance(mask, Mask) and gpu:
-        return Dispatch("flex", f"mask {mask!r} on CUDA: FlexAttention skips its empty "
-                        "blocks and runs its partial ones fused (SDPA could take it only as a "
-                        f"dense {kind} mask)")
-    if (isinstance(mask, Mask) or (mask is None and p.T_q * p.T_k >= LONG_SCORES)) and not (
-            key.device.type == "cuda"):  # SDPA's CUDA kernels hold no T_q × T_k
+        return Dispatch(
+            "flex",
+            f"mask {mask!r} on CUDA: FlexAttention skips its empty "
+            "blocks and runs its partial ones fused (SDPA could take it only as a "
+            f"dense {kind} mask)",
+        )
+    if (
+        isinstance(mask, Mask) or (mask is None and p.T_q * p.T_k >= LONG_SCORES)
+    ) and key.device.type != "cuda":  # SDPA's CUDA kernels hold no T_q × T_k
         plan = _plan(mask, p)
         if plan.density < SPARSE_DENSITY:
-            return Dispatch("tiled", f"mask {mask!r} leaves {plan.density:.1%} of the scores "
-                            "to compute: the tiled kernel skips the empty blocks (as would "
-                            "backend='flex', run only when asked for: it compiles per mask)",
-                            plan)
+            return Dispatch(
+                "tiled",
+                f"mask {mask!r} leaves {plan.density:.1%} of the scores "
+                "to compute: the tiled kernel skips the empty blocks (as would "
+                "backend='flex', run only when asked for: it compiles per mask)",
+                plan,
+            )
         if p.T_q * p.T_k >= LONG_SCORES:
-            return Dispatch("tiled", f"T_q × T_k = {p.T_q} × {p.T_k}: torch's fused kernel "
-                            f"could take {_describe(mask, mod)} only as a dense {kind} mask",
-                            plan)
-    return Dispatch("sdpa", f"{_describe(mask, mod)} passed to torch's fused kernel as a "
-                    f"dense {kind} mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})",
-                    sdpa_mask=mode)
+            return Dispatch(
+                "tiled",
+                f"T_q × T_k = {p.T_q} × {p.T_k}: torch's fused kernel "
+                f"could take {_describe(mask, mod)} only as a dense {kind} mask",
+                plan,
+            )
+    return Dispatch(
+        "sdpa",
+        f"{_describe(mask, mod)} passed to torch's fused kernel as a "
+        f"dense {kind} mask of (B, H, T_q, T_k) = ({p.B}, {p.H}, {p.T_q}, {p.T_k})",
+        sdpa_mask=mode,
+    )
 
 
 def _plan(mask: MaskLike, p: Problem) -> Plan:
     if isinstance(mask, Mask) and p.T_q and p.T_k:
-        tiles = mask.sparse_blocks(p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K,
-                                   q_offset=p.q_offset)
+        tiles = mask.sparse_blocks(
+            p.B, p.H, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K, q_offset=p.q_offset
+        )
     else:
         tiles = dense_to_sparse(block_codes(mask, p))
     return make_plan(*tiles, p.T_q, p.T_k, block_q=BLOCK_Q, block_k=BLOCK_K, chunk_k=CHUNK_K)

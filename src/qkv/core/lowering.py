@@ -8,15 +8,15 @@ length.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .._checks import Problem
-from .dispatch import MaskLike
 from ..kernels.tiled.plan import MaskTile, ModTile
 from ..masks import Mask
 from ..scores import ScoreMod
+from .dispatch import MaskLike
 
 
 def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
@@ -61,8 +61,9 @@ def mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | No
     return dense_tile
 
 
-def indices(p: Problem, device: torch.device, rows: torch.Tensor, heads: torch.Tensor,
-             k0: int, k1: int) -> tuple[torch.Tensor, ...]:
+def indices(
+    p: Problem, device: torch.device, rows: torch.Tensor, heads: torch.Tensor, k0: int, k1: int
+) -> tuple[torch.Tensor, ...]:
     """(b, h, q_idx, kv_idx, row) index tensors of a score tile, broadcastable to
     (B, len(heads), len(rows), k1 - k0): what a score modification receives."""
     b = torch.arange(p.B, device=device).view(-1, 1, 1, 1)
@@ -71,8 +72,9 @@ def indices(p: Problem, device: torch.device, rows: torch.Tensor, heads: torch.T
     return b, heads.to(device).view(1, -1, 1, 1), row + p.q_offset, kv, row
 
 
-def modify(mod: ScoreMod | None, p: Problem, device: torch.device
-           ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def modify(
+    mod: ScoreMod | None, p: Problem, device: torch.device
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The score modification over a whole (B, H, T_q, T_k) score matrix (or None)."""
     if mod is None:
         return None
@@ -106,8 +108,9 @@ class _ModTile:
                 s4 = stage.apply_(s4, *idx).expand(s4.shape)
         return s4.reshape(s.shape)
 
-    def vjp(self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *,
-            need: bool) -> tuple[torch.Tensor, list]:
+    def vjp(
+        self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, need: bool
+    ) -> tuple[torch.Tensor, list]:
         s4, idx = self._view(s, q0, q1, k0, k1)
         d4, grads = self.mod.vjp(ds.view(s4.shape), s4, *idx, need=need)
         return d4.reshape(s.shape), grads

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import zlib
 from typing import Any
 
@@ -33,11 +34,20 @@ from .layout import Layout
 SCHEDULES = ("allgather", "ring")
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-              layout: Layout, mask: Any = None, schedule: str = "allgather",
-              scale: float | None = None, dropout_p: float = 0.0,
-              group: dist.ProcessGroup | None = None, check: bool = True,
-              ring_piece: int = 2048) -> torch.Tensor:
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    layout: Layout,
+    mask: Any = None,
+    schedule: str = "allgather",
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    group: dist.ProcessGroup | None = None,
+    check: bool = True,
+    ring_piece: int = 2048,
+) -> torch.Tensor:
     """Attention over the whole sequence, each rank passing and receiving its own positions.
 
     Args:
@@ -66,22 +76,32 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
             ``check``) a call that differs between ranks — raised on every rank.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    problem = _local_problem(query, key, value, layout, mask, schedule, rank, world,
-                             ring_piece)
+    problem = _local_problem(query, key, value, layout, mask, schedule, rank, world, ring_piece)
     if check:  # before anything can raise on one rank only and leave the others waiting
-        _check_same_call(query, key, value, layout, mask, schedule, problem, group,
-                         ring_piece)
+        _check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece)
     if problem is not None:
         raise ValueError(problem)
     # Keys and values travel together: one collective (or one ring pass) for both, so every
     # rank issues the same calls in the same order, forward and backward.
     if schedule == "allgather":
         kv = torch.cat([key, value], dim=-1)  # (B, H_kv, T_r, D + D_v)
-        outs = _allgather(query, kv, layout, mask, rank, group, key.shape[-1],
-                          scale=scale, dropout_p=dropout_p)
+        outs = _allgather(
+            query, kv, layout, mask, rank, group, key.shape[-1], scale=scale, dropout_p=dropout_p
+        )
     else:
-        outs = _ring(query, key, value, layout, mask, rank, world, group, scale=scale,
-                     dropout_p=dropout_p, piece=ring_piece)
+        outs = _ring(
+            query,
+            key,
+            value,
+            layout,
+            mask,
+            rank,
+            world,
+            group,
+            scale=scale,
+            dropout_p=dropout_p,
+            piece=ring_piece,
+        )
     if not outs:  # this rank holds no position
         return query.new_zeros(*query.shape[:3], value.shape[-1])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
@@ -104,20 +124,25 @@ def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tens
     k, v = kv[..., :D], kv[..., D:]
     outs = []
     for a, b, local in _runs_of(layout, rank):
-        q = query[:, :, local:local + b - a]  # (B, H, b - a, D): queries at positions a..b-1
+        q = query[:, :, local : local + b - a]  # (B, H, b - a, D): queries at positions a..b-1
         run_mask = mask[..., a:b, :] if isinstance(mask, torch.Tensor) else mask
-        outs.append(local_attention(q, k, v, mask=run_mask, **kw,
-                                    q_offset=a if isinstance(mask, Mask) else None))
+        outs.append(
+            local_attention(
+                q, k, v, mask=run_mask, **kw, q_offset=a if isinstance(mask, Mask) else None
+            )
+        )
     return outs
 
 
-def _ring(query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece
-          ) -> list[torch.Tensor]:
+def _ring(
+    query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece
+) -> list[torch.Tensor]:
     if dropout_p > 0:
-        raise ValueError("the ring schedule has no dropout (its pairs run the tiled kernel); "
-                         "use schedule='allgather'")
-    out = _RingAttention.apply(query, key, value, layout, mask, scale, rank, world, group,
-                               piece)
+        raise ValueError(
+            "the ring schedule has no dropout (its pairs run the tiled kernel); "
+            "use schedule='allgather'"
+        )
+    out = _RingAttention.apply(query, key, value, layout, mask, scale, rank, world, group, piece)
     return [out] if out.shape[2] else []
 
 
@@ -125,9 +150,11 @@ def _pieces(layout: Layout, piece: int) -> list[list[tuple[int, int]]]:
     """Each rank's local positions cut into the same number of consecutive pieces of at most
     ``piece`` positions (as even as possible): [(lo, hi), …] per rank."""
     count = max(1, -(-max(layout.size(r) for r in range(layout.world_size)) // piece))
-    cuts = [[n * i // count for i in range(count + 1)]
-            for n in (layout.size(r) for r in range(layout.world_size))]
-    return [list(zip(c[:-1], c[1:])) for c in cuts]
+    cuts = [
+        [n * i // count for i in range(count + 1)]
+        for n in (layout.size(r) for r in range(layout.world_size))
+    ]
+    return [list(itertools.pairwise(c)) for c in cuts]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -152,8 +179,10 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(query.dtype)
         # Each query run's result so far, merged pair by pair. Before any key: 0, lse -inf.
         outs = [query.new_zeros(*query.shape[:2], qb - qa, D_v) for qa, qb, _ in runs]
-        lses = [torch.full((*query.shape[:2], qb - qa), float("-inf"), dtype=acc,
-                           device=query.device) for qa, qb, _ in runs]
+        lses = [
+            torch.full((*query.shape[:2], qb - qa), float("-inf"), dtype=acc, device=query.device)
+            for qa, qb, _ in runs
+        ]
         pieces = _pieces(layout, piece)
         for p, (lo, hi) in enumerate(pieces[rank]):
             current = torch.cat([key[:, :, lo:hi], value[:, :, lo:hi]], dim=-1)
@@ -161,8 +190,9 @@ class _RingAttention(torch.autograd.Function):
                 owner = (rank - step) % world
                 if step > 0:
                     current = _pass_on(current, _length(pieces[owner][p]), rank, world, group)
-                for i, _, pair in _pairs(query, current, layout, mask, runs, owner,
-                                         pieces[owner][p], scale, D):
+                for i, _, pair in _pairs(
+                    query, current, layout, mask, runs, owner, pieces[owner][p], scale, D
+                ):
                     o, l_ = _tiled(*pair)
                     outs[i], lses[i] = merge_attention([outs[i], o], [lses[i], l_])
                 _trim()
@@ -182,9 +212,19 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(query.dtype)
         # rowsum(dO ∘ O), (B, H, T_r): once, not once a pair, and a run at a time, so no
         # (B, H, T_r, D_v) product is ever held.
-        delta = torch.cat([(dout[:, :, ql:ql + qb - qa].to(acc) * out[:, :, ql:ql + qb - qa]
-                            .to(acc)).sum(-1) for qa, qb, ql in runs], dim=2) if runs else \
-            out.new_zeros(out.shape[:3], dtype=acc)
+        delta = (
+            torch.cat(
+                [
+                    (
+                        dout[:, :, ql : ql + qb - qa].to(acc) * out[:, :, ql : ql + qb - qa].to(acc)
+                    ).sum(-1)
+                    for qa, qb, ql in runs
+                ],
+                dim=2,
+            )
+            if runs
+            else out.new_zeros(out.shape[:3], dtype=acc)
+        )
         pieces = _pieces(layout, piece)
         for p, (lo, hi) in enumerate(pieces[rank]):
             current = torch.cat([key[:, :, lo:hi], value[:, :, lo:hi]], dim=-1)
@@ -196,17 +236,26 @@ class _RingAttention(torch.autograd.Function):
                     current = _pass_on(current, length, rank, world, group)
                     dcurrent = _pass_on(dcurrent, length, rank, world, group)
                 for i, (ka, kb, kl), (q, k, v, pair_mask, s) in _pairs(
-                        query, current, layout, mask, runs, owner, pieces[owner][p], scale, D):
+                    query, current, layout, mask, runs, owner, pieces[owner][p], scale, D
+                ):
                     qa, qb, ql = runs[i]
                     rows = slice(ql, ql + qb - qa)
                     pr, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
-                    dq, dk, dv = plain_backward(q, k, v, out[:, :, rows], lse[:, :, rows],
-                                                dout[:, :, rows], choice.plan,
-                                                mask_tile(m, pr, q.device), pr.scale,
-                                                delta=delta[:, :, rows])
+                    dq, dk, dv = plain_backward(
+                        q,
+                        k,
+                        v,
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        dout[:, :, rows],
+                        choice.plan,
+                        mask_tile(m, pr, q.device),
+                        pr.scale,
+                        delta=delta[:, :, rows],
+                    )
                     dquery[:, :, rows] += dq
-                    dcurrent[:, :, kl:kl + kb - ka, :D] += dk
-                    dcurrent[:, :, kl:kl + kb - ka, D:] += dv
+                    dcurrent[:, :, kl : kl + kb - ka, :D] += dk
+                    dcurrent[:, :, kl : kl + kb - ka, D:] += dv
                 _trim()
             # The accumulator of rank (r + 1)'s piece is here; one more pass takes it home.
             if world > 1:
@@ -249,17 +298,28 @@ def _pairs(query, kv, layout, mask, runs, owner, bounds, scale, D):
         if kb <= ka:  # the run lies outside this piece
             continue
         kl -= lo  # where the clipped run starts in kv
-        k = kv[:, :, kl:kl + kb - ka, :D]  # keys at positions ka..kb-1
-        v = kv[:, :, kl:kl + kb - ka, D:]
+        k = kv[:, :, kl : kl + kb - ka, :D]  # keys at positions ka..kb-1
+        v = kv[:, :, kl : kl + kb - ka, D:]
         for i, (qa, qb, ql) in enumerate(runs):
             pair = _pair_mask(mask, qa, qb, ka, kb, layout.T)
             if pair is not _EMPTY:
-                yield i, (ka, kb, kl), (query[:, :, ql:ql + qb - qa], k, v, pair, scale)
+                yield i, (ka, kb, kl), (query[:, :, ql : ql + qb - qa], k, v, pair, scale)
 
 
 def _tiled_plan(q, k, v, mask, scale):
-    return _prepare(q, k, v, mask=mask, scale=scale, q_offset=None, dropout_p=0.0,
-                    generator=None, return_weights=False, return_lse=True, backend="tiled")
+    return _prepare(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        q_offset=None,
+        dropout_p=0.0,
+        generator=None,
+        return_weights=False,
+        return_lse=True,
+        backend="tiled",
+    )
 
 
 def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,14 +328,18 @@ def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     return out.to(q.dtype), lse
 
 
-def _pass_on(x: torch.Tensor, recv_len: int, rank: int, world: int, group: Any
-             ) -> torch.Tensor:
+def _pass_on(x: torch.Tensor, recv_len: int, rank: int, world: int, group: Any) -> torch.Tensor:
     """Send x to rank + 1, receive rank - 1's (recv_len positions along dim 2). Plain
     isend/irecv pairs: gloo's batch_isend_irecv is reported to hang."""
     shape = list(x.shape)
     shape[2] = recv_len
-    return _exchange(x, _global(group, (rank + 1) % world), x.new_empty(shape),
-                     _global(group, (rank - 1) % world), group)
+    return _exchange(
+        x,
+        _global(group, (rank + 1) % world),
+        x.new_empty(shape),
+        _global(group, (rank - 1) % world),
+        group,
+    )
 
 
 _EMPTY = object()
@@ -291,8 +355,7 @@ def _pair_mask(mask: Any, qa: int, qb: int, ka: int, kb: int, T: int) -> Any:
         part = mask[..., qa:qb, ka:kb]
         return part if part.any() else _EMPTY
     shifted = mask.shifted(qa - ((kb - ka) - (qb - qa)), ka, T)
-    codes = shifted.blocks(mask.batch or 1, 1, qb - qa, kb - ka, block_q=qb - qa,
-                           block_k=kb - ka)
+    codes = shifted.blocks(mask.batch or 1, 1, qb - qa, kb - ka, block_q=qb - qa, block_k=kb - ka)
     return _EMPTY if (codes == EMPTY).all() else shifted
 
 
@@ -300,17 +363,21 @@ def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group: Any
-              ) -> torch.Tensor:
-    requests = [dist.isend(send.contiguous(), to, group=group),
-                dist.irecv(recv, source, group=group)]
+def _exchange(
+    send: torch.Tensor, to: int, recv: torch.Tensor, source: int, group: Any
+) -> torch.Tensor:
+    requests = [
+        dist.isend(send.contiguous(), to, group=group),
+        dist.irecv(recv, source, group=group),
+    ]
     for r in requests:
         r.wait()
     return recv
 
 
-def _local_problem(query, key, value, layout, mask, schedule, rank, world, ring_piece
-                   ) -> str | None:
+def _local_problem(
+    query, key, value, layout, mask, schedule, rank, world, ring_piece
+) -> str | None:
     """What is wrong with this rank's call on its own, in words; None if nothing."""
     if schedule not in SCHEDULES:
         return f"schedule must be one of {SCHEDULES}; got {schedule!r}"
@@ -322,20 +389,40 @@ def _local_problem(query, key, value, layout, mask, schedule, rank, world, ring_
         return f"the layout is for {layout.world_size} ranks; the group has {world}"
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            return (f"{name} must be a 4-d (B, H, T_r, ·) tensor; got "
-                    f"{tuple(getattr(x, 'shape', ()))}")
-    if query.shape[2] != layout.size(rank) or key.shape[2] != layout.size(rank) or \
-            value.shape[2] != layout.size(rank):
-        return (f"rank {rank} holds T_r={layout.size(rank)} positions; got query "
-                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+            return (
+                f"{name} must be a 4-d (B, H, T_r, ·) tensor; got {tuple(getattr(x, 'shape', ()))}"
+            )
+    if (
+        query.shape[2] != layout.size(rank)
+        or key.shape[2] != layout.size(rank)
+        or value.shape[2] != layout.size(rank)
+    ):
+        return (
+            f"rank {rank} holds T_r={layout.size(rank)} positions; got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
     if isinstance(mask, torch.Tensor) and mask.shape[-2:] != (layout.T, layout.T):
-        return (f"a dense mask must cover the whole sequence, (…, T, T) = (…, {layout.T}, "
-                f"{layout.T}); got {tuple(mask.shape)}")
+        return (
+            f"a dense mask must cover the whole sequence, (…, T, T) = (…, {layout.T}, "
+            f"{layout.T}); got {tuple(mask.shape)}"
+        )
     return None
 
 
-_SIGNATURE = ("valid input", "schedule", "B", "H", "H_kv", "D", "D_v", "dtype", "T",
-              "layout", "mask", "ring_piece")
+_SIGNATURE = (
+    "valid input",
+    "schedule",
+    "B",
+    "H",
+    "H_kv",
+    "D",
+    "D_v",
+    "dtype",
+    "T",
+    "layout",
+    "mask",
+    "ring_piece",
+)
 
 
 def _signature(query, key, value, layout, mask, schedule, problem, ring_piece) -> list[int]:
@@ -347,28 +434,44 @@ def _signature(query, key, value, layout, mask, schedule, problem, ring_piece) -
         described = f"dense{tuple(mask.shape)}:{int(mask.count_nonzero())}"
     else:
         described = repr(mask)
-    return [1, crc(schedule), query.shape[0], query.shape[1], key.shape[1], key.shape[-1],
-            value.shape[-1], crc(query.dtype), layout.T, crc(layout.runs), crc(described),
-            ring_piece]
+    return [
+        1,
+        crc(schedule),
+        query.shape[0],
+        query.shape[1],
+        key.shape[1],
+        key.shape[-1],
+        value.shape[-1],
+        crc(query.dtype),
+        layout.T,
+        crc(layout.runs),
+        crc(described),
+        ring_piece,
+    ]
 
 
-def _check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece
-                     ) -> None:
-    mine = torch.tensor(_signature(query, key, value, layout, mask, schedule, problem,
-                                   ring_piece), dtype=torch.int64)
+def _check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece) -> None:
+    mine = torch.tensor(
+        _signature(query, key, value, layout, mask, schedule, problem, ring_piece),
+        dtype=torch.int64,
+    )
     every = torch.stack(_all_gather(mine, group))  # (world, fields)
     failed = (every[:, 0] == 0).nonzero().flatten().tolist()
     if failed and problem is None:
-        raise ValueError(f"rank(s) {failed} passed invalid input to "
-                         "qkv.distributed.attention (their error says what)")
+        raise ValueError(
+            f"rank(s) {failed} passed invalid input to "
+            "qkv.distributed.attention (their error says what)"
+        )
     if failed:
         return  # this rank raises its own problem
     for name, column in zip(_SIGNATURE, every.T):
         if (column != column[0]).any():
-            raise ValueError(f"the ranks' calls differ in {name}: every rank must pass the "
-                             f"same schedule, B, H, H_kv, D, D_v, dtype, layout, mask and "
-                             f"ring_piece "
-                             f"(per rank: {column.tolist()})")
+            raise ValueError(
+                f"the ranks' calls differ in {name}: every rank must pass the "
+                f"same schedule, B, H, H_kv, D, D_v, dtype, layout, mask and "
+                f"ring_piece "
+                f"(per rank: {column.tolist()})"
+            )
 
 
 def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:

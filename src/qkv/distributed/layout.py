@@ -34,8 +34,7 @@ class Layout:
     def __post_init__(self) -> None:
         held = sorted(p for rank in self.runs for a, b in rank for p in range(a, b))
         if held != list(range(self.T)):
-            raise ValueError(f"a layout must give every position of T={self.T} to exactly one "
-                             "rank")
+            raise ValueError(f"a layout must give every position of T={self.T} to exactly one rank")
 
     @property
     def world_size(self) -> int:
@@ -47,21 +46,34 @@ class Layout:
 
     def positions(self, rank: int) -> torch.Tensor:
         """The absolute positions rank holds, in its local order: (size(rank),) int64."""
-        return torch.cat([torch.arange(a, b) for a, b in self.runs[rank]] or
-                         [torch.zeros(0, dtype=torch.long)])
+        return torch.cat(
+            [torch.arange(a, b) for a, b in self.runs[rank]] or [torch.zeros(0, dtype=torch.long)]
+        )
 
     @classmethod
     def contiguous(cls, T: int, world_size: int) -> Layout:
         """One run per rank; the first ``T % world_size`` ranks hold one position more."""
         _check(T, world_size)
         sizes = [T // world_size + (r < T % world_size) for r in range(world_size)]
-        starts = np.cumsum([0] + sizes)
-        return cls(T, tuple(((int(starts[r]), int(starts[r + 1])),) if sizes[r] else ()
-                            for r in range(world_size)))
+        starts = np.cumsum([0, *sizes])
+        return cls(
+            T,
+            tuple(
+                ((int(starts[r]), int(starts[r + 1])),) if sizes[r] else ()
+                for r in range(world_size)
+            ),
+        )
 
     @classmethod
-    def balanced(cls, T: int, world_size: int, mask: Mask | None = None, *,
-                 chunks_per_rank: int = 16, block_k: int = 64) -> Layout:
+    def balanced(
+        cls,
+        T: int,
+        world_size: int,
+        mask: Mask | None = None,
+        *,
+        chunks_per_rank: int = 16,
+        block_k: int = 64,
+    ) -> Layout:
         """``chunks_per_rank · world_size`` equal chunks of positions, each weighed by the
         work the mask leaves in it — its non-empty (chunk × block_k) blocks in the mask's
         block map (a mask of unknown structure, or None, counts every block) — and dealt
@@ -69,8 +81,10 @@ class Layout:
         mask this is the head-tail (zigzag) layout: rank r holds chunks r and 2W-1-r."""
         _check(T, world_size)
         if mask is not None and not isinstance(mask, Mask):
-            raise TypeError(f"mask must be a qkv mask or None; got {type(mask).__name__} "
-                            "(a dense mask has no structure to balance: use contiguous)")
+            raise TypeError(
+                f"mask must be a qkv mask or None; got {type(mask).__name__} "
+                "(a dense mask has no structure to balance: use contiguous)"
+            )
         n = chunks_per_rank * world_size
         bounds = [T * i // n for i in range(n + 1)]
         chunks = [(bounds[i], bounds[i + 1]) for i in range(n) if bounds[i + 1] > bounds[i]]
@@ -79,8 +93,9 @@ class Layout:
             if mask is None:
                 work.append(-(-T // block_k))
             else:  # the rows of this chunk against every key block, at absolute positions
-                codes = mask.blocks(mask.batch or 1, 1, b - a, T, block_q=b - a,
-                                    block_k=block_k, q_offset=a)
+                codes = mask.blocks(
+                    mask.batch or 1, 1, b - a, T, block_q=b - a, block_k=block_k, q_offset=a
+                )
                 work.append(int((codes != EMPTY).sum()))
         loads = [(0, r) for r in range(world_size)]  # a heap of (work so far, rank)
         held: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
@@ -96,12 +111,14 @@ class Layout:
         """This rank's part of a full tensor: the positions it holds, along ``dim``."""
         rank = _rank(rank)
         if x.shape[dim] != self.T:
-            raise ValueError(f"x must have T={self.T} positions along dim {dim}; got shape "
-                             f"{tuple(x.shape)}")
+            raise ValueError(
+                f"x must have T={self.T} positions along dim {dim}; got shape {tuple(x.shape)}"
+            )
         return x.index_select(dim, self.positions(rank).to(x.device))
 
-    def gather(self, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
-               ) -> torch.Tensor:
+    def gather(
+        self, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         """The full tensor back from every rank's part (differentiable: the gradient of
         each part is the sum of every rank's gradient at its positions)."""
         return _Gather.apply(x, dim, self, group)
@@ -137,11 +154,12 @@ class _Gather(torch.autograd.Function):
         dim = dim % x.ndim
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if world != layout.world_size:
-            raise ValueError(f"the layout is for {layout.world_size} ranks; the group has "
-                             f"{world}")
+            raise ValueError(f"the layout is for {layout.world_size} ranks; the group has {world}")
         if x.shape[dim] != layout.size(rank):
-            raise ValueError(f"rank {rank} holds {layout.size(rank)} positions; got "
-                             f"{x.shape[dim]} along dim {dim}")
+            raise ValueError(
+                f"rank {rank} holds {layout.size(rank)} positions; got "
+                f"{x.shape[dim]} along dim {dim}"
+            )
         longest = max(layout.size(r) for r in range(world))
         pad = list(x.shape)
         pad[dim] = longest - x.shape[dim]

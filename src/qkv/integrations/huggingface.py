@@ -36,17 +36,34 @@ NAME = "qkv"
 
 
 # Keyword arguments transformers passes that say nothing about the attention itself.
-_IGNORED = frozenset({"position_ids", "use_cache", "cache_position", "past_key_values",
-                      "past_key_value", "layer_idx", "output_attentions", "return_dict"})
+_IGNORED = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "past_key_value",
+        "layer_idx",
+        "output_attentions",
+        "return_dict",
+    }
+)
 
 
-def qkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, attention_mask: torch.Tensor | None,
-                          dropout: float = 0.0, scaling: float | None = None,
-                          is_causal: bool | None = None, softcap: float | None = None,
-                          sliding_window: int | None = None,
-                          position_bias: torch.Tensor | None = None, **kwargs: Any
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def qkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function signature on top of :func:`qkv.attention`.
 
     Args:
@@ -67,15 +84,19 @@ def qkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     """
     unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None)
     if unknown:
-        raise ValueError(f"qkv cannot honour the attention argument(s) {', '.join(unknown)} "
-                         f"that {type(module).__name__} passes; use another attn_implementation")
+        raise ValueError(
+            f"qkv cannot honour the attention argument(s) {', '.join(unknown)} "
+            f"that {type(module).__name__} passes; use another attn_implementation"
+        )
     T_q, q_offset = query.shape[2], None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
     if type(mask) is StructuralMask:  # built by qkv_mask: used as the qkv mask it holds
         if key.shape[2] != mask.shape[-1] or T_q != mask.shape[-2]:
-            raise ValueError(f"the mask was built for (T_q, T_k) = {tuple(mask.shape[-2:])}; "
-                             f"{type(module).__name__} passes ({T_q}, {key.shape[2]})")
+            raise ValueError(
+                f"the mask was built for (T_q, T_k) = {tuple(mask.shape[-2:])}; "
+                f"{type(module).__name__} passes ({T_q}, {key.shape[2]})"
+            )
         mask, q_offset = mask.qkv_mask, mask.q_offset
     elif mask is None and is_causal and T_q > 1:
         # transformers skipped building a causal mask: it expects is_causal with keys aligned
@@ -83,13 +104,23 @@ def qkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         key, value = key[:, :, :T_q], value[:, :, :T_q]
         mask = sliding_window_mask(sliding_window) if sliding_window else causal()
     mods = ([bias(position_bias)] if position_bias is not None else []) + (
-        [scores_softcap(softcap)] if softcap is not None else [])
+        [scores_softcap(softcap)] if softcap is not None else []
+    )
     config = getattr(module, "config", None)
-    want_weights = bool(kwargs.get("output_attentions",
-                                   getattr(config, "output_attentions", False)))
-    result = attention(query, key, value, mask=mask, scale=scaling, q_offset=q_offset,
-                       dropout_p=dropout if module.training else 0.0,
-                       return_weights=want_weights, score_mod=chain(*mods) if mods else None)
+    want_weights = bool(
+        kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+    )
+    result = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scaling,
+        q_offset=q_offset,
+        dropout_p=dropout if module.training else 0.0,
+        return_weights=want_weights,
+        score_mod=chain(*mods) if mods else None,
+    )
     out, weights = result if want_weights else (result, None)
     return out.transpose(1, 2).contiguous(), weights
 
@@ -112,8 +143,10 @@ class StructuralMask(torch.Tensor):
         return self.qkv_mask.dense(B, 1, T_q, T_k, q_offset=self.q_offset, device=self.device)
 
     def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
-        return (f"StructuralMask({self.qkv_mask!r}, q_offset={self.q_offset}, "
-                f"shape={tuple(self.shape)})")
+        return (
+            f"StructuralMask({self.qkv_mask!r}, q_offset={self.q_offset}, "
+            f"shape={tuple(self.shape)})"
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -131,10 +164,13 @@ def _structure(mask_function: Any) -> Mask | None:
     if mask_function is mu.bidirectional_mask_function:
         return full()
     parts = _closure(mask_function, "mask_functions")  # and_masks(overlay, causal)
-    if (getattr(mask_function, "__qualname__", "").startswith("and_masks.")
-            and isinstance(parts, tuple) and len(parts) == 2
-            and parts[1] is mu.causal_mask_function
-            and getattr(parts[0], "__qualname__", "").startswith("sliding_window_overlay.")):
+    if (
+        getattr(mask_function, "__qualname__", "").startswith("and_masks.")
+        and isinstance(parts, tuple)
+        and len(parts) == 2
+        and parts[1] is mu.causal_mask_function
+        and getattr(parts[0], "__qualname__", "").startswith("sliding_window_overlay.")
+    ):
         window = _closure(parts[0], "sliding_window")
         if isinstance(window, int) and window >= 1:
             return sliding_window_mask(window)
@@ -142,8 +178,12 @@ def _structure(mask_function: Any) -> Mask | None:
 
 
 def _closure(fn: Any, name: str) -> Any:
-    cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()),
-                     getattr(fn, "__closure__", None) or ()))
+    cells = dict(
+        zip(
+            getattr(getattr(fn, "__code__", None), "co_freevars", ()),
+            getattr(fn, "__closure__", None) or (),
+        )
+    )
     return cells[name].cell_contents if name in cells else None
 
 
@@ -159,12 +199,22 @@ def _valid_keys(padding: torch.Tensor) -> list[Mask] | None:
     if not bool((end - start == count).all()):
         return None
     return ([~padding_mask(start)] if bool(start.any()) else []) + (
-        [padding_mask(end)] if bool((end < T_k).any()) else [])
+        [padding_mask(end)] if bool((end < T_k).any()) else []
+    )
 
 
-def qkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
-             kv_offset: Any = 0, mask_function: Any = None, attention_mask: Any = None,
-             allow_is_causal_skip: bool = True, device: Any = "cpu", **kwargs: Any) -> Any:
+def qkv_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    mask_function: Any = None,
+    attention_mask: Any = None,
+    allow_is_causal_skip: bool = True,
+    device: Any = "cpu",
+    **kwargs: Any,
+) -> Any:
     """transformers' mask builder for qkv: a causal, bidirectional or causal sliding-window
     mask whose padding leaves each row one run of keys becomes a :class:`StructuralMask`;
     anything else (and everything while compiling) is transformers' own ``sdpa_mask``."""
@@ -172,8 +222,17 @@ def qkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
 
     mask_function = causal_mask_function if mask_function is None else mask_function
     dense = lambda: sdpa_mask(  # noqa: E731
-        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-        allow_is_causal_skip=allow_is_causal_skip, device=device, **kwargs)
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip,
+        device=device,
+        **kwargs,
+    )
     structure = _structure(mask_function)
     if structure is None or torch.compiler.is_compiling():
         return dense()
@@ -181,7 +240,7 @@ def qkv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
     if not 0 <= offset <= kv_length - q_length:
         return dense()
     if attention_mask is not None:
-        padding = attention_mask[:, int(kv_offset):int(kv_offset) + kv_length]
+        padding = attention_mask[:, int(kv_offset) : int(kv_offset) + kv_length]
         if padding.shape[-1] < kv_length:  # key slots past the 2D mask (a static cache)
             padding = torch.nn.functional.pad(padding, (0, kv_length - padding.shape[-1]))
         valid = _valid_keys(padding)
@@ -198,7 +257,8 @@ def register(name: str = NAME) -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:  # transformers is an optional extra
-        raise ImportError('the Hugging Face integration needs transformers >= 5: '
-                          'pip install "qkv[huggingface]"') from err
+        raise ImportError(
+            'the Hugging Face integration needs transformers >= 5: pip install "qkv[huggingface]"'
+        ) from err
     AttentionInterface.register(name, qkv_attention_forward)
     AttentionMaskInterface.register(name, qkv_mask)

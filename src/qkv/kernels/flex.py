@@ -43,8 +43,9 @@ RECOMPILE_LIMIT = 256
 _COMPILED: Any = None
 
 
-def block_mask(mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: int,
-               device: torch.device) -> Any:
+def block_mask(
+    mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: int, device: torch.device
+) -> Any:
     """The ``BlockMask`` of a qkv mask (None: every block FULL), from its block map."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -57,14 +58,22 @@ def block_mask(mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: 
         # per query block: how many key blocks, and their indices first (stable: in order)
         count = chosen.sum(-1).astype(np.int32)
         order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
-        return (torch.from_numpy(count).to(device)[None, None],
-                torch.from_numpy(order).to(device)[None, None])
+        return (
+            torch.from_numpy(count).to(device)[None, None],
+            torch.from_numpy(order).to(device)[None, None],
+        )
 
     partial, partial_idx = pack(codes == PARTIAL)
     full, full_idx = pack(codes == FULL)
-    return BlockMask.from_kv_blocks(partial, partial_idx, full, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod(mask, q_offset, device),
-                                    seq_lengths=(T_q, T_k))
+    return BlockMask.from_kv_blocks(
+        partial,
+        partial_idx,
+        full,
+        full_idx,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod(mask, q_offset, device),
+        seq_lengths=(T_q, T_k),
+    )
 
 
 def mask_mod(mask: Mask | None, q_offset: int, device: torch.device) -> Any:
@@ -103,29 +112,50 @@ def _tensors(mask: Mask, device: torch.device) -> Mask:
     return out
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None, mod: Any,
-         q_offset: int, scale: float, return_lse: bool) -> tuple[torch.Tensor, Any]:
+def flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask | None,
+    mod: Any,
+    q_offset: int,
+    scale: float,
+    return_lse: bool,
+) -> tuple[torch.Tensor, Any]:
     """Run the compiled FlexAttention: (out, lse or None), inputs (B, H|H_kv, T, D)."""
     global _COMPILED
     from torch.nn.attention.flex_attention import flex_attention
 
     cpu = q.device.type == "cpu"
     if cpu and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise ValueError("backend='flex' on CPU runs inference only: torch's FlexAttention "
-                         "has no backward pass on CPU. Use backend='tiled' (or 'auto') to "
-                         "train there, or run under torch.no_grad()")
+        raise ValueError(
+            "backend='flex' on CPU runs inference only: torch's FlexAttention "
+            "has no backward pass on CPU. Use backend='tiled' (or 'auto') to "
+            "train there, or run under torch.no_grad()"
+        )
     if cpu and return_lse:
-        raise ValueError("backend='flex' cannot give the log-sum-exp on CPU (torch's "
-                         "compiled FlexAttention does not return it there); use "
-                         "backend='tiled'")
+        raise ValueError(
+            "backend='flex' cannot give the log-sum-exp on CPU (torch's "
+            "compiled FlexAttention does not return it there); use "
+            "backend='tiled'"
+        )
     if _COMPILED is None:
         _COMPILED = torch.compile(flex_attention, dynamic=False)
     B, H, T_q, _ = q.shape
     T_k = k.shape[2]
     blocks = block_mask(mask, B, H, T_q, T_k, q_offset, q.device)
-    result = run_compiled(_COMPILED, q, k, v, score_mod=score_mod(mod, q_offset),
-                          block_mask=blocks, scale=scale, enable_gqa=H != k.shape[1],
-                          return_lse=return_lse)
+    result = run_compiled(
+        _COMPILED,
+        q,
+        k,
+        v,
+        score_mod=score_mod(mod, q_offset),
+        block_mask=blocks,
+        scale=scale,
+        enable_gqa=k.shape[1] != H,
+        return_lse=return_lse,
+    )
     return (result[0], result[1]) if return_lse else (result, None)
 
 
@@ -134,6 +164,7 @@ def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> Any:
     dynamo's default limit of 8, torch would fall back to flex's unfused eager path, which
     materialises T_q × T_k scores (at T = 16K in bfloat16 that ran this machine out of
     memory): raise the limit, and fail rather than fall back past it."""
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
-                                    fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(
+        recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
+    ):
         return fn(*args, **kwargs)

@@ -10,7 +10,7 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -27,7 +27,8 @@ def sdpa(
     causal mask, which equals ours only when T_q == T_k. Returns out (B, H, T_q, D_v)."""
     B, H, T_q, D = q.shape
     H_kv = k.shape[1]
-    gqa = True if H != H_kv else False  # a plain bool (a branch) under torch.compile
+    # A plain bool under torch.compile (a branch): H != H_kv would be a SymBool there.
+    gqa = True if H != H_kv else False  # noqa: SIM210
     if gqa and mask is None and not is_causal:
         # GQA with no mask (every decode step): the G query heads sharing a key/value head
         # become G·T_q query rows of it, so each head of the cache is read once, not G times
@@ -37,6 +38,12 @@ def sdpa(
         out = F.scaled_dot_product_attention(rows, k, v, dropout_p=dropout_p, scale=scale)
         return out.view(B, H, T_q, v.shape[-1])
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
         enable_gqa=gqa,
     )

@@ -11,9 +11,10 @@ Legend: H heads · T_q/T_k query/key length · E input width · d head width.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,20 +47,31 @@ class Trace:
     def steps(self) -> list[tuple[str, str, torch.Tensor]]:
         """(name, what it is, tensor) for each step, in order."""
         s = self.scale
-        scale_text = "× 1 (no scaling)" if s == 1.0 else f"/ √{1 / s ** 2:g} = × {s:.4f}"
+        scale_text = "× 1 (no scaling)" if s == 1.0 else f"/ √{1 / s**2:g} = × {s:.4f}"
         steps = [
             ("inputs", "x: one row per token", self.inputs),
-            ("queries", self.notes.get("queries", "Q = x · W_query: what each token looks for"),
-             self.queries),
+            (
+                "queries",
+                self.notes.get("queries", "Q = x · W_query: what each token looks for"),
+                self.queries,
+            ),
             ("keys", self.notes.get("keys", "K = x · W_key: what each token offers"), self.keys),
-            ("values", self.notes.get("values", "V = x · W_value: what each token passes on"),
-             self.values),
+            (
+                "values",
+                self.notes.get("values", "V = x · W_value: what each token passes on"),
+                self.values,
+            ),
             ("scores", "Q · Kᵀ: row i scores every key for query i", self.scores),
             ("scaled_scores", f"Q · Kᵀ {scale_text}", self.scaled_scores),
         ]
         if self.modified_scores is not None:
-            steps.append(("modified_scores", f"{self.notes['score_mod']} applied to each scaled "
-                          "score, before the mask", self.modified_scores))
+            steps.append(
+                (
+                    "modified_scores",
+                    f"{self.notes['score_mod']} applied to each scaled score, before the mask",
+                    self.modified_scores,
+                )
+            )
         if self.mask is not None:
             steps.append(("mask", "█ may attend · masked (its weight will be 0)", self.mask))
         steps += [
@@ -104,36 +116,46 @@ class Trace:
         """A heatmap of the weights, one panel per head; written as PNG if ``path`` given."""
         from .viz import heatmap
 
-        return heatmap(self.weights, self.tokens, self.tokens, mask=self.mask, title=self.title,
-                       path=path)
+        return heatmap(
+            self.weights, self.tokens, self.tokens, mask=self.mask, title=self.title, path=path
+        )
 
 
 def _fmt(x: float, precision: int) -> str:
     return "-inf" if x == -math.inf else f"{x:.{precision}f}"
 
 
-def _table(m: torch.Tensor, rows: Sequence[str], cols: Sequence[str] | None,
-           precision: int) -> str:
+def _table(m: torch.Tensor, rows: Sequence[str], cols: Sequence[str] | None, precision: int) -> str:
     m = m.detach().double()
     cols = list(cols) if cols is not None else [f"[{j}]" for j in range(m.shape[1])]
     cells = [[_fmt(float(x), precision) for x in row] for row in m]
     width = max([len(c) for c in cols] + [len(c) for row in cells for c in row])
     label = max(len(r) for r in rows)
     head = " " * (label + 3) + " ".join(c.rjust(width) for c in cols)
-    body = [f"   {r.ljust(label)} " + " ".join(c.rjust(width) for c in row)
-            for r, row in zip(rows, cells)]
+    body = [
+        f"   {r.ljust(label)} " + " ".join(c.rjust(width) for c in row)
+        for r, row in zip(rows, cells)
+    ]
     return "\n".join([head, *body])
 
 
 def _picture(mask: torch.Tensor, rows: Sequence[str]) -> str:
     label = max(len(r) for r in rows)
-    return "\n".join(f"   {r.ljust(label)} " + " ".join("█" if a else "·" for a in row)
-                     for r, row in zip(rows, mask.tolist()))
+    return "\n".join(
+        f"   {r.ljust(label)} " + " ".join("█" if a else "·" for a in row)
+        for r, row in zip(rows, mask.tolist())
+    )
 
 
-def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
-            module: nn.Module | None = None, mask: MaskLike = None,
-            score_mod: ScoreMod | Callable[..., Any] | None = None, title: str | None = None) -> Trace:
+def explain(
+    x: torch.Tensor,
+    *,
+    tokens: Sequence[str] | None = None,
+    module: nn.Module | None = None,
+    mask: MaskLike = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    title: str | None = None,
+) -> Trace:
     """Trace one attention computation over one sequence.
 
     Args:
@@ -178,8 +200,9 @@ def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
             if hasattr(module, "out_proj"):
                 notes["output"] = "heads concatenated, then out_proj"
             merge = lambda context: module.merge(context, like=x)  # noqa: E731
-        context, weights = attention(q, k, v, mask=mask, scale=scale, return_weights=True,
-                                     score_mod=score_mod)
+        context, weights = attention(
+            q, k, v, mask=mask, scale=scale, return_weights=True, score_mod=score_mod
+        )
         scores = q @ k.transpose(-2, -1)  # (1, H, T, T)
         H = q.shape[1]
         modified = None
@@ -187,16 +210,31 @@ def explain(x: torch.Tensor, *, tokens: Sequence[str] | None = None,
             mod = as_score_mod(score_mod)
             notes["score_mod"] = repr(mod)
             i = torch.arange(T)
-            modified = mod.apply(scores * scale, torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                                 torch.arange(H).view(1, H, 1, 1), i.view(1, 1, T, 1),
-                                 i.view(1, 1, 1, T), i.view(1, 1, T, 1))[0]  # (H, T, T)
+            modified = mod.apply(
+                scores * scale,
+                torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                torch.arange(H).view(1, H, 1, 1),
+                i.view(1, 1, T, 1),
+                i.view(1, 1, 1, T),
+                i.view(1, 1, T, 1),
+            )[0]  # (H, T, T)
         dense = mask.dense(1, H, T, T)[0, 0] if isinstance(mask, Mask) else mask
         if isinstance(dense, torch.Tensor):
             dense = dense.expand(1, 1, T, T)[0, 0]  # any broadcastable shape -> (T, T)
         return Trace(
-            tokens=tokens, inputs=x, queries=q[0], keys=k[0], values=v[0], scores=scores[0],
-            scale=scale, scaled_scores=scores[0] * scale, mask=dense, weights=weights[0],
-            context=context[0], output=merge(context), modified_scores=modified,
+            tokens=tokens,
+            inputs=x,
+            queries=q[0],
+            keys=k[0],
+            values=v[0],
+            scores=scores[0],
+            scale=scale,
+            scaled_scores=scores[0] * scale,
+            mask=dense,
+            weights=weights[0],
+            context=context[0],
+            output=merge(context),
+            modified_scores=modified,
             title=title or (type(module).__name__ if module is not None else "simplified"),
             notes=notes,
         )

@@ -81,7 +81,7 @@ def stable_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return naive_softmax(x - x.amax(dim=dim, keepdim=True), dim=dim)
 
 
-class SelfAttention_v1(nn.Module):  # noqa: N801 - the seeds' name
+class SelfAttention_v1(nn.Module):
     """Self-attention with ``nn.Parameter(torch.rand(d_in, d_out))`` weights (seeds 000 and
     004), created in the order query, key, value.
 
@@ -118,9 +118,13 @@ class Variance(NamedTuple):
     scaled: float  # variance of q · k / sqrt(dim)
 
 
-def dot_product_variance(dim: int, trials: int = 1000,
-                         rng: np.random.Generator | None = None, *,
-                         distribution: str = "normal") -> Variance:
+def dot_product_variance(
+    dim: int,
+    trials: int = 1000,
+    rng: np.random.Generator | None = None,
+    *,
+    distribution: str = "normal",
+) -> Variance:
     """Why scores are divided by ``sqrt(d_k)``: the variance of ``q · k`` grows with ``dim``.
 
     For q, k with independent standard normal entries, ``Var(q · k) = dim``, so

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,9 +20,15 @@ def _matplotlib() -> tuple[Any, Any]:
     return Figure, colormaps
 
 
-def heatmap(weights: torch.Tensor, queries: Sequence[str], keys: Sequence[str], *,
-            mask: torch.Tensor | None = None, title: str = "attention weights",
-            path: str | Path | None = None) -> Any:
+def heatmap(
+    weights: torch.Tensor,
+    queries: Sequence[str],
+    keys: Sequence[str],
+    *,
+    mask: torch.Tensor | None = None,
+    title: str = "attention weights",
+    path: str | Path | None = None,
+) -> Any:
     """Draw attention weights, one panel per head, token labels on both axes.
 
     Args:
@@ -40,8 +47,7 @@ def heatmap(weights: torch.Tensor, queries: Sequence[str], keys: Sequence[str], 
     H, T_q, T_k = w.shape
     allowed = np.ones((T_q, T_k), bool) if mask is None else mask.detach().cpu().numpy()
     cell = 0.55
-    fig = Figure(figsize=(H * (T_k * cell + 1.6) + 0.6, T_q * cell + 2.0),
-                          layout="constrained")
+    fig = Figure(figsize=(H * (T_k * cell + 1.6) + 0.6, T_q * cell + 2.0), layout="constrained")
     fig.suptitle(title)
     axes = fig.subplots(1, H, squeeze=False)[0]
     cmap = colormaps["viridis"].with_extremes(bad="0.85")  # masked cells: light grey
@@ -66,12 +72,20 @@ def _label_cells(ax: Any, values: np.ndarray, where: np.ndarray) -> None:
     """Write each value in [0, 1] in its cell (where ``where`` is True), legible on viridis."""
     for i, j in zip(*np.nonzero(where)):
         value = float(values[i, j])
-        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                color="black" if value > 0.6 else "white")
+        ax.text(
+            j,
+            i,
+            f"{value:.2f}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="black" if value > 0.6 else "white",
+        )
 
 
-def head_scores_heatmap(scores: dict[str, torch.Tensor], *, title: str = "head scores",
-                        path: str | Path | None = None) -> Any:
+def head_scores_heatmap(
+    scores: dict[str, torch.Tensor], *, title: str = "head scores", path: str | Path | None = None
+) -> Any:
     """Draw :func:`qkv.heads.head_scores`: one layers × heads panel per score, 0 to 1,
     each cell labelled with its value.
 
@@ -81,8 +95,9 @@ def head_scores_heatmap(scores: dict[str, torch.Tensor], *, title: str = "head s
     Figure, colormaps = _matplotlib()
     names = list(scores)
     L, H = scores[names[0]].shape
-    fig = Figure(figsize=(len(names) * (H * 0.55 + 1.2) + 0.8, L * 0.55 + 1.6),
-                 layout="constrained")
+    fig = Figure(
+        figsize=(len(names) * (H * 0.55 + 1.2) + 0.8, L * 0.55 + 1.6), layout="constrained"
+    )
     fig.suptitle(title)
     axes = fig.subplots(1, len(names), squeeze=False)[0]
     for ax, name in zip(axes, names):

@@ -27,5 +27,18 @@ from .interop import from_torch
 from .library import causal, document, full, padding, prefix_lm, sliding_window
 from .tiles import EMPTY, FULL, PARTIAL
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "Mask", "Predicate", "causal", "document", "from_torch",
-           "full", "padding", "predicate", "prefix_lm", "sliding_window"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Mask",
+    "Predicate",
+    "causal",
+    "document",
+    "from_torch",
+    "full",
+    "padding",
+    "predicate",
+    "prefix_lm",
+    "sliding_window",
+]

@@ -7,7 +7,8 @@ Legend: B batch · H query heads · T_q/T_k query/key length.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,16 +48,26 @@ class Mask:
     def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         """Raise ValueError if this mask cannot apply to these sizes."""
 
-    def block(self, B: int, H: int, q_start: int, q_stop: int, kv_start: int, kv_stop: int,
-              *, device: torch.device | str | None = None) -> torch.Tensor:
+    def block(
+        self,
+        B: int,
+        H: int,
+        q_start: int,
+        q_stop: int,
+        kv_start: int,
+        kv_stop: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
         """Evaluate the predicate on queries at absolute positions ``q_start..q_stop-1`` and
         keys ``kv_start..kv_stop-1``: a bool tensor that broadcasts to
         (B, H, q_stop - q_start, kv_stop - kv_start), of only the dims the mask uses."""
         xp = _TorchIndex(device)
         return self._grid(xp, B, H, xp.arange(q_start, q_stop), xp.arange(kv_start, kv_stop))
 
-    def at(self, B: int, H: int, q_positions: torch.Tensor, kv_positions: torch.Tensor
-           ) -> torch.Tensor:
+    def at(
+        self, B: int, H: int, q_positions: torch.Tensor, kv_positions: torch.Tensor
+    ) -> torch.Tensor:
         """Evaluate the predicate at any absolute query and key positions (1-d integer
         tensors): a bool tensor broadcastable to (B, H, len(q_positions), len(kv_positions))."""
         return self._grid(_TorchIndex(q_positions.device), B, H, q_positions, kv_positions)
@@ -69,11 +80,15 @@ class Mask:
         out = self(b, h, q, kv)
         shape = (B, H, q.shape[2], kv.shape[3])
         if str(getattr(out, "dtype", None)).replace("torch.", "") != "bool":
-            raise TypeError(f"mask {self!r} must return bool; got {type(out).__name__} "
-                            f"of dtype {getattr(out, 'dtype', None)}")
+            raise TypeError(
+                f"mask {self!r} must return bool; got {type(out).__name__} "
+                f"of dtype {getattr(out, 'dtype', None)}"
+            )
         if out.ndim > 4 or any(o not in (1, n) for o, n in zip(out.shape[::-1], shape[::-1])):
-            raise ValueError(f"mask {self!r} returned shape {fmt_shape(out.shape)}, which does "
-                             f"not broadcast to (B, H, T_q, T_k) = {fmt_shape(shape)}")
+            raise ValueError(
+                f"mask {self!r} returned shape {fmt_shape(out.shape)}, which does "
+                f"not broadcast to (B, H, T_q, T_k) = {fmt_shape(shape)}"
+            )
         return out
 
     def _evaluate(self, B: int, H: int, T_q: int, T_k: int, q_offset: int | None, xp: Any) -> Any:
@@ -82,8 +97,17 @@ class Mask:
         out = self._grid(xp, B, H, xp.arange(q_offset, q_offset + T_q), xp.arange(0, T_k))
         return xp.broadcast_to(out, (B, H, T_q, T_k))
 
-    def blocks(self, B: int, H: int, T_q: int, T_k: int, *, block_q: int, block_k: int,
-               q_offset: int | None = None) -> np.ndarray:
+    def blocks(
+        self,
+        B: int,
+        H: int,
+        T_q: int,
+        T_k: int,
+        *,
+        block_q: int,
+        block_k: int,
+        q_offset: int | None = None,
+    ) -> np.ndarray:
         """Classify every (block_q × block_k) tile from the mask's structure alone, without
         evaluating it position by position: EMPTY (0, skip), PARTIAL (1, evaluate the
         predicate there) or FULL (2, attend everywhere). Shape (ceil(T_q / block_q),
@@ -94,8 +118,17 @@ class Mask:
         shape = (len(t.qa), len(t.ka))
         return codes if codes.shape == shape else np.broadcast_to(codes, shape).copy()
 
-    def sparse_blocks(self, B: int, H: int, T_q: int, T_k: int, *, block_q: int, block_k: int,
-                      q_offset: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sparse_blocks(
+        self,
+        B: int,
+        H: int,
+        T_q: int,
+        T_k: int,
+        *,
+        block_q: int,
+        block_k: int,
+        q_offset: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The non-EMPTY tiles of :meth:`blocks` as (rows, cols, codes), sorted by row and
         then column, in time and memory that grow with the tiles the mask's structure may
         leave non-empty, not with T_q × T_k: a window's band, causal's triangle, the
@@ -111,13 +144,15 @@ class Mask:
         keep = codes != EMPTY
         return rows[keep], cols[keep], codes[keep]
 
-    def _tiles(self, B: int, H: int, T_q: int, T_k: int, block_q: int, block_k: int,
-               q_offset: int | None) -> _Tiles:
+    def _tiles(
+        self, B: int, H: int, T_q: int, T_k: int, block_q: int, block_k: int, q_offset: int | None
+    ) -> _Tiles:
         self.validate(B, H, T_q, T_k)
         q_offset = T_k - T_q if q_offset is None else q_offset
         qa, ka = np.arange(0, T_q, block_q) + q_offset, np.arange(0, T_k, block_k)
-        return _Tiles(qa, np.minimum(qa + block_q, q_offset + T_q) - 1,
-                      ka, np.minimum(ka + block_k, T_k) - 1)
+        return _Tiles(
+            qa, np.minimum(qa + block_q, q_offset + T_q) - 1, ka, np.minimum(ka + block_k, T_k) - 1
+        )
 
     def _classify(self, t: _Tiles) -> np.ndarray:
         return np.full((), PARTIAL, dtype=np.int8)
@@ -127,14 +162,23 @@ class Mask:
         EMPTY; unknown structure reaches every key."""
         return np.full(len(t.qa), -_FAR), np.full(len(t.qa), _FAR)
 
-    def dense(self, B: int, H: int, T_q: int, T_k: int, *, q_offset: int | None = None,
-              device: torch.device | str | None = None) -> torch.Tensor:
+    def dense(
+        self,
+        B: int,
+        H: int,
+        T_q: int,
+        T_k: int,
+        *,
+        q_offset: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
         """Lower to a bool tensor of shape (B, H, T_q, T_k) (a broadcast view: no copy
         along the dimensions the mask does not depend on)."""
         return self._evaluate(B, H, T_q, T_k, q_offset, _TorchIndex(device))
 
-    def to_numpy(self, B: int, H: int, T_q: int, T_k: int, *,
-                 q_offset: int | None = None) -> np.ndarray:
+    def to_numpy(
+        self, B: int, H: int, T_q: int, T_k: int, *, q_offset: int | None = None
+    ) -> np.ndarray:
         """Lower to a NumPy bool array of shape (B, H, T_q, T_k)."""
         return self._evaluate(B, H, T_q, T_k, q_offset, np)
 
@@ -144,8 +188,15 @@ class Mask:
         applies to any B."""
         return None
 
-    def picture(self, T_q: int, T_k: int | None = None, *, q_offset: int | None = None,
-                b: int = 0, h: int = 0) -> str:
+    def picture(
+        self,
+        T_q: int,
+        T_k: int | None = None,
+        *,
+        q_offset: int | None = None,
+        b: int = 0,
+        h: int = 0,
+    ) -> str:
         """A text picture for learners: one row per query of batch row ``b`` and head
         ``h``, █ = may attend, · = masked."""
         T_k = T_q if T_k is None else T_k
@@ -154,7 +205,6 @@ class Mask:
             raise ValueError(f"b must be in [0, {B}) for {self!r}; got {b}")
         grid = self.to_numpy(B, h + 1, T_q, T_k, q_offset=q_offset)[b, h]
         return "\n".join(" ".join("█" if x else "·" for x in row) for row in grid)
-
 
 
 def _like(data: np.ndarray, ref: Any) -> Any:
@@ -169,8 +219,10 @@ def _ints(name: str, values: Any, ndims: tuple[int, ...]) -> np.ndarray:
         values = values.detach().cpu().numpy()
     arr = np.asarray(values)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer) or arr.ndim not in ndims:
-        raise TypeError(f"{name} must be integers of {' or '.join(f'{n} dims' for n in ndims)}; "
-                        f"got {arr.dtype} of shape {fmt_shape(arr.shape)}")
+        raise TypeError(
+            f"{name} must be integers of {' or '.join(f'{n} dims' for n in ndims)}; "
+            f"got {arr.dtype} of shape {fmt_shape(arr.shape)}"
+        )
     return arr.astype(np.int64)
 
 

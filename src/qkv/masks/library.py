@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .algebra import Mask, _int_arg, _ints, _like, _short
 from .._checks import fmt_shape
+from .algebra import Mask, _int_arg, _ints, _like, _short
 from .tiles import _FAR, FULL, _codes
 
 
@@ -56,8 +56,10 @@ class _SlidingWindow(Mask):
 
     def _classify(self, t):
         w = self.window
-        return _codes((t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
-                      (t.k_first > t.q_last) | (t.k_last <= t.q_first - w))
+        return _codes(
+            (t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
+            (t.k_first > t.q_last) | (t.k_last <= t.q_first - w),
+        )
 
     def _reach(self, t):
         return t.qa - self.window + 1, t.qb + 1
@@ -74,8 +76,10 @@ class _Padding(Mask):
 
     def validate(self, B, H, T_q, T_k):
         if self.lengths.shape != (B,):
-            raise ValueError(f"padding lengths must have shape (B,) = ({B},); "
-                             f"got {fmt_shape(self.lengths.shape)}")
+            raise ValueError(
+                f"padding lengths must have shape (B,) = ({B},); "
+                f"got {fmt_shape(self.lengths.shape)}"
+            )
         if (self.lengths > T_k).any():
             raise ValueError(f"padding lengths must be <= T_k={T_k}; got {_short(self.lengths)}")
 
@@ -104,8 +108,10 @@ class _Document(Mask):
         want = (T_k,) if self.ids.ndim == 1 else (B, T_k)
         if self.ids.shape != want:
             letters = "(T_k,)" if self.ids.ndim == 1 else "(B, T_k)"
-            raise ValueError(f"document ids must have shape {letters} = {fmt_shape(want)}; "
-                             f"got {fmt_shape(self.ids.shape)}")
+            raise ValueError(
+                f"document ids must have shape {letters} = {fmt_shape(want)}; "
+                f"got {fmt_shape(self.ids.shape)}"
+            )
 
     @property
     def batch(self) -> int | None:
@@ -130,7 +136,7 @@ class _Document(Mask):
         k_min, k_max = _spans(ids, t.ka, t.kb)  # (B, key blocks)
         q_min, q_max = q_min[:, t.rows], q_max[:, t.rows]  # per tile
         k_min, k_max = k_min[:, t.cols], k_max[:, t.cols]
-        inside = ((t.q_first >= 0) & (t.q_last < n))  # every query of the block has an id
+        inside = (t.q_first >= 0) & (t.q_last < n)  # every query of the block has an id
         full = inside & ((q_min == q_max) & (k_min == k_max) & (q_min == k_min)).all(0)
         q_out = (t.q_last < 0) | (t.q_first >= n)  # no query of the block has an id
         empty = q_out | ((q_max < k_min) | (k_max < q_min)).all(0)
@@ -160,7 +166,9 @@ class _PrefixLM(Mask):
 
     def _classify(self, t):
         n = self.prefix
-        return _codes((t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last))
+        return _codes(
+            (t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last)
+        )
 
     def _reach(self, t):
         return np.full(len(t.qa), -_FAR), np.maximum(t.qb + 1, self.prefix)
@@ -176,8 +184,10 @@ def _spans(ids: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.nda
     lo, hi = np.clip(first, 0, n - 1), np.clip(last, 0, n - 1)
     at = np.stack([lo, hi + 1], -1).ravel()  # [lo0, hi0 + 1, lo1, ...]; keep the even ones
     padded = np.concatenate([ids, ids[:, -1:]], -1)  # so that hi + 1 == n is an index
-    return (np.minimum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
-            np.maximum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0])
+    return (
+        np.minimum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
+        np.maximum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
+    )
 
 
 def full() -> Mask:

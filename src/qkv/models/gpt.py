@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..nn.cache import KVCache
 from ..distributed import Layout
+from ..nn.cache import KVCache
 from ..nn.mha import MultiHeadAttention
 from ..nn.rope import RoPE
 
@@ -81,22 +81,32 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be an int >= 1; got {value!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_embd must be a multiple of n_head; got "
-                             f"n_embd={self.n_embd}, n_head={self.n_head}")
+            raise ValueError(
+                f"GPTConfig.n_embd must be a multiple of n_head; got "
+                f"n_embd={self.n_embd}, n_head={self.n_head}"
+            )
         if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
-            raise ValueError(f"GPTConfig.n_head must be a multiple of n_kv_head; got "
-                             f"n_head={self.n_head}, n_kv_head={self.n_kv_head}")
-        choices = {"positions": ("learned", "rope"), "attention": ("softmax", "uniform"),
-                   "gelu": ("tanh", "erf"), "init": ("gpt2", "fan_in")}
+            raise ValueError(
+                f"GPTConfig.n_head must be a multiple of n_kv_head; got "
+                f"n_head={self.n_head}, n_kv_head={self.n_kv_head}"
+            )
+        choices = {
+            "positions": ("learned", "rope"),
+            "attention": ("softmax", "uniform"),
+            "gelu": ("tanh", "erf"),
+            "init": ("gpt2", "fan_in"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}; got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"GPTConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}"
+                )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1); got {self.dropout}")
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"rope needs an even head width n_embd / n_head; got "
-                             f"{self.n_embd // self.n_head}")
+            raise ValueError(
+                f"rope needs an even head width n_embd / n_head; got {self.n_embd // self.n_head}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,8 +157,16 @@ class Block(nn.Module):
         E = config.n_embd
         attention = UniformAttention if config.attention == "uniform" else MultiHeadAttention
         self.ln_1 = _norm(config)
-        self.attn = attention(E, E, config.n_head, num_kv_heads=config.n_kv_head, causal=True,
-                              dropout=config.dropout, qkv_bias=True, rope=rope)
+        self.attn = attention(
+            E,
+            E,
+            config.n_head,
+            num_kv_heads=config.n_kv_head,
+            causal=True,
+            dropout=config.dropout,
+            qkv_bias=True,
+            rope=rope,
+        )
         self.drop = nn.Dropout(config.dropout)
         if config.attention_only:
             self.ln_2 = self.mlp = None
@@ -156,11 +174,17 @@ class Block(nn.Module):
             self.ln_2 = _norm(config)
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
-                layout: Layout | None = None, schedule: str = "allgather",
-                group: Any = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x), cache=cache, layout=layout,
-                                    schedule=schedule, group=group))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layout: Layout | None = None,
+        schedule: str = "allgather",
+        group: Any = None,
+    ) -> torch.Tensor:
+        x = x + self.drop(
+            self.attn(self.ln_1(x), cache=cache, layout=layout, schedule=schedule, group=group)
+        )
         if self.mlp is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x
@@ -187,8 +211,9 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, E)
         self.wpe = nn.Embedding(config.block_size, E) if config.positions == "learned" else None
         # One RoPE module shared by every layer: it holds no weights, only frequencies.
-        rope = (RoPE(E // config.n_head, base=config.rope_base)
-                if config.positions == "rope" else None)
+        rope = (
+            RoPE(E // config.n_head, base=config.rope_base) if config.positions == "rope" else None
+        )
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, rope) for _ in range(config.n_layer))
         self.ln_f = _norm(config)
@@ -206,7 +231,7 @@ class GPT(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = 0.02
                 if fan_in:
-                    std = 1.0 if isinstance(module, nn.Embedding) else module.in_features ** -0.5
+                    std = 1.0 if isinstance(module, nn.Embedding) else module.in_features**-0.5
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -221,9 +246,15 @@ class GPT(nn.Module):
         """Number of parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, *, caches: list[KVCache] | None = None,
-                layout: Layout | None = None, schedule: str = "allgather",
-                group: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        *,
+        caches: list[KVCache] | None = None,
+        layout: Layout | None = None,
+        schedule: str = "allgather",
+        group: Any = None,
+    ) -> torch.Tensor:
         """idx: (B, T) token ids -> (B, T, V) logits.
 
         Args:
@@ -234,18 +265,23 @@ class GPT(nn.Module):
                 ``schedule`` and ``group`` as in :func:`qkv.distributed.attention`.
         """
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.dtype.is_floating_point:
-            raise ValueError(f"idx must be a (B, T) integer tensor of token ids; got "
-                             f"{getattr(idx, 'dtype', type(idx).__name__)} of shape "
-                             f"{tuple(getattr(idx, 'shape', ()))}")
+            raise ValueError(
+                f"idx must be a (B, T) integer tensor of token ids; got "
+                f"{getattr(idx, 'dtype', type(idx).__name__)} of shape "
+                f"{tuple(getattr(idx, 'shape', ()))}"
+            )
         if caches is not None and len(caches) != len(self.blocks):
-            raise ValueError(f"caches must hold one KVCache per layer ({len(self.blocks)}); "
-                             f"got {len(caches)}")
-        B, T = idx.shape
+            raise ValueError(
+                f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}"
+            )
+        _B, T = idx.shape
         start = 0 if caches is None else caches[0].length
         end = start + T if layout is None else layout.T
         if end > self.config.block_size:
-            raise ValueError(f"the context window holds block_size={self.config.block_size} "
-                             f"tokens; got {start} cached + {end - start} new")
+            raise ValueError(
+                f"the context window holds block_size={self.config.block_size} "
+                f"tokens; got {start} cached + {end - start} new"
+            )
         if layout is None:
             positions = torch.arange(start, start + T, device=idx.device)
         else:
@@ -263,10 +299,17 @@ class GPT(nn.Module):
         return [b.attn.new_cache(batch, self.config.block_size) for b in self.blocks]
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 generator: torch.Generator | None = None, use_cache: bool = True
-                 ) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
         """Continue each sequence of idx (B, T) by max_new_tokens tokens: (B, T + new).
 
         With ``use_cache`` the prompt is prefilled into one KV cache per layer and every
@@ -287,10 +330,15 @@ class GPT(nn.Module):
             use_cache: decode with KV caches (default) or recompute every step.
         """
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.shape[1] < 1:
-            raise ValueError(f"idx must be a (B, T) tensor of token ids with T >= 1; got "
-                             f"shape {tuple(getattr(idx, 'shape', ()))}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
-                or max_new_tokens < 0:
+            raise ValueError(
+                f"idx must be a (B, T) tensor of token ids with T >= 1; got "
+                f"shape {tuple(getattr(idx, 'shape', ()))}"
+            )
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
             raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
@@ -326,25 +374,34 @@ class GPT(nn.Module):
         try:
             from transformers import GPT2LMHeadModel
         except ImportError as err:  # pragma: no cover - transformers is a dev dependency
-            raise ImportError("GPT.from_huggingface needs transformers: "
-                              "pip install 'qkv[huggingface]'") from err
+            raise ImportError(
+                "GPT.from_huggingface needs transformers: pip install 'qkv[huggingface]'"
+            ) from err
         hf = model_or_path
         if isinstance(model_or_path, (str, os.PathLike)):
             if not os.path.isdir(model_or_path):
-                raise FileNotFoundError(f"model_or_path: no directory {str(model_or_path)!r} "
-                                        "(nothing is downloaded: give a save_pretrained folder)")
+                raise FileNotFoundError(
+                    f"model_or_path: no directory {str(model_or_path)!r} "
+                    "(nothing is downloaded: give a save_pretrained folder)"
+                )
             hf = GPT2LMHeadModel.from_pretrained(model_or_path, local_files_only=True)
         if not isinstance(hf, GPT2LMHeadModel):
-            raise TypeError(f"model_or_path must be a GPT2LMHeadModel or a directory; got "
-                            f"{type(hf).__name__}")
+            raise TypeError(
+                f"model_or_path must be a GPT2LMHeadModel or a directory; got {type(hf).__name__}"
+            )
         config = _config_from_gpt2(hf.config)
         model = cls(config).to(hf.lm_head.weight.dtype)
         _copy_gpt2_weights(hf, model)
         return model.train(hf.training)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-            generator: torch.Generator | None) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """Next tokens (B, 1) from the last position's logits (B, V)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
@@ -377,15 +434,23 @@ def _config_from_gpt2(c: Any) -> GPTConfig:
         refuse.append("tie_word_embeddings=False")
     dropouts = {c.resid_pdrop, c.embd_pdrop, c.attn_pdrop}
     if len(dropouts) != 1:
-        refuse.append(f"unequal dropouts (resid {c.resid_pdrop}, embd {c.embd_pdrop}, attn "
-                      f"{c.attn_pdrop})")
+        refuse.append(
+            f"unequal dropouts (resid {c.resid_pdrop}, embd {c.embd_pdrop}, attn {c.attn_pdrop})"
+        )
     if refuse:
         raise ValueError(f"this GPT-2 cannot be reproduced by qkv's GPT: {'; '.join(refuse)}")
-    return GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer,
-                     n_head=c.n_head, n_embd=c.n_embd, mlp_width=c.n_inner,
-                     dropout=dropouts.pop(), positions="learned",
-                     gelu=_GPT2_GELU[c.activation_function],
-                     layer_norm_eps=c.layer_norm_epsilon)
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.n_positions,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        mlp_width=c.n_inner,
+        dropout=dropouts.pop(),
+        positions="learned",
+        gelu=_GPT2_GELU[c.activation_function],
+        layer_norm_eps=c.layer_norm_epsilon,
+    )
 
 
 @torch.no_grad()
@@ -403,7 +468,7 @@ def _copy_gpt2_weights(hf: Any, model: GPT) -> None:
         E = model.config.n_embd
         w, b = theirs.attn.c_attn.weight, theirs.attn.c_attn.bias  # (E, 3E), (3E,)
         for i, lin in enumerate((ours.attn.W_query, ours.attn.W_key, ours.attn.W_value)):
-            linear(lin, w[:, i * E:(i + 1) * E], b[i * E:(i + 1) * E])
+            linear(lin, w[:, i * E : (i + 1) * E], b[i * E : (i + 1) * E])
         linear(ours.attn.out_proj, theirs.attn.c_proj.weight, theirs.attn.c_proj.bias)
         linear(ours.mlp.fc, theirs.mlp.c_fc.weight, theirs.mlp.c_fc.bias)
         linear(ours.mlp.proj, theirs.mlp.c_proj.weight, theirs.mlp.c_proj.bias)

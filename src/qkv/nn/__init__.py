@@ -6,5 +6,12 @@ from .mha import MultiHeadAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
 from .rope import RoPE
 
-__all__ = ["CausalAttention", "CrossAttention", "KVCache", "MultiHeadAttention",
-           "MultiHeadAttentionWrapper", "RoPE", "SelfAttention"]
+__all__ = [
+    "CausalAttention",
+    "CrossAttention",
+    "KVCache",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "RoPE",
+    "SelfAttention",
+]

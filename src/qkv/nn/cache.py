@@ -33,47 +33,64 @@ class KVCache:
         ValueError: KVCache overflow: appending T=2 tokens to 3 cached would exceed max_len=4
     """
 
-    def __init__(self, batch: int, num_kv_heads: int, max_len: int, head_dim: int, *,
-                 value_dim: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        for name, n in (("batch", batch), ("num_kv_heads", num_kv_heads),
-                        ("max_len", max_len), ("head_dim", head_dim)):
+    def __init__(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, n in (
+            ("batch", batch),
+            ("num_kv_heads", num_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {n!r}")
         value_dim = head_dim if value_dim is None else value_dim
-        self.keys = torch.zeros(batch, num_kv_heads, max_len, head_dim, dtype=dtype,
-                                device=device)
-        self.values = torch.zeros(batch, num_kv_heads, max_len, value_dim, dtype=dtype,
-                                  device=device)
+        self.keys = torch.zeros(batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(
+            batch, num_kv_heads, max_len, value_dim, dtype=dtype, device=device
+        )
         self.length = 0
 
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
 
-    def append(self, key: torch.Tensor, value: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after the cached ones;
         return views of all cached keys and values, (B, H_kv, length, ·)."""
         B, H_kv, _, D = self.keys.shape
         D_v = self.values.shape[-1]
         for name, x, last, letter in (("key", key, D, "D"), ("value", value, D_v, "D_v")):
             if x.ndim != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H_kv, last):
-                raise ValueError(f"{name} must have shape (B, H_kv, T, {letter}) with B={B}, "
-                                 f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must have shape (B, H_kv, T, {letter}) with B={B}, "
+                    f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}"
+                )
             if x.dtype != self.keys.dtype or x.device != self.keys.device:
-                raise TypeError(f"{name} is {x.dtype} on {x.device} but the cache holds "
-                                f"{self.keys.dtype} on {self.keys.device}")
+                raise TypeError(
+                    f"{name} is {x.dtype} on {x.device} but the cache holds "
+                    f"{self.keys.dtype} on {self.keys.device}"
+                )
         T = key.shape[2]
         if value.shape[2] != T:
             raise ValueError(f"value must have T={T} tokens like key; got {value.shape[2]}")
         if self.length + T > self.max_len:
-            raise ValueError(f"KVCache overflow: appending T={T} tokens to {self.length} "
-                             f"cached would exceed max_len={self.max_len}")
-        self.keys[:, :, self.length:self.length + T] = key
-        self.values[:, :, self.length:self.length + T] = value
+            raise ValueError(
+                f"KVCache overflow: appending T={T} tokens to {self.length} "
+                f"cached would exceed max_len={self.max_len}"
+            )
+        self.keys[:, :, self.length : self.length + T] = key
+        self.values[:, :, self.length : self.length + T] = value
         self.length += T
-        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""
@@ -81,5 +98,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         B, H_kv, max_len, D = self.keys.shape
-        return (f"KVCache(batch={B}, num_kv_heads={H_kv}, length={self.length}, "
-                f"max_len={max_len}, head_dim={D}, dtype={self.keys.dtype})")
+        return (
+            f"KVCache(batch={B}, num_kv_heads={H_kv}, length={self.length}, "
+            f"max_len={max_len}, head_dim={D}, dtype={self.keys.dtype})"
+        )

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cache import KVCache
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
+from .cache import KVCache
 from .modules import AttentionModule, check_input, split_heads
 from .rope import RoPE
 
@@ -50,24 +50,41 @@ class MultiHeadAttention(AttentionModule):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(self, d_in: int, d_out: int, num_heads: int, *,
-                 num_kv_heads: int | None = None, causal: bool = False, dropout: float = 0.0,
-                 qkv_bias: bool = False, rope: RoPE | None = None,
-                 d_kv: int | None = None) -> None:
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        causal: bool = False,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+        rope: RoPE | None = None,
+        d_kv: int | None = None,
+    ) -> None:
         super().__init__()
         if num_heads < 1 or d_out % num_heads != 0:
-            raise ValueError(f"d_out must be a multiple of num_heads; got d_out={d_out}, "
-                             f"num_heads={num_heads}")
+            raise ValueError(
+                f"d_out must be a multiple of num_heads; got d_out={d_out}, num_heads={num_heads}"
+            )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads must be a multiple of num_kv_heads; got "
-                             f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads must be a multiple of num_kv_heads; got "
+                f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
         head_dim = d_out // num_heads
         if rope is not None and rope.head_dim != head_dim:
-            raise ValueError(f"rope must have head_dim = d_out / num_heads = {head_dim}; "
-                             f"got {rope.head_dim}")
-        self.d_in, self.d_out, self.num_heads, self.num_kv_heads = d_in, d_out, num_heads, \
-            num_kv_heads
+            raise ValueError(
+                f"rope must have head_dim = d_out / num_heads = {head_dim}; got {rope.head_dim}"
+            )
+        self.d_in, self.d_out, self.num_heads, self.num_kv_heads = (
+            d_in,
+            d_out,
+            num_heads,
+            num_kv_heads,
+        )
         self.head_dim, self.d_kv = head_dim, d_in if d_kv is None else d_kv
         self.causal, self.dropout = causal, dropout
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -76,9 +93,13 @@ class MultiHeadAttention(AttentionModule):
         self.out_proj = nn.Linear(d_out, d_out)
         self.rope = rope
 
-    def project(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                cache: KVCache | None = None, positions: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, H, T_q, d_head) from x; keys and values (B, H_kv, T_k, d_head) from
         x or context, rotated by RoPE and appended to the cache when given. ``positions``
         (T_q,) are the absolute positions of x's tokens when they are not 0, 1, … (a shard
@@ -87,8 +108,10 @@ class MultiHeadAttention(AttentionModule):
         if context is not None:
             check_input("context", context, self.d_kv)
             if context.ndim != x.ndim or (x.ndim == 3 and context.shape[0] != x.shape[0]):
-                raise ValueError(f"context must have the layout and batch of x {tuple(x.shape)}; "
-                                 f"got {tuple(context.shape)}")
+                raise ValueError(
+                    f"context must have the layout and batch of x {tuple(x.shape)}; "
+                    f"got {tuple(context.shape)}"
+                )
             if self.rope is not None or cache is not None:
                 raise ValueError("rope and cache apply to self-attention; pass context=None")
         source = x if context is None else context
@@ -108,10 +131,17 @@ class MultiHeadAttention(AttentionModule):
         out = self.out_proj(context.transpose(1, 2).reshape(B, T, H * d_head))  # (B, T, d_out)
         return out if like.ndim == 3 else out[0]
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
-                mask: MaskLike = None, cache: KVCache | None = None,
-                layout: Layout | None = None, schedule: str = "allgather",
-                group: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        mask: MaskLike = None,
+        cache: KVCache | None = None,
+        layout: Layout | None = None,
+        schedule: str = "allgather",
+        group: Any = None,
+    ) -> torch.Tensor:
         """x: (T_q, E) or (B, T_q, E) -> (…, T_q, d_out).
 
         Args:
@@ -132,19 +162,30 @@ class MultiHeadAttention(AttentionModule):
             out = attention(q, k, v, mask=self.attention_mask(mask), dropout_p=dropout_p)
             return self.merge(out, like=x)
         if context is not None or cache is not None:
-            raise ValueError("layout= (context parallelism) applies to self-attention "
-                             "without a cache; pass context=None and cache=None")
+            raise ValueError(
+                "layout= (context parallelism) applies to self-attention "
+                "without a cache; pass context=None and cache=None"
+            )
         positions = layout.positions(dist.get_rank(group)).to(x.device)
         q, k, v = self.project(x, positions=positions)
-        out = distributed_attention(q, k, v, layout=layout, mask=self.attention_mask(mask),
-                                    schedule=schedule, dropout_p=dropout_p, group=group)
+        out = distributed_attention(
+            q,
+            k,
+            v,
+            layout=layout,
+            mask=self.attention_mask(mask),
+            schedule=schedule,
+            dropout_p=dropout_p,
+            group=group,
+        )
         return self.merge(out, like=x)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty :class:`qkv.KVCache` for this module, on its device and dtype."""
         w = self.W_key.weight
-        return KVCache(batch, self.num_kv_heads, max_len, self.head_dim, dtype=w.dtype,
-                       device=w.device)
+        return KVCache(
+            batch, self.num_kv_heads, max_len, self.head_dim, dtype=w.dtype, device=w.device
+        )
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -155,8 +196,14 @@ class MultiHeadAttention(AttentionModule):
         if m.kdim != m.vdim:
             raise ValueError(f"kdim and vdim must be equal; got {m.kdim} and {m.vdim}")
         E = m.embed_dim
-        ours = cls(E, E, m.num_heads, qkv_bias=m.in_proj_bias is not None, dropout=m.dropout,
-                   d_kv=None if m.kdim == E else m.kdim)
+        ours = cls(
+            E,
+            E,
+            m.num_heads,
+            qkv_bias=m.in_proj_bias is not None,
+            dropout=m.dropout,
+            d_kv=None if m.kdim == E else m.kdim,
+        )
         ours.to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
         if m._qkv_same_embed_dim:
             weights = m.in_proj_weight.chunk(3)
@@ -181,22 +228,40 @@ class MultiHeadAttention(AttentionModule):
         if self.rope is not None:
             raise ValueError("nn.MultiheadAttention has no rotary embedding")
         if self.d_in != self.d_out:
-            raise ValueError(f"nn.MultiheadAttention needs d_in == d_out; got {self.d_in} "
-                             f"and {self.d_out}")
+            raise ValueError(
+                f"nn.MultiheadAttention needs d_in == d_out; got {self.d_in} and {self.d_out}"
+            )
         w = self.out_proj.weight
-        m = nn.MultiheadAttention(self.d_out, self.num_heads, dropout=self.dropout, bias=True,
-                                  kdim=self.d_kv, vdim=self.d_kv, batch_first=batch_first,
-                                  device=w.device, dtype=w.dtype)
+        m = nn.MultiheadAttention(
+            self.d_out,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=True,
+            kdim=self.d_kv,
+            vdim=self.d_kv,
+            batch_first=batch_first,
+            device=w.device,
+            dtype=w.dtype,
+        )
         groups = self.num_heads // self.num_kv_heads
 
         def repeat(t: torch.Tensor) -> torch.Tensor:  # kv head rows -> one copy per q head
-            return t.view(self.num_kv_heads, self.head_dim, *t.shape[1:]).repeat_interleave(
-                groups, dim=0).reshape(self.d_out, *t.shape[1:])
+            return (
+                t.view(self.num_kv_heads, self.head_dim, *t.shape[1:])
+                .repeat_interleave(groups, dim=0)
+                .reshape(self.d_out, *t.shape[1:])
+            )
 
         lins = (self.W_query, self.W_key, self.W_value)
         weights = [self.W_query.weight, repeat(self.W_key.weight), repeat(self.W_value.weight)]
-        biases = [torch.zeros(self.d_out, dtype=w.dtype, device=w.device) if lin.bias is None
-                  else lin.bias if lin is self.W_query else repeat(lin.bias) for lin in lins]
+        biases = [
+            torch.zeros(self.d_out, dtype=w.dtype, device=w.device)
+            if lin.bias is None
+            else lin.bias
+            if lin is self.W_query
+            else repeat(lin.bias)
+            for lin in lins
+        ]
         with torch.no_grad():
             if m._qkv_same_embed_dim:
                 m.in_proj_weight.copy_(torch.cat(weights))

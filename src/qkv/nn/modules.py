@@ -27,8 +27,9 @@ def check_input(name: str, x: torch.Tensor, d_in: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.ndim not in (2, 3) or x.shape[-1] != d_in:
-        raise ValueError(f"{name} must have shape (T, E) or (B, T, E) with E={d_in}; "
-                         f"got {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have shape (T, E) or (B, T, E) with E={d_in}; got {tuple(x.shape)}"
+        )
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -68,8 +69,13 @@ class AttentionModule(nn.Module):
         """x: (T, E) or (B, T, E) -> (T, ·) or (B, T, ·). ``mask``: a qkv mask or a bool
         (T, T) / (B, T, T) tensor, True = may attend."""
         q, k, v = self.project(x)  # (B, H, T, d_head) each
-        context = attention(q, k, v, mask=self.attention_mask(mask),
-                            dropout_p=self.dropout if self.training else 0.0)
+        context = attention(
+            q,
+            k,
+            v,
+            mask=self.attention_mask(mask),
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return self.merge(context, like=x)
 
 
@@ -93,8 +99,15 @@ class SelfAttention(AttentionModule):
         torch.Size([6, 2])
     """
 
-    def __init__(self, d_in: int, d_out: int, *, qkv_bias: bool = False, causal: bool = False,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        qkv_bias: bool = False,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.d_in, self.d_out, self.causal, self.dropout = d_in, d_out, causal, dropout
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -113,8 +126,9 @@ class SelfAttention(AttentionModule):
 class CausalAttention(SelfAttention):
     """:class:`SelfAttention` with the causal mask always on (a decoder's attention)."""
 
-    def __init__(self, d_in: int, d_out: int, *, dropout: float = 0.0,
-                 qkv_bias: bool = False) -> None:
+    def __init__(
+        self, d_in: int, d_out: int, *, dropout: float = 0.0, qkv_bias: bool = False
+    ) -> None:
         super().__init__(d_in, d_out, qkv_bias=qkv_bias, causal=True, dropout=dropout)
 
 
@@ -134,16 +148,22 @@ class CrossAttention(nn.Module):
         torch.Size([5, 2])
     """
 
-    def __init__(self, d_in: int, d_out: int, *, d_kv: int | None = None,
-                 qkv_bias: bool = False) -> None:
+    def __init__(
+        self, d_in: int, d_out: int, *, d_kv: int | None = None, qkv_bias: bool = False
+    ) -> None:
         super().__init__()
         self.d_in, self.d_kv = d_in, d_in if d_kv is None else d_kv
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(self.d_kv, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(self.d_kv, d_out, bias=qkv_bias)
 
-    def forward(self, x_q: torch.Tensor, x_k: torch.Tensor, x_v: torch.Tensor | None = None,
-                mask: MaskLike = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_q: torch.Tensor,
+        x_k: torch.Tensor,
+        x_v: torch.Tensor | None = None,
+        mask: MaskLike = None,
+    ) -> torch.Tensor:
         """x_q: (T_q, d_in) or (B, T_q, d_in); x_k, x_v: (T_k, d_kv) or (B, T_k, d_kv), in
         the layout of x_q. Returns (…, T_q, d_out)."""
         x_v = x_k if x_v is None else x_v
@@ -158,8 +178,16 @@ class MultiHeadAttentionWrapper(nn.Module):
     (seed 002's ``MultiHeadAttention``): output width ``num_heads * d_out``, no output
     projection. Simple to read; :class:`MultiHeadAttention` is the efficient form."""
 
-    def __init__(self, d_in: int, d_out: int, num_heads: int, *, causal: bool = False,
-                 dropout: float = 0.0, qkv_bias: bool = False) -> None:
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        num_heads: int,
+        *,
+        causal: bool = False,
+        dropout: float = 0.0,
+        qkv_bias: bool = False,
+    ) -> None:
         super().__init__()
         self.heads = nn.ModuleList(
             SelfAttention(d_in, d_out, qkv_bias=qkv_bias, causal=causal, dropout=dropout)

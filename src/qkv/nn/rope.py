@@ -48,14 +48,16 @@ class RoPE(nn.Module):
         """Rotate x: (…, T, D). ``positions`` is the absolute position of x's first row (an
         int), or one position per row: a (T,) integer tensor."""
         if x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must have shape (..., T, D) with D={self.head_dim}; "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must have shape (..., T, D) with D={self.head_dim}; got {tuple(x.shape)}"
+            )
         T = x.shape[-2]
         if isinstance(positions, int):
             positions = torch.arange(positions, positions + T, device=x.device)
         elif positions.shape != (T,):
-            raise ValueError(f"positions must have shape (T,) = ({T},); "
-                             f"got {tuple(positions.shape)}")
+            raise ValueError(
+                f"positions must have shape (T,) = ({T},); got {tuple(positions.shape)}"
+            )
         angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(x.device)  # (T, D/2)
         cos = torch.cos(angles).repeat(1, 2).to(x.dtype)  # (T, D)
         sin = torch.sin(angles).repeat(1, 2).to(x.dtype)

@@ -29,8 +29,18 @@ Example:
 """
 
 from .base import ScoreFunction, ScoreMod, as_score_mod, chain, function
-from .library import (alibi, alibi_slopes, bias, relative_bias, relative_position_bucket,
-                      softcap)
+from .library import alibi, alibi_slopes, bias, relative_bias, relative_position_bucket, softcap
 
-__all__ = ["ScoreFunction", "ScoreMod", "alibi", "alibi_slopes", "as_score_mod", "bias", "chain",
-           "function", "relative_bias", "relative_position_bucket", "softcap"]
+__all__ = [
+    "ScoreFunction",
+    "ScoreMod",
+    "alibi",
+    "alibi_slopes",
+    "as_score_mod",
+    "bias",
+    "chain",
+    "function",
+    "relative_bias",
+    "relative_position_bucket",
+    "softcap",
+]

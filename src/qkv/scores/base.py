@@ -6,7 +6,8 @@ Legend: B batch · H query heads · T_q/T_k query/key length.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,8 +15,6 @@ import torch
 from .._checks import fmt_shape
 
 ScoreFunction = Callable[[Any, Any, Any, Any, Any], Any]
-
-
 
 
 def _numpy(x: Any) -> bool:
@@ -55,9 +54,11 @@ def _refuse_undeclared(out: torch.Tensor, declared: list[torch.Tensor]) -> None:
         seen.add(node)
         var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf tensor
         if var is not None and id(var) not in ids:
-            raise ValueError(f"the score function reads a tensor of shape {tuple(var.shape)} "
-                             "that requires a gradient but is not listed: pass it with "
-                             "qkv.scores.function(fn, tensors=[...])")
+            raise ValueError(
+                f"the score function reads a tensor of shape {tuple(var.shape)} "
+                "that requires a gradient but is not listed: pass it with "
+                "qkv.scores.function(fn, tensors=[...])"
+            )
         stack.extend(n for n, _ in node.next_functions)
 
 
@@ -87,8 +88,9 @@ class ScoreMod:
         """The added term of an additive modification, in ``like``'s array type."""
         raise NotImplementedError(f"{self!r} is not additive")
 
-    def apply_(self, score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
-               ) -> torch.Tensor:
+    def apply_(
+        self, score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> torch.Tensor:
         """:meth:`apply`, free to overwrite ``score`` (a kernel's own tile): no copy."""
         if self.additive:
             return score.add_(self.term(b, h, q_idx, kv_idx, row, like=score))
@@ -98,16 +100,27 @@ class ScoreMod:
         """The tensors the modification reads (a learnable table receives its gradient)."""
         return ()
 
-    def vjp(self, ds: torch.Tensor, score: torch.Tensor, b: Any, h: Any, q_idx: Any,
-            kv_idx: Any, row: Any, *, need: bool) -> tuple[torch.Tensor, list[Any]]:
+    def vjp(
+        self,
+        ds: torch.Tensor,
+        score: torch.Tensor,
+        b: Any,
+        h: Any,
+        q_idx: Any,
+        kv_idx: Any,
+        row: Any,
+        *,
+        need: bool,
+    ) -> tuple[torch.Tensor, list[Any]]:
         """Backward through the modification on one (B, H, r, c) tile of scores, whose
         index arrays are those of :meth:`apply`: given ``ds``, the gradient w.r.t. the
         modified scores, the gradient w.r.t. ``score`` and, if ``need``, one per tensor of
         :meth:`tensors` (else Nones). Written out rather than taken from autograd: the tiled
         kernel also runs inside a compiled custom op, where autograd does not record.
         This default is an additive modification's: ``ds`` passes through."""
-        return ds, self._term_grads(ds, b, h, q_idx, kv_idx, row) if need else [
-            None] * len(self.tensors())
+        return ds, self._term_grads(ds, b, h, q_idx, kv_idx, row) if need else [None] * len(
+            self.tensors()
+        )
 
     def _term_grads(self, ds, b, h, q_idx, kv_idx, row) -> list[torch.Tensor]:
         raise NotImplementedError(f"{self!r} has no backward")
@@ -121,8 +134,9 @@ class ScoreMod:
 
 
 class _Function(ScoreMod):
-    def __init__(self, fn: ScoreFunction, name: str | None, tensors: Sequence[torch.Tensor]
-                 ) -> None:
+    def __init__(
+        self, fn: ScoreFunction, name: str | None, tensors: Sequence[torch.Tensor]
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"a score function must be callable; got {type(fn).__name__}")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "function")
@@ -132,10 +146,13 @@ class _Function(ScoreMod):
         out = self.fn(score, b, h, q_idx, kv_idx)
         shape = tuple(getattr(out, "shape", ()))
         if len(shape) > score.ndim or any(
-                n not in (1, m) for n, m in zip(shape[::-1], tuple(score.shape)[::-1])):
-            raise ValueError(f"score function {self.name} must return the score's shape "
-                             f"{fmt_shape(score.shape)}; got "
-                             f"{fmt_shape(shape)}")
+            n not in (1, m) for n, m in zip(shape[::-1], tuple(score.shape)[::-1])
+        ):
+            raise ValueError(
+                f"score function {self.name} must return the score's shape "
+                f"{fmt_shape(score.shape)}; got "
+                f"{fmt_shape(shape)}"
+            )
         return out
 
     def tensors(self):
@@ -193,13 +210,13 @@ class _Chain(ScoreMod):
         for m in self.mods:
             m.validate(B, H, T_q, T_k)
 
-
     def __repr__(self) -> str:
         return f"chain({', '.join(map(repr, self.mods))})"
 
 
-def function(fn: ScoreFunction, name: str | None = None,
-             tensors: Sequence[torch.Tensor] = ()) -> ScoreMod:
+def function(
+    fn: ScoreFunction, name: str | None = None, tensors: Sequence[torch.Tensor] = ()
+) -> ScoreMod:
     """Wrap ``fn(score, b, h, q_idx, kv_idx) -> score`` as a modification.
 
     ``fn`` must use operators (or functions of the score's own library) and return the
@@ -227,5 +244,7 @@ def as_score_mod(mod: Any) -> ScoreMod | None:
         return mod
     if callable(mod):
         return function(mod)
-    raise TypeError(f"score_mod must be a qkv.scores modification or a callable "
-                    f"fn(score, b, h, q_idx, kv_idx); got {type(mod).__name__}")
+    raise TypeError(
+        f"score_mod must be a qkv.scores modification or a callable "
+        f"fn(score, b, h, q_idx, kv_idx); got {type(mod).__name__}"
+    )

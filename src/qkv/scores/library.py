@@ -16,20 +16,24 @@ import torch
 from .._checks import fmt_shape
 from .base import ScoreMod, _index, _like, _numpy, _scatter
 
+
 class _Alibi(ScoreMod):
     additive = shift_invariant = True
 
     def __init__(self, slopes: Any) -> None:
         slopes = torch.as_tensor(slopes)
         if slopes.ndim != 1 or not slopes.is_floating_point():
-            raise TypeError(f"alibi slopes must be a 1-d float tensor, one per head (H,); "
-                            f"got {slopes.dtype} of shape {fmt_shape(slopes.shape)}")
+            raise TypeError(
+                f"alibi slopes must be a 1-d float tensor, one per head (H,); "
+                f"got {slopes.dtype} of shape {fmt_shape(slopes.shape)}"
+            )
         self.slopes = slopes
 
     def validate(self, B, H, T_q, T_k):
         if self.slopes.shape[0] != H:
-            raise ValueError(f"alibi slopes must have shape (H,) = ({H},); "
-                             f"got {fmt_shape(self.slopes.shape)}")
+            raise ValueError(
+                f"alibi slopes must have shape (H,) = ({H},); got {fmt_shape(self.slopes.shape)}"
+            )
 
     def term(self, b, h, q_idx, kv_idx, row, *, like):
         # -slope · distance: a key d positions back costs slope · d (positive for future keys).
@@ -42,15 +46,17 @@ class _Alibi(ScoreMod):
     def tensors(self):
         return (self.slopes,)
 
-
     def __repr__(self) -> str:
         return f"alibi({self.slopes.shape[0]} heads)"
 
 
 class _Softcap(ScoreMod):
     def __init__(self, cap: float) -> None:
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (
-                math.isfinite(cap) and cap > 0):
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, (int, float))
+            or not (math.isfinite(cap) and cap > 0)
+        ):
             raise ValueError(f"softcap cap must be a finite number > 0; got {cap!r}")
         self.cap = float(cap)
 
@@ -71,13 +77,17 @@ class _Softcap(ScoreMod):
         t = torch.tanh(score / self.cap)  # 1 - tanh² is 0 at a -inf score: no NaN
         return ds * (1 - t * t), []
 
-
     def __repr__(self) -> str:
         return f"softcap({self.cap!r})"
 
 
-def relative_position_bucket(relative_position: Any, *, bidirectional: bool = True,
-                             num_buckets: int = 32, max_distance: int = 128) -> Any:
+def relative_position_bucket(
+    relative_position: Any,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Any:
     """T5's bucket of each relative position ``kv_idx - q_idx`` (NumPy or torch integers).
 
     Half the buckets (all of them if not ``bidirectional``, where future keys share bucket 0)
@@ -106,8 +116,14 @@ def _bucket_table(bidirectional: bool, num_buckets: int, max_distance: int) -> n
         dist = (-rel).clamp(min=0)  # future keys: distance 0
     exact = num_buckets // 2
     # Logarithmic buckets past the exact ones (log(0) is never used: those are exact).
-    far = exact + (torch.log(dist.clamp(min=1).float() / exact) / math.log(max_distance / exact)
-                   * (num_buckets - exact)).long()
+    far = (
+        exact
+        + (
+            torch.log(dist.clamp(min=1).float() / exact)
+            / math.log(max_distance / exact)
+            * (num_buckets - exact)
+        ).long()
+    )
     table = offset + torch.where(dist < exact, dist, far.clamp(max=num_buckets - 1))
     table = table.numpy()
     return table
@@ -118,39 +134,52 @@ class _RelativeBias(ScoreMod):
 
     def __init__(self, table: torch.Tensor, bidirectional: bool, max_distance: int) -> None:
         if not isinstance(table, torch.Tensor) or table.ndim != 2 or not table.is_floating_point():
-            raise TypeError("relative_bias table must be a float tensor of shape "
-                            f"(num_buckets, H); got {getattr(table, 'shape', type(table))}")
+            raise TypeError(
+                "relative_bias table must be a float tensor of shape "
+                f"(num_buckets, H); got {getattr(table, 'shape', type(table))}"
+            )
         self.table, self.bidirectional = table, bool(bidirectional)
         self.max_distance = int(max_distance)
         if self.table.shape[0] < (4 if self.bidirectional else 2) or self.max_distance < 1:
-            raise ValueError(f"relative_bias needs at least {4 if bidirectional else 2} buckets "
-                             f"and max_distance >= 1; got {self.table.shape[0]} and "
-                             f"{max_distance}")
+            raise ValueError(
+                f"relative_bias needs at least {4 if bidirectional else 2} buckets "
+                f"and max_distance >= 1; got {self.table.shape[0]} and "
+                f"{max_distance}"
+            )
 
     def validate(self, B, H, T_q, T_k):
         if self.table.shape[1] != H:
-            raise ValueError(f"relative_bias table must have shape (num_buckets, H) with H={H}; "
-                             f"got {fmt_shape(self.table.shape)}")
+            raise ValueError(
+                f"relative_bias table must have shape (num_buckets, H) with H={H}; "
+                f"got {fmt_shape(self.table.shape)}"
+            )
 
     def term(self, b, h, q_idx, kv_idx, row, *, like):
-        bucket = relative_position_bucket(kv_idx - q_idx, bidirectional=self.bidirectional,
-                                          num_buckets=self.table.shape[0],
-                                          max_distance=self.max_distance)
+        bucket = relative_position_bucket(
+            kv_idx - q_idx,
+            bidirectional=self.bidirectional,
+            num_buckets=self.table.shape[0],
+            max_distance=self.max_distance,
+        )
         return _like(self.table, like)[bucket, h]  # (1, H, T_q, T_k)
 
     def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
-        bucket = relative_position_bucket(kv_idx - q_idx, bidirectional=self.bidirectional,
-                                          num_buckets=self.table.shape[0],
-                                          max_distance=self.max_distance)
+        bucket = relative_position_bucket(
+            kv_idx - q_idx,
+            bidirectional=self.bidirectional,
+            num_buckets=self.table.shape[0],
+            max_distance=self.max_distance,
+        )
         return [_scatter(self.table, (bucket, h), ds.sum(dim=0, keepdim=True))]
 
     def tensors(self):
         return (self.table,)
 
-
     def __repr__(self) -> str:
-        return (f"relative_bias({self.table.shape[0]} buckets, {self.table.shape[1]} heads, "
-                f"bidirectional={self.bidirectional}, max_distance={self.max_distance})")
+        return (
+            f"relative_bias({self.table.shape[0]} buckets, {self.table.shape[1]} heads, "
+            f"bidirectional={self.bidirectional}, max_distance={self.max_distance})"
+        )
 
 
 class _Bias(ScoreMod):
@@ -158,20 +187,27 @@ class _Bias(ScoreMod):
 
     def __init__(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise TypeError(f"bias must be a float tensor; got "
-                            f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+            raise TypeError(
+                f"bias must be a float tensor; got "
+                f"{getattr(tensor, 'dtype', type(tensor).__name__)}"
+            )
         if tensor.ndim not in (2, 4):
-            raise ValueError(f"bias must have shape (T_q, T_k) or (B, H, T_q, T_k) (size-1 "
-                             f"dims broadcast); got {fmt_shape(tensor.shape)}")
+            raise ValueError(
+                f"bias must have shape (T_q, T_k) or (B, H, T_q, T_k) (size-1 "
+                f"dims broadcast); got {fmt_shape(tensor.shape)}"
+            )
         self.tensor = tensor if tensor.ndim == 4 else tensor[None, None]
 
     def validate(self, B, H, T_q, T_k):
         want = (B, H, T_q, T_k)
         if any(n not in (1, w) for n, w in zip(self.tensor.shape, want)):
-            raise ValueError(f"bias must broadcast to (B, H, T_q, T_k) = {fmt_shape(want)}; "
-                             f"got {fmt_shape(self.tensor.shape)}")
+            raise ValueError(
+                f"bias must broadcast to (B, H, T_q, T_k) = {fmt_shape(want)}; "
+                f"got {fmt_shape(self.tensor.shape)}"
+            )
         if not torch.compiler.is_compiling() and bool(
-                (torch.isnan(self.tensor) | (self.tensor == math.inf)).any()):
+            (torch.isnan(self.tensor) | (self.tensor == math.inf)).any()
+        ):
             raise ValueError("bias holds NaN or +inf; -inf (masked) and finite values only")
 
     def term(self, b, h, q_idx, kv_idx, row, *, like):
@@ -183,13 +219,14 @@ class _Bias(ScoreMod):
         n = self.tensor.shape
         # Sum over the dims the bias broadcasts along, then scatter onto the rest.
         ds = ds.sum(dim=[d for d in range(4) if n[d] == 1], keepdim=True)
-        where = tuple(i if m != 1 else torch.zeros((), dtype=torch.long, device=ds.device)
-                      for m, i in zip(n, (b, h, row, kv_idx)))
+        where = tuple(
+            i if m != 1 else torch.zeros((), dtype=torch.long, device=ds.device)
+            for m, i in zip(n, (b, h, row, kv_idx))
+        )
         return [_scatter(self.tensor, where, ds)]
 
     def tensors(self):
         return (self.tensor,)
-
 
     def __repr__(self) -> str:
         return f"bias(tensor{tuple(self.tensor.shape)})"
@@ -207,8 +244,8 @@ def alibi_slopes(heads: int) -> torch.Tensor:
         start = 2.0 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
 
-    n = 2 ** int(math.floor(math.log2(heads)))
-    slopes = geometric(n) + geometric(2 * n)[0::2][:heads - n]
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = geometric(n) + geometric(2 * n)[0::2][: heads - n]
     return torch.tensor(slopes, dtype=torch.float32)
 
 
@@ -230,8 +267,9 @@ def softcap(cap: float) -> ScoreMod:
     return _Softcap(cap)
 
 
-def relative_bias(table: torch.Tensor, *, bidirectional: bool = True,
-                  max_distance: int = 128) -> ScoreMod:
+def relative_bias(
+    table: torch.Tensor, *, bidirectional: bool = True, max_distance: int = 128
+) -> ScoreMod:
     """T5's learned relative-position bias: ``score + table[bucket(kv_idx - q_idx), h]``.
 
     Args:

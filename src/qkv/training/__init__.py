@@ -6,12 +6,39 @@ task), ``loop`` (the training loop), ``checkpoint`` (what a run writes and reads
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint, save_snapshot, snapshots
-from .data import (Corpus, RepeatedSegments, bigram_loss, check_context, eval_windows,
-                   load_corpus, random_batch, stdlib_root)
+from .data import (
+    Corpus,
+    RepeatedSegments,
+    bigram_loss,
+    check_context,
+    eval_windows,
+    load_corpus,
+    random_batch,
+    stdlib_root,
+)
 from .loop import Result, evaluate, induction_score, train
 from .presets import DEFAULT_PRESET, INDUCTION_VOCAB, PRESETS, TrainConfig, learning_rate
 
-__all__ = ["DEFAULT_PRESET", "INDUCTION_VOCAB", "PRESETS", "Corpus", "RepeatedSegments",
-           "Result", "TrainConfig", "bigram_loss", "check_context", "eval_windows", "evaluate",
-           "induction_score", "learning_rate", "load_checkpoint", "load_corpus", "random_batch",
-           "save_checkpoint", "save_snapshot", "snapshots", "stdlib_root", "train"]
+__all__ = [
+    "DEFAULT_PRESET",
+    "INDUCTION_VOCAB",
+    "PRESETS",
+    "Corpus",
+    "RepeatedSegments",
+    "Result",
+    "TrainConfig",
+    "bigram_loss",
+    "check_context",
+    "eval_windows",
+    "evaluate",
+    "induction_score",
+    "learning_rate",
+    "load_checkpoint",
+    "load_corpus",
+    "random_batch",
+    "save_checkpoint",
+    "save_snapshot",
+    "snapshots",
+    "stdlib_root",
+    "train",
+]

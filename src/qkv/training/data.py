@@ -46,8 +46,11 @@ def stdlib_root() -> Path:
 
 
 def _stdlib_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*.py")
-            if "site-packages" not in p.relative_to(root).parts and p.is_file()]
+    return [
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.relative_to(root).parts and p.is_file()
+    ]
 
 
 def _text_files(root: Path) -> list[Path]:
@@ -72,8 +75,9 @@ def _join(paths: list[Path]) -> torch.Tensor:
 def _split_files(root: Path, paths: list[Path], val_fraction: float, source: str) -> Corpus:
     if len(paths) == 1:
         return _split_file(paths[0], val_fraction, source)
-    by_hash = sorted(paths, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()),
-                                           p.as_posix()))
+    by_hash = sorted(
+        paths, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()), p.as_posix())
+    )
     n_val = max(1, round(len(paths) * val_fraction))
     val, train = sorted(by_hash[:n_val]), sorted(by_hash[n_val:])
     return Corpus(_join(train), _join(val), source, (len(train), len(val)))
@@ -120,8 +124,9 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
             try:
                 root.read_bytes().decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"--text {str(text)!r} is not UTF-8 text ({err.reason} at "
-                                 f"byte {err.start})") from None
+                raise ValueError(
+                    f"--text {str(text)!r} is not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from None
             paths, root = [root], root.parent
         else:
             paths = _text_files(root)
@@ -137,21 +142,25 @@ def check_context(corpus: Corpus, block_size: int) -> None:
     """Raise ValueError if either split is too short for one window of block_size + 1."""
     for name, data in (("training", corpus.train), ("validation", corpus.val)):
         if len(data) < block_size + 1:
-            raise ValueError(f"the context (block_size={block_size}) is longer than the "
-                             f"{name} data ({len(data)} bytes) of {corpus.source}: use a "
-                             "smaller --block-size or more text")
+            raise ValueError(
+                f"the context (block_size={block_size}) is longer than the "
+                f"{name} data ({len(data)} bytes) of {corpus.source}: use a "
+                "smaller --block-size or more text"
+            )
 
 
-def random_batch(data: torch.Tensor, batch_size: int, block_size: int,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(
+    data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """batch_size windows at random offsets: inputs (B, T) and targets (B, T), the inputs
     shifted by one byte, as int64."""
     starts = torch.randint(0, len(data) - block_size, (batch_size,), generator=generator)
     return _windows(data, starts, block_size)
 
 
-def eval_windows(data: torch.Tensor, count: int, block_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def eval_windows(
+    data: torch.Tensor, count: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` windows at evenly spaced offsets over all of data: the same windows every
     time, so validation losses compare across steps and models."""
     count = max(1, min(count, len(data) - block_size))
@@ -159,8 +168,9 @@ def eval_windows(data: torch.Tensor, count: int, block_size: int
     return _windows(data, starts, block_size)
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, block_size: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(
+    data: torch.Tensor, starts: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = starts[:, None] + torch.arange(block_size + 1)  # (B, T + 1)
     chunk = data[offsets].long()
     return chunk[:, :-1], chunk[:, 1:]  # (B, T) each
@@ -171,8 +181,9 @@ def bigram_loss(corpus: Corpus, smoothing: float = 0.5) -> float:
     bytes, with ``smoothing`` added to every count: the baseline any model must beat."""
     train, val = corpus.train.long(), corpus.val.long()
     counts = torch.zeros(256 * 256, dtype=torch.float64)
-    counts.index_add_(0, train[:-1] * 256 + train[1:], torch.ones(len(train) - 1,
-                                                                   dtype=torch.float64))
+    counts.index_add_(
+        0, train[:-1] * 256 + train[1:], torch.ones(len(train) - 1, dtype=torch.float64)
+    )
     counts = counts.view(256, 256) + smoothing
     logp = counts.log() - counts.sum(dim=1, keepdim=True).log()  # (prev, next)
     return -logp[val[:-1], val[1:]].mean().item()
@@ -201,18 +212,23 @@ class RepeatedSegments:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_length <= self.max_length:
-            raise ValueError(f"segment lengths must satisfy 1 <= min <= max; got "
-                             f"({self.min_length}, {self.max_length})")
+            raise ValueError(
+                f"segment lengths must satisfy 1 <= min <= max; got "
+                f"({self.min_length}, {self.max_length})"
+            )
         if self.vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2; got {self.vocab_size}")
 
-    def batch(self, batch_size: int, block_size: int, generator: torch.Generator
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs (B, T) and targets (B, T), the inputs shifted by one token, int64."""
-        lengths = torch.randint(self.min_length, self.max_length + 1, (batch_size, 1),
-                                generator=generator)
-        segments = torch.randint(0, self.vocab_size, (batch_size, self.max_length),
-                                 generator=generator)
+        lengths = torch.randint(
+            self.min_length, self.max_length + 1, (batch_size, 1), generator=generator
+        )
+        segments = torch.randint(
+            0, self.vocab_size, (batch_size, self.max_length), generator=generator
+        )
         seq = segments.gather(1, torch.arange(block_size + 1) % lengths)  # (B, T + 1)
         return seq[:, :-1], seq[:, 1:]
 

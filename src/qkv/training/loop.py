@@ -19,18 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
 from ..heads import head_scores
 from ..models import GPT, GPTConfig
-from .checkpoint import (_FILES, _check_same_run, _config_json, _load_training_state, _read_json,
-                         save_checkpoint, save_snapshot)
+from .checkpoint import (
+    _FILES,
+    _check_same_run,
+    _config_json,
+    _load_training_state,
+    _read_json,
+    save_checkpoint,
+    save_snapshot,
+)
+from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
 from .presets import DEFAULT_PRESET, PRESETS, TrainConfig, learning_rate
 from .progress import _catch_sigint, _Progress
 
@@ -62,28 +70,38 @@ def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
     if model.wpe is not None:
         decay = [p for p in decay if p is not model.wpe.weight]
         rest.append(model.wpe.weight)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
-def evaluate(model: GPT, data: torch.Tensor, windows: int, block_size: int,
-             batch_size: int = 32, autocast: str | None = None) -> float:
+def evaluate(
+    model: GPT,
+    data: torch.Tensor,
+    windows: int,
+    block_size: int,
+    batch_size: int = 32,
+    autocast: str | None = None,
+) -> float:
     """Mean loss (nats per byte) over ``windows`` fixed windows of data."""
     return _loss_on(model, *eval_windows(data, windows, block_size), batch_size, autocast)
 
 
-def _loss_on(model: GPT, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32,
-             autocast: str | None = None) -> float:
+def _loss_on(
+    model: GPT, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32, autocast: str | None = None
+) -> float:
     """Mean next-token loss of inputs x against targets y, both (N, T)."""
     was_training = model.training
     model.eval()
     total = 0.0
     with torch.no_grad(), _autocast(autocast):
         for i in range(0, len(x), batch_size):
-            logits = model(x[i:i + batch_size])
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y[i:i + batch_size].flatten(),
-                                     reduction="sum").item()
+            logits = model(x[i : i + batch_size])
+            total += F.cross_entropy(
+                logits.flatten(0, 1).float(), y[i : i + batch_size].flatten(), reduction="sum"
+            ).item()
     model.train(was_training)
     return total / y.numel()
 
@@ -92,11 +110,20 @@ def _autocast(kind: str | None) -> Any:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bfloat16")
 
 
-def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | None = None,
-          steps: int | None = None, seed: int = 0, resume: bool = False,
-          compile: bool = False, model_config: GPTConfig | None = None,
-          train_config: TrainConfig | None = None, progress: bool = True,
-          on_step: Callable[[int, float], None] | None = None) -> Result:
+def train(
+    out: str | Path,
+    *,
+    preset: str = DEFAULT_PRESET,
+    text: str | Path | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    resume: bool = False,
+    compile: bool = False,
+    model_config: GPTConfig | None = None,
+    train_config: TrainConfig | None = None,
+    progress: bool = True,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Result:
     """Train a GPT and keep its checkpoint in ``out``.
 
     Args:
@@ -131,13 +158,16 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
         state = _read_json(out / "state.json")
         _check_same_run(saved, wanted)
     elif any((out / f).exists() for f in _FILES):
-        raise ValueError(f"--out {str(out)!r} already holds a checkpoint: pass --resume to "
-                         "continue it, or choose another directory")
+        raise ValueError(
+            f"--out {str(out)!r} already holds a checkpoint: pass --resume to "
+            "continue it, or choose another directory"
+        )
     if steps is not None:
         tcfg = dataclasses.replace(tcfg, steps=steps)
     if tcfg.steps < state["step"]:
-        raise ValueError(f"--steps {tcfg.steps} is below the step the checkpoint reached "
-                         f"({state['step']})")
+        raise ValueError(
+            f"--steps {tcfg.steps} is below the step the checkpoint reached ({state['step']})"
+        )
     data = _data(tcfg, mcfg, text)
     wanted["data"]["source"] = data.source
     held_out = data.held_out(tcfg.eval_windows, mcfg.block_size)
@@ -181,8 +211,10 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
                     scores = f", induction {record['induction']:.3f}"
                 if tcfg.snapshots:
                     save_snapshot(out, model, step)
-                bar.note(f"step {step}: train {record['loss']:.4f}, val "
-                         f"{record['val_loss']:.4f} nats/{data.unit}{scores}")
+                bar.note(
+                    f"step {step}: train {record['loss']:.4f}, val "
+                    f"{record['val_loss']:.4f} nats/{data.unit}{scores}"
+                )
             state["history"].append(record)
             state["step"] = step
             state["tokens"] += x.numel()
@@ -197,10 +229,10 @@ def train(out: str | Path, *, preset: str = DEFAULT_PRESET, text: str | Path | N
         bar.close()
     save_checkpoint(out, model, optimizer, batches, config_json, state)
     if stop["asked"]:
-        bar.note(f"interrupted: checkpoint at step {state['step']} in {out} "
-                 "(continue with --resume)")
-    return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out,
-                  data.unit)
+        bar.note(
+            f"interrupted: checkpoint at step {state['step']} in {out} (continue with --resume)"
+        )
+    return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out, data.unit)
 
 
 class _Text:
@@ -213,8 +245,9 @@ class _Text:
         check_context(self.corpus, block_size)
         self.source = self.corpus.source
 
-    def batch(self, batch_size: int, block_size: int, generator: torch.Generator
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return random_batch(self.corpus.train, batch_size, block_size, generator)
 
     def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,16 +259,20 @@ class _Repeats(RepeatedSegments):
 
     @property
     def source(self) -> str:
-        return (f"random segments of {self.min_length}-{self.max_length} tokens (of "
-                f"{self.vocab_size}), repeated")
+        return (
+            f"random segments of {self.min_length}-{self.max_length} tokens (of "
+            f"{self.vocab_size}), repeated"
+        )
 
 
 def _data(tcfg: TrainConfig, mcfg: GPTConfig, text: Any) -> Any:
     if tcfg.data == "text":
         return _Text(text, mcfg.block_size)
     if text is not None:
-        raise ValueError("--text does not apply to data='repeated_segments' (the induction "
-                         "preset makes its own sequences)")
+        raise ValueError(
+            "--text does not apply to data='repeated_segments' (the induction "
+            "preset makes its own sequences)"
+        )
     return _Repeats(mcfg.vocab_size, *tcfg.segment_lengths)
 
 
@@ -243,4 +280,3 @@ def induction_score(model: GPT, seed: int = 0) -> float:
     """The highest induction score of any head (:func:`qkv.heads.head_scores`), on
     sequences of half the context repeated."""
     return head_scores(model, batch=16, seed=seed)["induction"].max().item()
-

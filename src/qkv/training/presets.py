@@ -63,23 +63,53 @@ INDUCTION_VOCAB = 64
 #: name -> (model, training). Named for what they are; ``cpu-10min`` is the default.
 PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
     # Seconds: for tests and a first look.
-    "tiny": (GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
-             TrainConfig(steps=20, batch_size=8, warmup=5, eval_interval=10, eval_windows=8)),
+    "tiny": (
+        GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
+        TrainConfig(steps=20, batch_size=8, warmup=5, eval_interval=10, eval_windows=8),
+    ),
     # Sized for ten minutes on a 2-core CPU: 398 s measured (docs/training.md).
-    "cpu-10min": (GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128,
-                            positions="rope"),
-                  TrainConfig(steps=1800, batch_size=16, lr=3e-3, min_lr=3e-4, warmup=100,
-                              eval_interval=200, eval_windows=64, autocast="bfloat16")),
+    "cpu-10min": (
+        GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128, positions="rope"),
+        TrainConfig(
+            steps=1800,
+            batch_size=16,
+            lr=3e-3,
+            min_lr=3e-4,
+            warmup=100,
+            eval_interval=200,
+            eval_windows=64,
+            autocast="bfloat16",
+        ),
+    ),
     # The induction experiment (docs/induction.md): a 2-layer attention-only model, no
     # LayerNorm, untied, unit-scale init, on random segments repeated, until an induction
     # head forms; a constant learning rate after warm-up.
-    "induction": (GPTConfig(vocab_size=INDUCTION_VOCAB, block_size=64, n_layer=2, n_head=4,
-                            n_embd=64, attention_only=True, layer_norm=False,
-                            tie_embeddings=False, init="fan_in"),
-                  TrainConfig(steps=2000, batch_size=64, lr=1e-3, min_lr=1e-3, warmup=50,
-                              weight_decay=0.0, eval_interval=100, eval_windows=256,
-                              data="repeated_segments", segment_lengths=(12, 32),
-                              snapshots=True)),
+    "induction": (
+        GPTConfig(
+            vocab_size=INDUCTION_VOCAB,
+            block_size=64,
+            n_layer=2,
+            n_head=4,
+            n_embd=64,
+            attention_only=True,
+            layer_norm=False,
+            tie_embeddings=False,
+            init="fan_in",
+        ),
+        TrainConfig(
+            steps=2000,
+            batch_size=64,
+            lr=1e-3,
+            min_lr=1e-3,
+            warmup=50,
+            weight_decay=0.0,
+            eval_interval=100,
+            eval_windows=256,
+            data="repeated_segments",
+            segment_lengths=(12, 32),
+            snapshots=True,
+        ),
+    ),
 }
 
 

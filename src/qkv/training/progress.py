@@ -9,8 +9,6 @@ import time
 from typing import Any
 
 
-
-
 def _catch_sigint(stop: dict[str, bool]) -> Any:
     """Make the first Ctrl-C ask the loop to stop after its step; a second one raises."""
     if not _main_thread():
@@ -48,8 +46,10 @@ class _Progress:
         rate = done / now if now > 0 else 0.0
         left = (self.steps - step) / rate if rate > 0 else 0.0
         bar = "#" * int(20 * step / self.steps)
-        sys.stderr.write(f"\r[{bar:<20}] step {step}/{self.steps}  loss {loss:.4f}  "
-                         f"{rate * self.tokens / 1e3:.1f}k tok/s  {_clock(left)} left ")
+        sys.stderr.write(
+            f"\r[{bar:<20}] step {step}/{self.steps}  loss {loss:.4f}  "
+            f"{rate * self.tokens / 1e3:.1f}k tok/s  {_clock(left)} left "
+        )
         sys.stderr.flush()
 
     def note(self, text: str) -> None:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import base64
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from ..heads import ROW_BLOCK, SCORES, head_scores, run
 
 #: the longest prompt a page can hold (key indices are 16-bit)
 MAX_TOKENS = 65535
+
 
 @dataclass
 class Frame:
@@ -57,17 +59,36 @@ class View:
     def html(self) -> str:
         """The whole page: one file, no external resource."""
         first = self.frames[0]
-        L, H, T, K = first.keys.shape
-        data = {"title": self.title, "tokens": self.tokens, "layers": L, "heads": H, "k": K,
-                "thumb": first.thumbs.shape[-1], "query": self.query, "scoreNames": SCORES,
-                "frames": [{"label": f.label, "scores": f.scores, "steps": f.steps,
-                            "thumbs": _b64(f.thumbs), "keys": _b64(f.keys.astype("<u2")),
-                            "weights": _b64(f.weights)} for f in self.frames]}
+        L, H, _T, K = first.keys.shape
+        data = {
+            "title": self.title,
+            "tokens": self.tokens,
+            "layers": L,
+            "heads": H,
+            "k": K,
+            "thumb": first.thumbs.shape[-1],
+            "query": self.query,
+            "scoreNames": SCORES,
+            "frames": [
+                {
+                    "label": f.label,
+                    "scores": f.scores,
+                    "steps": f.steps,
+                    "thumbs": _b64(f.thumbs),
+                    "keys": _b64(f.keys.astype("<u2")),
+                    "weights": _b64(f.weights),
+                }
+                for f in self.frames
+            ],
+        }
         payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
         assets = resources.files("qkv.view") / "assets"
-        return _PAGE.format(title=html.escape(self.title),
-                            css=(assets / "view.css").read_text(encoding="utf-8"),
-                            data=payload, js=(assets / "view.js").read_text(encoding="utf-8"))
+        return _PAGE.format(
+            title=html.escape(self.title),
+            css=(assets / "view.css").read_text(encoding="utf-8"),
+            data=payload,
+            js=(assets / "view.js").read_text(encoding="utf-8"),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the page to ``path``."""
@@ -75,8 +96,10 @@ class View:
 
     def _repr_html_(self) -> str:
         # In an iframe: the page's script and styles stay apart from the notebook's.
-        return (f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" '
-                'style="width:100%;height:860px;border:0" sandbox="allow-scripts"></iframe>')
+        return (
+            f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" '
+            'style="width:100%;height:860px;border:0" sandbox="allow-scripts"></iframe>'
+        )
 
 
 _PAGE = """<!DOCTYPE html>
@@ -93,10 +116,18 @@ def _b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
 
-def view(model: Any, tokens: torch.Tensor | Sequence[int], *, labels: Sequence[str] | None = None,
-         snapshots: Sequence[tuple[str, Any]] | None = None, query: int | None = None,
-         top_k: int = 32, thumb: int = 64, title: str = "qkv: what the heads attend to",
-         scores: bool = True) -> View:
+def view(
+    model: Any,
+    tokens: torch.Tensor | Sequence[int],
+    *,
+    labels: Sequence[str] | None = None,
+    snapshots: Sequence[tuple[str, Any]] | None = None,
+    query: int | None = None,
+    top_k: int = 32,
+    thumb: int = 64,
+    title: str = "qkv: what the heads attend to",
+    scores: bool = True,
+) -> View:
     """Build the interactive view of a model's heads on a prompt.
 
     Args:
@@ -123,9 +154,8 @@ def view(model: Any, tokens: torch.Tensor | Sequence[int], *, labels: Sequence[s
     if T > MAX_TOKENS:  # key indices travel as 16-bit integers
         raise ValueError(f"the viewer shows at most {MAX_TOKENS} tokens; got {T}")
     block = getattr(getattr(model, "config", None), "block_size", None)
-    if isinstance(block, int) and T > block:
-        raise ValueError(f"the prompt has {T} tokens; the model's context holds "
-                         f"block_size={block}")
+    if isinstance(block, int) and block < T:
+        raise ValueError(f"the prompt has {T} tokens; the model's context holds block_size={block}")
     labels = [str(int(t)) for t in ids[0]] if labels is None else list(labels)
     if len(labels) != T:
         raise ValueError(f"labels must give one label per token ({T}); got {len(labels)}")
@@ -133,8 +163,9 @@ def view(model: Any, tokens: torch.Tensor | Sequence[int], *, labels: Sequence[s
     if not 0 <= query < T:
         raise ValueError(f"query must be a position of the prompt, 0 … {T - 1}; got {query}")
     models = [*(snapshots or []), ("final", model)]
-    frames = [_frame(label, m, ids, query, min(top_k, T), min(thumb, T), scores)
-              for label, m in models]
+    frames = [
+        _frame(label, m, ids, query, min(top_k, T), min(thumb, T), scores) for label, m in models
+    ]
     return View(labels, frames, query, title)
 
 
@@ -144,8 +175,9 @@ def byte_labels(data: bytes) -> list[str]:
     return [special.get(b, chr(b) if 33 <= b < 127 else f"\\x{b:02x}") for b in data]
 
 
-def _frame(label: str, model: Any, ids: torch.Tensor, query: int, K: int, S: int,
-           with_scores: bool) -> Frame:
+def _frame(
+    label: str, model: Any, ids: torch.Tensor, query: int, K: int, S: int, with_scores: bool
+) -> Frame:
     calls = run(model, ids)
     T = ids.shape[1]
     bins = torch.arange(T) * S // T  # cell -> thumbnail cell
@@ -171,12 +203,19 @@ def _frame(label: str, model: Any, ids: torch.Tensor, query: int, K: int, S: int
         steps.append([_steps(call, query, h) for h in range(H)])
     if with_scores:
         found = head_scores(model)
-        scores = {name: [[round(float(x), 4) for x in row] for row in found[name]]
-                  for name in SCORES}
+        scores = {
+            name: [[round(float(x), 4) for x in row] for row in found[name]] for name in SCORES
+        }
     else:
         scores = {}
-    return Frame(label, torch.stack(thumbs).numpy(), torch.stack(keys).numpy().astype(np.uint16),
-                 torch.stack(weights).numpy(), scores, steps)
+    return Frame(
+        label,
+        torch.stack(thumbs).numpy(),
+        torch.stack(keys).numpy().astype(np.uint16),
+        torch.stack(weights).numpy(),
+        scores,
+        steps,
+    )
 
 
 def _steps(call: Any, query: int, head: int, shown: int = 12) -> dict[str, Any]:
@@ -184,12 +223,20 @@ def _steps(call: Any, query: int, head: int, shown: int = 12) -> dict[str, Any]:
     s = call.step(query, head)
     order = s["weights"].argsort(descending=True)[:shown].tolist()
     r = lambda t: [round(float(x), 4) for x in t]  # noqa: E731
-    return {"keys": order, "qk": r(s["q·k"][order]), "scaled": r(s["scaled"][order]),
-            "modified": None if torch.equal(s["modified"], s["scaled"]) else
-            r(s["modified"][order]), "allowed": [bool(a) for a in s["allowed"][order]],
-            "weights": r(s["weights"][order]), "scale": round(float(s["scale"]), 6),
-            "masked": int((~s["allowed"]).sum()), "q": r(s["q"][:8]), "out": r(s["out"][:8]),
-            "d": int(s["q"].numel()), "d_v": int(s["out"].numel())}
+    return {
+        "keys": order,
+        "qk": r(s["q·k"][order]),
+        "scaled": r(s["scaled"][order]),
+        "modified": None if torch.equal(s["modified"], s["scaled"]) else r(s["modified"][order]),
+        "allowed": [bool(a) for a in s["allowed"][order]],
+        "weights": r(s["weights"][order]),
+        "scale": round(float(s["scale"]), 6),
+        "masked": int((~s["allowed"]).sum()),
+        "q": r(s["q"][:8]),
+        "out": r(s["out"][:8]),
+        "d": int(s["q"].numel()),
+        "d_v": int(s["out"].numel()),
+    }
 
 
 __all__ = ["Frame", "View", "byte_labels", "view"]

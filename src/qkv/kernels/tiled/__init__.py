@@ -11,7 +11,7 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,9 +20,16 @@ from .loop import loop_forward, tiled_backward
 from .plan import MaskTile, ModTile, Plan
 
 
-def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None,
-                  fuse: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def tiled_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+    mod_tile: ModTile | None = None,
+    fuse: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) and lse (B, H, T_q) in the accumulation dtype: the fused step
     (:func:`qkv.kernels.fused.fused_forward`) where it applies, else the loop over tiles
     (:func:`loop_forward`). ``fuse``: whether the fused step may run, if the caller has
@@ -34,18 +41,26 @@ def tiled_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
     return loop_forward(q, k, v, plan, mask_tile, scale, mod_tile)
 
 
-def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod_tile: ModTile | None
-             ) -> bool:
+def _fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod_tile: ModTile | None) -> bool:
     """Whether the fused steps may run: no score modification (the loop applies those) and
     what :func:`qkv.kernels.fused.fusable` asks of the tensors."""
     return mod_tile is None and fused.fusable(q, k, v)
 
 
-def plain_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
-                   mask_tile: MaskTile | None, scale: float, *, fuse: bool | None = None,
-                   delta: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def plain_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+    *,
+    fuse: bool | None = None,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv when no gradient reaches the log-sum-exp and there is no score
     modification: the fused backward where it may run (``fuse``: as the forward decided, or
     decided here), else the loop (``delta`` as for :func:`tiled_backward`)."""
@@ -72,18 +87,39 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         no_dlse = dlse is None or not bool(dlse.any())
         if no_dlse and ctx.mod_tile is None:
-            dq, dk, dv = plain_backward(q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile,
-                                        ctx.scale, fuse=ctx.fuse)
+            dq, dk, dv = plain_backward(
+                q, k, v, out, lse, dout, ctx.plan, ctx.mask_tile, ctx.scale, fuse=ctx.fuse
+            )
             return dq, dk, dv, None, None, None, None
         dq, dk, dv, *dmod = tiled_backward(
-            q, k, v, out, lse, dout, dlse, ctx.plan, ctx.mask_tile, ctx.scale, ctx.mod_tile,
-            mod_tensors, need=any(ctx.needs_input_grad[7:]))
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            dlse,
+            ctx.plan,
+            ctx.mask_tile,
+            ctx.scale,
+            ctx.mod_tile,
+            mod_tensors,
+            need=any(ctx.needs_input_grad[7:]),
+        )
         return (dq, dk, dv, None, None, None, None, *dmod)
 
 
-def tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: Plan,
-          mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None,
-          mod_tensors: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+    mod_tile: ModTile | None = None,
+    mod_tensors: Sequence[torch.Tensor] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention with its own backward.
 
     Args:

@@ -8,13 +8,15 @@ length · D head dim.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .plan import Chunk, MaskTile, Plan, _blocked, _fit, _rows
-from . import native
 from ..reference import accumulation_dtype, all_finite
+from . import native
+from .plan import Chunk, MaskTile, Plan, _blocked, _fit, _rows
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
@@ -28,9 +30,14 @@ def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     tensors are on the CPU in a floating dtype, D_v = D (the kernel's requirement), and K
     is finite — the kernel adds the mask to the scores, and NaN + (-inf) would carry a
     masked-out NaN key into the rows that mask it (the loop masks by assignment instead)."""
-    return (FUSED and FLASH is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-            and v.shape[-1] == q.shape[-1] and all_finite(k))
+    return (
+        FUSED
+        and FLASH is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        and v.shape[-1] == q.shape[-1]
+        and all_finite(k)
+    )
 
 
 def _working(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,8 +75,10 @@ def calls(plan: Plan) -> list[tuple[int, int, list[Call]]]:
     results merge (by log-sum-exp) into the group's rows. Each query block's keys are
     covered exactly once."""
     rows = plan.rows
-    return [(group[0][0], group[-1][1], _group_calls(group))
-            for group in (rows[g:g + GROUP] for g in range(0, len(rows), GROUP))]
+    return [
+        (group[0][0], group[-1][1], _group_calls(group))
+        for group in (rows[g : g + GROUP] for g in range(0, len(rows), GROUP))
+    ]
 
 
 def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Call]:
@@ -80,8 +89,10 @@ def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Ca
     per block."""
     if len(group) == 1:
         q0, q1, chunks = group[0]
-        return [Call(q0, q1, p[0].k0, p[-1].k1, None if _all_full(p) else p)
-                for p in (_segments(chunks) if chunks else ())]
+        return [
+            Call(q0, q1, p[0].k0, p[-1].k1, None if _all_full(p) else p)
+            for p in (_segments(chunks) if chunks else ())
+        ]
     # A block with no keys shares nothing, so a shared stretch covers every block.
     shared = _shared_full([c for _, _, c in group])
     found = [Call(group[0][0], group[-1][1], a, b, None) for a, b in shared]
@@ -92,15 +103,15 @@ def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Ca
 
 def _all_full(chunks: Sequence[Chunk]) -> bool:
     return all(c.masked is None for c in chunks) and all(
-        a.k1 == b.k0 for a, b in zip(chunks, chunks[1:]))
+        a.k1 == b.k0 for a, b in itertools.pairwise(chunks)
+    )
 
 
 def _full_stretches(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
     """The maximal key ranges where every block is FULL."""
     found: list[tuple[int, int]] = []
     for c in chunks:
-        pieces = [(c.k0, c.k1)] if c.masked is None else [(c.k0, c.masked[0]),
-                                                           (c.masked[1], c.k1)]
+        pieces = [(c.k0, c.k1)] if c.masked is None else [(c.k0, c.masked[0]), (c.masked[1], c.k1)]
         for a, b in pieces:
             if a == b:
                 continue
@@ -154,9 +165,14 @@ def _segments(chunks: Sequence[Chunk]) -> list[tuple[Chunk, ...]]:
     return sorted(parts, key=lambda p: p[0].k0)
 
 
-def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                  mask_tile: MaskTile | None, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as the fused calls of :func:`calls`: torch's CPU flash kernel over
     each call's keys, with their mask as an additive float mask — -inf where the mask blocks
     and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
@@ -181,38 +197,54 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
         for c in group:
             bias, empty = _call_bias(c, mask_tile, H_kv, G, acc, cache)
             at = slice(c.q0, c.q1)
-            first = not done[c.q0 - g0:c.q1 - g0].any()  # a call's rows: all or none done
-            done[c.q0 - g0:c.q1 - g0] = True
+            first = not done[c.q0 - g0 : c.q1 - g0].any()  # a call's rows: all or none done
+            done[c.q0 - g0 : c.q1 - g0] = True
             if packed is not None:  # a row with no key: lse -inf already
                 into = (out[:, :, :, at], lse[:, :, :, at]) if first else ()
                 o, l_ = native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale, *into)
                 if first:  # written straight into out and lse
                     continue
             else:
-                o, l_ = FLASH(_rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1], v[:, :, c.k0:c.k1],
-                              0.0, False, attn_mask=bias, scale=scale)
+                o, l_ = FLASH(
+                    _rows(q5, c.q0, c.q1),
+                    k[:, :, c.k0 : c.k1],
+                    v[:, :, c.k0 : c.k1],
+                    0.0,
+                    False,
+                    attn_mask=bias,
+                    scale=scale,
+                )
                 if empty is not None:  # torch's kernel gives such a row lse 0: make it -inf
                     l_ = l_.masked_fill(empty, float("-inf"))
             o, l_ = o.view(B, H_kv, G, c.q1 - c.q0, D), l_.view(B, H_kv, G, c.q1 - c.q0)
             if first:
                 out[:, :, :, at], lse[:, :, :, at] = o, l_
             else:
-                out[:, :, :, at], lse[:, :, :, at] = _merge(out[:, :, :, at], lse[:, :, :, at],
-                                                            o, l_)
+                out[:, :, :, at], lse[:, :, :, at] = _merge(
+                    out[:, :, :, at], lse[:, :, :, at], o, l_
+                )
         if not done.all():  # rows with no key: out 0, lse -inf
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 
-FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
-                          None)
+FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 
-def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, dout: torch.Tensor, plan: Plan,
-                   mask_tile: MaskTile | None, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
@@ -235,8 +267,7 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         dq_threads = native.gradient_buffer(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)
-        lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None],
-                        H_kv)
+        lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None], H_kv)
         dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
     for _, _, group in calls(plan):
@@ -244,18 +275,37 @@ def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             bias, _ = _call_bias(c, mask_tile, H_kv, G, acc, cache)
             if packed is not None:
                 at = slice(c.q0, c.q1)
-                native.backward(q5[:, :, :, at], do5[:, :, :, at], packed[0], packed[1], c.k0,
-                                c.k1, bias, lse5[..., at], delta5[..., at], scale,
-                                dq_threads[..., at, :], dk[:, :, c.k0:c.k1],
-                                dv[:, :, c.k0:c.k1])
+                native.backward(
+                    q5[:, :, :, at],
+                    do5[:, :, :, at],
+                    packed[0],
+                    packed[1],
+                    c.k0,
+                    c.k1,
+                    bias,
+                    lse5[..., at],
+                    delta5[..., at],
+                    scale,
+                    dq_threads[..., at, :],
+                    dk[:, :, c.k0 : c.k1],
+                    dv[:, :, c.k0 : c.k1],
+                )
                 continue
             dqc, dkc, dvc = FLASH_BACKWARD(
-                _rows(do5, c.q0, c.q1), _rows(q5, c.q0, c.q1), k[:, :, c.k0:c.k1],
-                v[:, :, c.k0:c.k1], _rows(o5, c.q0, c.q1), _rows(lse5, c.q0, c.q1)[..., 0],
-                0.0, False, attn_mask=bias, scale=scale)
-            dq5[:, :, :, c.q0:c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
-            dk[:, :, c.k0:c.k1] += dkc
-            dv[:, :, c.k0:c.k1] += dvc
+                _rows(do5, c.q0, c.q1),
+                _rows(q5, c.q0, c.q1),
+                k[:, :, c.k0 : c.k1],
+                v[:, :, c.k0 : c.k1],
+                _rows(o5, c.q0, c.q1),
+                _rows(lse5, c.q0, c.q1)[..., 0],
+                0.0,
+                False,
+                attn_mask=bias,
+                scale=scale,
+            )
+            dq5[:, :, :, c.q0 : c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
+            dk[:, :, c.k0 : c.k1] += dkc
+            dv[:, :, c.k0 : c.k1] += dvc
     if packed is not None:
         dq5 = dq_threads.sum(0)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
@@ -271,12 +321,14 @@ def _backward_pieces(c: Call) -> list[Call]:
     each piece's gradients are its exact share, given the whole rows' out and lse."""
     if c.chunks is not None or c.k1 - c.k0 <= BACKWARD_SPAN:
         return [c]
-    return [c._replace(k0=a, k1=min(a + BACKWARD_SPAN, c.k1))
-            for a in range(c.k0, c.k1, BACKWARD_SPAN)]
+    return [
+        c._replace(k0=a, k1=min(a + BACKWARD_SPAN, c.k1)) for a in range(c.k0, c.k1, BACKWARD_SPAN)
+    ]
 
 
-def _merge(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over two disjoint sets of keys merged into attention over both (a row
     neither saw stays 0 with lse -inf). The arithmetic of ``qkv.merge_attention`` for two
     parts without gradients, kept apart from it: that general, gradient-safe N-part form
@@ -288,16 +340,30 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, lse2: torch.Ten
     return (o * w + o2 * w2).to(o.dtype), both
 
 
-def _call_bias(c: Call, mask_tile: MaskTile | None, H_kv: int, G: int, dtype: torch.dtype,
-               cache: dict | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _call_bias(
+    c: Call, mask_tile: MaskTile | None, H_kv: int, G: int, dtype: torch.dtype, cache: dict | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The additive float mask of a call in the kernel's (B|1, H_kv|1, G·rows, keys) layout,
     and the rows it leaves no key; (None, None) when every key is FULL. ``cache`` (a
     shift-invariant mask's) keeps one per layout of the call relative to its queries."""
     if c.chunks is None:
         return None, None
-    key = None if cache is None else (c.q1 - c.q0, c.q0 - c.k0, tuple(
-        (x.k0 - c.k0, x.k1 - c.k0, None if x.masked is None else
-         (x.masked[0] - c.k0, x.masked[1] - c.k0)) for x in c.chunks))
+    key = (
+        None
+        if cache is None
+        else (
+            c.q1 - c.q0,
+            c.q0 - c.k0,
+            tuple(
+                (
+                    x.k0 - c.k0,
+                    x.k1 - c.k0,
+                    None if x.masked is None else (x.masked[0] - c.k0, x.masked[1] - c.k0),
+                )
+                for x in c.chunks
+            ),
+        )
+    )
     if key is not None and key in cache:
         return cache[key]
     allowed = _fit(_span_mask(c.chunks, c.q0, c.q1, mask_tile), H_kv, G)
@@ -310,8 +376,9 @@ def _call_bias(c: Call, mask_tile: MaskTile | None, H_kv: int, G: int, dtype: to
     return found
 
 
-def _span_mask(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
-               ) -> torch.Tensor:
+def _span_mask(
+    chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
+) -> torch.Tensor:
     """The mask of queries q0..q1-1 over the keys from the first chunk's start to the last
     chunk's end, (B|1, H|1, bq, span) bool: True over FULL blocks, the mask over each
     chunk's masked range, False over EMPTY blocks between chunks."""
@@ -326,8 +393,11 @@ def _span_mask(chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | 
             m0, m1 = c.masked
             t = mask_tile(q0, q1, m0, m1)
             t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
-            pieces += [ones(m0 - c.k0), t.expand(t.shape[0], t.shape[1], bq, m1 - m0),
-                       ones(c.k1 - m1)]
+            pieces += [
+                ones(m0 - c.k0),
+                t.expand(t.shape[0], t.shape[1], bq, m1 - m0),
+                ones(c.k1 - m1),
+            ]
         at = c.k1
     B, H = max(p.shape[0] for p in pieces), max(p.shape[1] for p in pieces)
     return torch.cat([p.expand(B, H, bq, p.shape[3]) for p in pieces], dim=-1)

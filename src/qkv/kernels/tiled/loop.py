@@ -26,42 +26,55 @@ length · D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .plan import Chunk, MaskTile, ModTile, Plan, _blocked, _fit, _rows
 from ..reference import accumulation_dtype, finite_or_zero
+from .plan import Chunk, MaskTile, ModTile, Plan, _blocked, _fit, _rows
 
 
-def _scores(qb: torch.Tensor, k: torch.Tensor, chunk: Chunk, q0: int, q1: int,
-            mask_tile: MaskTile | None, H_kv: int, G: int, mod_tile: ModTile | None = None
-            ) -> torch.Tensor:
+def _scores(
+    qb: torch.Tensor,
+    k: torch.Tensor,
+    chunk: Chunk,
+    q0: int,
+    q1: int,
+    mask_tile: MaskTile | None,
+    H_kv: int,
+    G: int,
+    mod_tile: ModTile | None = None,
+) -> torch.Tensor:
     """Scores of one (pre-scaled) query block against one chunk, modified, -inf where
     masked."""
-    s = qb @ k[:, :, chunk.k0:chunk.k1].transpose(-2, -1)  # (B, H_kv, G·bq, L)
+    s = qb @ k[:, :, chunk.k0 : chunk.k1].transpose(-2, -1)  # (B, H_kv, G·bq, L)
     if mod_tile is not None:
         s = mod_tile(s, q0, q1, chunk.k0, chunk.k1)
     return _masked(s, chunk, q0, q1, mask_tile, H_kv, G)
 
 
-def _masked(s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTile | None,
-            H_kv: int, G: int) -> torch.Tensor:
+def _masked(
+    s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTile | None, H_kv: int, G: int
+) -> torch.Tensor:
     """The tile's scores, -inf (in place) where the mask blocks."""
     if chunk.masked is not None:
         c0, c1 = chunk.masked
         m = mask_tile(q0, q1, c0, c1)
         m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))  # (B|1, H|1, ·, ·)
         m = _fit(m.expand(m.shape[0], m.shape[1], q1 - q0, c1 - c0), H_kv, G)
-        s[..., c0 - chunk.k0:c1 - chunk.k0].masked_fill_(~m, float("-inf"))
+        s[..., c0 - chunk.k0 : c1 - chunk.k0].masked_fill_(~m, float("-inf"))
     return s
 
 
-
-
-def loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
-                 mask_tile: MaskTile | None, scale: float, mod_tile: ModTile | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def loop_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+    mod_tile: ModTile | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The readable kernel and the fallback: online softmax over the plan's chunks in
     PyTorch, one tile at a time. out (B, H, T_q, D_v) and lse (B, H, T_q), both in the
     accumulation dtype."""
@@ -87,7 +100,7 @@ def loop_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan,
             # A row with every score -inf so far keeps max 0: exp(-inf - 0) = 0, not NaN.
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = s.sub_(m_safe).exp_()  # in place of s
-            pv = p @ v[:, :, chunk.k0:chunk.k1]  # (B, H_kv, G·bq, D_v)
+            pv = p @ v[:, :, chunk.k0 : chunk.k1]  # (B, H_kv, G·bq, D_v)
             if m is None:
                 l, o = p.sum(dim=-1, keepdim=True), pv  # noqa: E741
             else:  # rescale what was summed under the old max; 0 while m was -inf
@@ -105,12 +118,22 @@ def _finite_operand(x: torch.Tensor) -> torch.Tensor:
     return x if bool(torch.isfinite(x).all()) else finite_or_zero(x)
 
 
-def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                   plan: Plan, mask_tile: MaskTile | None, scale: float,
-                   mod_tile: ModTile | None = None, mod_tensors: Sequence[torch.Tensor] = (),
-                   need: bool = False, delta: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, ...]:
+def tiled_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    plan: Plan,
+    mask_tile: MaskTile | None,
+    scale: float,
+    mod_tile: ModTile | None = None,
+    mod_tensors: Sequence[torch.Tensor] = (),
+    need: bool = False,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Gradients of the loss w.r.t. q, k, v and, if ``need``, ``mod_tensors`` (the tensors
     the score modification reads; else Nones), recomputing each score tile once. ``delta``,
     rowsum(dout ∘ out) in the accumulation dtype, is computed here unless given.
@@ -148,8 +171,19 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                 p = _scores(qb, k_, chunk, q0, q1, mask_tile, H_kv, G).sub_(lse_b).exp_()
             else:  # keep the raw scores: the modification's backward needs them
                 raw = qb @ k_[:, :, ks].transpose(-2, -1)  # (B, H_kv, G·bq, L)
-                p = _masked(mod_tile(raw.clone(), q0, q1, chunk.k0, chunk.k1), chunk, q0, q1,
-                            mask_tile, H_kv, G).sub_(lse_b).exp_()
+                p = (
+                    _masked(
+                        mod_tile(raw.clone(), q0, q1, chunk.k0, chunk.k1),
+                        chunk,
+                        q0,
+                        q1,
+                        mask_tile,
+                        H_kv,
+                        G,
+                    )
+                    .sub_(lse_b)
+                    .exp_()
+                )
             dv[:, :, ks] += p.transpose(-2, -1) @ dob
             ds = p.mul_((dob @ v_[:, :, ks].transpose(-2, -1)).sub_(delta_b))  # dS, in place of P
             if mod_tile is not None:  # dS of the raw scores, and of the modification's tensors
@@ -161,5 +195,9 @@ def tiled_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             dk[:, :, ks] += ds.transpose(-2, -1) @ qb0  # qb0 carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)
     dq = dq5.view(q.shape).mul_(scale)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-            *[None if d is None else d.to(t.dtype) for d, t in zip(dmod, mod_tensors)])
+    return (
+        dq.to(q.dtype),
+        dk.to(k.dtype),
+        dv.to(v.dtype),
+        *[None if d is None else d.to(t.dtype) for d, t in zip(dmod, mod_tensors)],
+    )

@@ -40,8 +40,15 @@ def fits(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
     """Whether calls of this dtype, device and head dims can run natively: bfloat16 on the
     CPU, the kernel built and this CPU able to run it, D = D_v a multiple of 32 (the
     kernel's vectors) up to 256."""
-    return (NATIVE and _AVAILABLE and dtype == torch.bfloat16 and device.type == "cpu"
-            and D == D_v and D % 32 == 0 and D <= 256)
+    return (
+        NATIVE
+        and _AVAILABLE
+        and dtype == torch.bfloat16
+        and device.type == "cpu"
+        and D_v == D
+        and D % 32 == 0
+        and D <= 256
+    )
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -49,8 +56,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     dim contiguous, a head dim the kernel's vectors tile (a multiple of 32, at most 256),
     and finite Q and V (the caller has checked K) — the kernel's max would pass over a NaN
     score, and 0 · inf in ·V would reach rows that mask the key out."""
-    return (fits(q.dtype, q.device, q.shape[-1], v.shape[-1]) and q.dtype == k.dtype == v.dtype
-            and all(x.stride(-1) == 1 for x in (q, k, v)) and all_finite(q) and all_finite(v))
+    return (
+        fits(q.dtype, q.device, q.shape[-1], v.shape[-1])
+        and q.dtype == k.dtype == v.dtype
+        and all(x.stride(-1) == 1 for x in (q, k, v))
+        and all_finite(q)
+        and all_finite(v)
+    )
 
 
 class Packed(NamedTuple):
@@ -72,14 +84,27 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
     if k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape:
         raise ValueError("native.pack: K and V of one shape, each with D contiguous")
-    _bf16.pack((k.data_ptr(), *k.stride()[:3]), (v.data_ptr(), *v.stride()[:3]),
-               kp.data_ptr(), vp.data_ptr(), (B, H_kv, T_k, D, Nt), torch.get_num_threads())
+    _bf16.pack(
+        (k.data_ptr(), *k.stride()[:3]),
+        (v.data_ptr(), *v.stride()[:3]),
+        kp.data_ptr(),
+        vp.data_ptr(),
+        (B, H_kv, T_k, D, Nt),
+        torch.get_num_threads(),
+    )
     return Packed(kp, vp, Nt)
 
 
-def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tensor | None,
-           scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q5: torch.Tensor,
+    packed: Packed,
+    k0: int,
+    k1: int,
+    bias: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None. A row with no allowed key: out 0, lse -inf. Written into ``out``
@@ -89,31 +114,59 @@ def attend(q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tenso
     N = k1 - k0
     out = torch.empty(B, H_kv, G, R, D) if out is None else out
     lse = torch.empty(B, H_kv, G, R) if lse is None else lse
-    if (out.shape != (B, H_kv, G, R, D) or lse.shape != (B, H_kv, G, R) or out.stride(-1) != 1
-            or out.dtype != torch.float32 or lse.dtype != torch.float32):
-        raise ValueError("native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
-                         "float32, out's last dim contiguous")
-    _bf16.attend((q5.data_ptr(), *q5.stride()[:4]),
-                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                 (packed.v.data_ptr(), *packed.v.stride()[:2]), _bias_at(bias),
-                 (out.data_ptr(), *out.stride()[:4]), (lse.data_ptr(), *lse.stride()),
-                 (B, H_kv, G, R, D), (packed.Nt, k0, N), scale, P_PARTS,
-                 torch.get_num_threads())
+    if (
+        out.shape != (B, H_kv, G, R, D)
+        or lse.shape != (B, H_kv, G, R)
+        or out.stride(-1) != 1
+        or out.dtype != torch.float32
+        or lse.dtype != torch.float32
+    ):
+        raise ValueError(
+            "native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
+            "float32, out's last dim contiguous"
+        )
+    _bf16.attend(
+        (q5.data_ptr(), *q5.stride()[:4]),
+        (packed.k.data_ptr(), *packed.k.stride()[:2]),
+        (packed.v.data_ptr(), *packed.v.stride()[:2]),
+        _bias_at(bias),
+        (out.data_ptr(), *out.stride()[:4]),
+        (lse.data_ptr(), *lse.stride()),
+        (B, H_kv, G, R, D),
+        (packed.Nt, k0, N),
+        scale,
+        P_PARTS,
+        torch.get_num_threads(),
+    )
     return out, lse
 
 
-def _check_call(name: str, q5: torch.Tensor, packed: Packed, k0: int, k1: int,
-                bias: torch.Tensor | None) -> None:
+def _check_call(
+    name: str, q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tensor | None
+) -> None:
     """Raise unless one call's rows, keys and bias fit each other: the kernel reads raw
     memory, and a wrong shape would read past the tensors."""
     B, H_kv, G, R, D = q5.shape
-    if (packed.k.shape[:2] != (B, H_kv) or packed.k.shape[3] != D // 2
-            or q5.stride(-1) != 1 or R < 1 or not 0 <= k0 < k1 or bias is not None and (
-                bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H_kv)
-                or tuple(bias.shape[2:]) != (G * R, k1 - k0))):
-        raise ValueError(f"native.{name}: mismatched shapes q {tuple(q5.shape)}, packed k "
-                         f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}")
+    if (
+        packed.k.shape[:2] != (B, H_kv)
+        or packed.k.shape[3] != D // 2
+        or q5.stride(-1) != 1
+        or R < 1
+        or not 0 <= k0 < k1
+        or (
+            bias is not None
+            and (
+                bias.shape[0] not in (1, B)
+                or bias.shape[1] not in (1, H_kv)
+                or tuple(bias.shape[2:]) != (G * R, k1 - k0)
+            )
+        )
+    ):
+        raise ValueError(
+            f"native.{name}: mismatched shapes q {tuple(q5.shape)}, packed k "
+            f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
 
 
 def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -123,9 +176,11 @@ def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
         return (0, 0, 0, 0)
     if bias.dtype != torch.float32 or not bias.is_contiguous():
         raise ValueError("native: the bias must be a contiguous float32 tensor")
-    return (bias.data_ptr(), *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2],
-                                                                  bias.shape[:2])),
-            bias.stride(2))
+    return (
+        bias.data_ptr(),
+        *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2], bias.shape[:2])),
+        bias.stride(2),
+    )
 
 
 def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
@@ -135,9 +190,21 @@ def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tenso
     return Packed(kv.k, vk.v, kv.Nt), vk.k
 
 
-def backward(q5: torch.Tensor, do5: torch.Tensor, packed: Packed, vk: torch.Tensor, k0: int,
-             k1: int, bias: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor,
-             scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+def backward(
+    q5: torch.Tensor,
+    do5: torch.Tensor,
+    packed: Packed,
+    vk: torch.Tensor,
+    k0: int,
+    k1: int,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((threads, B, H_kv, G, R, D): a slice per
     thread of :func:`gradient_buffer`, which the caller sums), and to ``dk``, ``dv`` for
@@ -147,22 +214,38 @@ def backward(q5: torch.Tensor, do5: torch.Tensor, packed: Packed, vk: torch.Tens
     B, H_kv, G, R, D = q5.shape
     N = k1 - k0
     threads = torch.get_num_threads()
-    if (do5.shape != q5.shape or lse.shape != (B, H_kv, G, R) or delta.shape != lse.shape
-            or dq.shape != (threads, *q5.shape) or dk.shape != (B, H_kv, N, D)
-            or dv.shape != dk.shape
-            or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
-            or any(x.stride(-1) != 1 for x in (do5, dq, dk, dv))):
-        raise ValueError(f"native.backward: mismatched shapes q {tuple(q5.shape)}, dO "
-                         f"{tuple(do5.shape)}, lse {tuple(lse.shape)}, dq {tuple(dq.shape)}, "
-                         f"dk {tuple(dk.shape)}, keys {k0}..{k1}")
-    _bf16.backward((q5.data_ptr(), *q5.stride()[:4]), (do5.data_ptr(), *do5.stride()[:4]),
-                   (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                   (packed.v.data_ptr(), *packed.v.stride()[:2]),
-                   (vk.data_ptr(), *vk.stride()[:2]), _bias_at(bias),
-                   (lse.data_ptr(), *lse.stride()), (delta.data_ptr(), *delta.stride()),
-                   (dq.data_ptr(), *dq.stride()[:5]), (dk.data_ptr(), *dk.stride()[:3]),
-                   (dv.data_ptr(), *dv.stride()[:3]), (B, H_kv, G, R, D), (packed.Nt, k0, N),
-                   scale, threads)
+    if (
+        do5.shape != q5.shape
+        or lse.shape != (B, H_kv, G, R)
+        or delta.shape != lse.shape
+        or dq.shape != (threads, *q5.shape)
+        or dk.shape != (B, H_kv, N, D)
+        or dv.shape != dk.shape
+        or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
+        or any(x.stride(-1) != 1 for x in (do5, dq, dk, dv))
+    ):
+        raise ValueError(
+            f"native.backward: mismatched shapes q {tuple(q5.shape)}, dO "
+            f"{tuple(do5.shape)}, lse {tuple(lse.shape)}, dq {tuple(dq.shape)}, "
+            f"dk {tuple(dk.shape)}, keys {k0}..{k1}"
+        )
+    _bf16.backward(
+        (q5.data_ptr(), *q5.stride()[:4]),
+        (do5.data_ptr(), *do5.stride()[:4]),
+        (packed.k.data_ptr(), *packed.k.stride()[:2]),
+        (packed.v.data_ptr(), *packed.v.stride()[:2]),
+        (vk.data_ptr(), *vk.stride()[:2]),
+        _bias_at(bias),
+        (lse.data_ptr(), *lse.stride()),
+        (delta.data_ptr(), *delta.stride()),
+        (dq.data_ptr(), *dq.stride()[:5]),
+        (dk.data_ptr(), *dk.stride()[:3]),
+        (dv.data_ptr(), *dv.stride()[:3]),
+        (B, H_kv, G, R, D),
+        (packed.Nt, k0, N),
+        scale,
+        threads,
+    )
 
 
 def gradient_buffer(B: int, H_kv: int, G: int, T_q: int, D: int) -> torch.Tensor:

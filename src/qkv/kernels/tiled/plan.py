@@ -7,9 +7,11 @@ length · D head dim.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -34,8 +36,9 @@ class ModTile(Protocol):
 
     def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
 
-    def vjp(self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *,
-            need: bool) -> tuple[torch.Tensor, list]: ...
+    def vjp(
+        self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, need: bool
+    ) -> tuple[torch.Tensor, list]: ...
 
 
 class Chunk(NamedTuple):
@@ -76,8 +79,13 @@ class Plan:
             masked[i] = None
         chunks = list(map(Chunk._make, zip(self.k0.tolist(), self.k1.tolist(), masked)))
         at = self.at.tolist()
-        return tuple(zip(self.q0.tolist(), self.q1.tolist(),
-                         [tuple(chunks[a:b]) for a, b in zip(at[:-1], at[1:])]))
+        return tuple(
+            zip(
+                self.q0.tolist(),
+                self.q1.tolist(),
+                [tuple(chunks[a:b]) for a, b in itertools.pairwise(at)],
+            )
+        )
 
     @property
     def density(self) -> float:
@@ -88,8 +96,17 @@ class Plan:
         return done / (self.T_q * self.T_k) if self.T_q * self.T_k else 0.0
 
 
-def make_plan(rows: np.ndarray, cols: np.ndarray, codes: np.ndarray, T_q: int, T_k: int, *,
-              block_q: int = BLOCK_Q, block_k: int = BLOCK_K, chunk_k: int = CHUNK_K) -> Plan:
+def make_plan(
+    rows: np.ndarray,
+    cols: np.ndarray,
+    codes: np.ndarray,
+    T_q: int,
+    T_k: int,
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    chunk_k: int = CHUNK_K,
+) -> Plan:
     """Turn the non-EMPTY tiles of a block map (``Mask.sparse_blocks``: rows, cols, codes,
     sorted by row then column) into chunks of consecutive key blocks, at most ``chunk_k``
     keys each: a run of n blocks splits into ceil(n / per_chunk) near-equal chunks. Array
@@ -105,8 +122,11 @@ def make_plan(rows: np.ndarray, cols: np.ndarray, codes: np.ndarray, T_q: int, T
     pieces = -(-length // per_chunk)
     size, big = length // np.maximum(pieces, 1), length % np.maximum(pieces, 1)
     # np.array_split's rule: the first `big` pieces hold size + 1 blocks, the others size.
-    piece = np.where(at < big * (size + 1), at // (size + 1),
-                     big + (at - big * (size + 1)) // np.maximum(size, 1))
+    piece = np.where(
+        at < big * (size + 1),
+        at // (size + 1),
+        big + (at - big * (size + 1)) // np.maximum(size, 1),
+    )
     first[1:] |= piece[1:] != piece[:-1]
     c0 = np.flatnonzero(first)
     c1 = np.append(c0[1:] - 1, n - 1) if n else c0  # each chunk's last tile
@@ -114,11 +134,17 @@ def make_plan(rows: np.ndarray, cols: np.ndarray, codes: np.ndarray, T_q: int, T
     m0 = np.minimum.reduceat(np.where(partial, cols, np.iinfo(np.int64).max), c0) if n else c0
     m1 = np.maximum.reduceat(np.where(partial, cols, -1), c0) if n else c0
     q0 = np.arange(0, T_q, block_q)
-    return Plan(T_q, T_k, q0, np.minimum(q0 + block_q, T_q),
-                np.searchsorted(rows[c0], np.arange(len(q0) + 1)),
-                cols[c0] * block_k, np.minimum((cols[c1] + 1) * block_k, T_k),
-                np.where(m1 >= 0, m0 * block_k, -1),
-                np.where(m1 >= 0, np.minimum((m1 + 1) * block_k, T_k), -1))
+    return Plan(
+        T_q,
+        T_k,
+        q0,
+        np.minimum(q0 + block_q, T_q),
+        np.searchsorted(rows[c0], np.arange(len(q0) + 1)),
+        cols[c0] * block_k,
+        np.minimum((cols[c1] + 1) * block_k, T_k),
+        np.where(m1 >= 0, m0 * block_k, -1),
+        np.where(m1 >= 0, np.minimum((m1 + 1) * block_k, T_k), -1),
+    )
 
 
 def dense_to_sparse(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -132,8 +158,6 @@ def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:
     b, h, r, c = m.shape
     m = m.view(b, H_kv, G, r, c) if h != 1 else m[:, :, None].expand(b, 1, G, r, c)
     return m.reshape(b, m.shape[1], G * r, c)
-
-
 
 
 def _blocked(x: torch.Tensor, H_kv: int) -> torch.Tensor:
