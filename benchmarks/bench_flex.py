@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 import qkv
 from qkv import masks
+from qkv.core import lowering as L
 from qkv.kernels import flex as F
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,16 +71,18 @@ def build(T: int = 16384) -> None:
     )
     print("|---|---|---|---|---|")
     for name, mask in cases(T).items():
-        ours = median(lambda: F.block_mask(mask, 1, 1, T, T, 0, cpu), 3)
+        ours = median(lambda: L.flex_block_mask(mask, 1, 1, T, T, 0, cpu), 3)
         theirs = median(
             lambda: create_block_mask(
-                F.mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK
+                L.flex_mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK
             ),
             3,
         )
         equal = same(
-            F.block_mask(mask, 1, 1, T, T, 0, cpu),
-            create_block_mask(F.mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK),
+            L.flex_block_mask(mask, 1, 1, T, T, 0, cpu),
+            create_block_mask(
+                L.flex_mask_mod(mask, 0, cpu), 1, 1, T, T, device=cpu, BLOCK_SIZE=F.BLOCK
+            ),
         )
         print(
             f"| {name} | {ours * 1e3:.0f} ms | {theirs * 1e3:.0f} ms | {theirs / ours:.0f}× | "

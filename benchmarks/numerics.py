@@ -7,7 +7,7 @@ The oracle runs on the *same* rounded inputs cast to float64, so the table measu
 each kernel adds, not the rounding of the inputs. Inputs: B=2, H=8, H_kv=4, T=257, D=64,
 standard normal; masks none, causal, sliding_window(64), document (4 documents). The last
 kernel column is the native bfloat16 kernel with P rounded once to bfloat16
-(``qkv.kernels.tiled.native.P_PARTS = 1``, docs/kernels.md#native-bfloat16): bfloat16 only.
+(``qkv.tuned(p_parts=1)``, docs/kernels.md#native-bfloat16): bfloat16 only.
 """
 
 from __future__ import annotations
@@ -49,10 +49,9 @@ def report() -> str:
 
             errors = [f"{error(b):.1e}" for b in BACKENDS]
             errors.append("—")
-            if dtype == torch.bfloat16 and native.takes(q, k, v):
-                native.P_PARTS = 1
-                errors[-1] = f"{error('tiled'):.1e}"
-                native.P_PARTS = 2
+            if dtype == torch.bfloat16 and native.supports(q, k, v):
+                with qkv.tuned(p_parts=1):
+                    errors[-1] = f"{error('tiled'):.1e}"
             # The least any kernel can do: round the exact answer to the dtype once.
             floor = np.abs(torch.from_numpy(want).to(dtype).double().numpy() - want).max()
             lines.append(

@@ -1,7 +1,22 @@
-"""Hypothesis profiles: the default run stays fast; `--hypothesis-profile=slow` runs
-thousands of examples per property."""
+"""Shared fixtures: ``tune`` (qkv's knobs changed for one test), and the hypothesis
+profiles: the default run stays fast; `--hypothesis-profile=slow` runs thousands of
+examples per property."""
 
+import contextlib
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+import qkv
+
+
+@pytest.fixture
+def tune():
+    """``tune(**knobs)`` changes qkv's :class:`qkv.Tuning` for the rest of the test (calls
+    stack); the previous knobs are back after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **knobs: stack.enter_context(qkv.tuned(**knobs))
+
 
 settings.register_profile(
     "default",

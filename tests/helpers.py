@@ -62,12 +62,8 @@ def grads(q, k, v, g, mask, **kw):
     return torch.autograd.grad((out * g).sum(), (q, k, v))
 
 
-def use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=16):
-    """Make the tiled kernel use tiny tiles, so small inputs span many blocks and chunks,
-    and let auto consider it for small inputs too."""
-    import qkv.core.dispatch as d
-
-    monkeypatch.setattr(d, "SMALL_SCORES", 0)
-    monkeypatch.setattr(d, "BLOCK_Q", block_q)
-    monkeypatch.setattr(d, "BLOCK_K", block_k)
-    monkeypatch.setattr(d, "CHUNK_K", chunk_k)
+def small_tiles(block_q=8, block_k=8, chunk_k=16):
+    """The knobs (for ``qkv.tuned`` or the ``tune`` fixture) that make the tiled kernel use
+    tiny tiles, so small inputs span many blocks and chunks, and let auto consider it for
+    small inputs too."""
+    return dict(small_scores=0, block_q=block_q, block_k=block_k, chunk_k=chunk_k)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_qkv, mask_zoo, use_small_tiles
+from helpers import make_qkv, mask_zoo, small_tiles
 from tolerances import FLOAT64
 from torch.nn.attention.bias import causal_lower_right
 
@@ -19,8 +19,8 @@ BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
 
 @pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    use_small_tiles(monkeypatch)
+def tiny_tiles(tune):
+    tune(**small_tiles())
 
 
 # (B, H, H_kv, T_q, T_k, D, D_v): odd sizes, T_q < T_k, T_q > T_k, odd D, D_v != D, GQA, MQA.
@@ -180,10 +180,9 @@ def test_dispatch_drops_a_mask_that_allows_everything():
     assert "allows every position" not in qkv.dispatch(q2, k, v, mask=masks.causal()).reason
 
 
-def test_dispatch_small_inputs_skip_planning(monkeypatch):
-    import qkv.core.dispatch as d
+def test_dispatch_small_inputs_skip_planning(tune):
 
-    monkeypatch.setattr(d, "SMALL_SCORES", 512 * 512)
+    tune(small_scores=512 * 512)
     q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
     d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
     assert d_.backend == "sdpa" and "is small" in d_.reason

@@ -6,7 +6,7 @@ rounding."""
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, use_small_tiles
+from helpers import make_qkv, small_tiles
 from tolerances import FLOAT64, rounding_tolerance
 
 import qkv
@@ -152,8 +152,8 @@ SHIFT_INVARIANT = {
 )
 @pytest.mark.parametrize("name", list(SHIFT_INVARIANT))
 @pytest.mark.parametrize("T_q, T_k", [(37, 37), (23, 41)])
-def test_tiled_with_uneven_tiles_matches_the_oracle(monkeypatch, tiles, name, T_q, T_k):
-    use_small_tiles(monkeypatch, *tiles)
+def test_tiled_with_uneven_tiles_matches_the_oracle(tune, tiles, name, T_q, T_k):
+    tune(**small_tiles(*tiles))
     q, k, v = make_qkv(2, 2, 1, T_q, T_k, 4, 3)
     mask = SHIFT_INVARIANT[name]
     out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
@@ -184,11 +184,9 @@ def test_dense_masks_with_rows_at_default_tiles(shape, backend):
 # -- 5. the long-sequence rule ------------------------------------------------------------
 
 
-def test_dispatch_sends_long_dense_ish_masks_to_tiled(monkeypatch):
-    import qkv.core.dispatch as d
+def test_dispatch_sends_long_dense_ish_masks_to_tiled(tune):
 
-    use_small_tiles(monkeypatch)
-    monkeypatch.setattr(d, "LONG_SCORES", 64 * 64)
+    tune(**small_tiles(), long_scores=64 * 64)
     q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)
     mask = masks.padding([60])  # computes 15/16 of the scores: not sparse
     choice = qkv.dispatch(q, k, v, mask=mask)

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, mask_zoo, use_small_tiles
+from helpers import make_qkv, mask_zoo, small_tiles
 from tolerances import FLOAT64
 
 import qkv
@@ -68,12 +68,12 @@ def test_no_queries_with_every_mask(backend):
 @pytest.mark.parametrize(
     "shape", [(2, 1, 20, 1), (20, 1), (1, 2, 1, 30), (1, 30), (20, 2), (2, 1, 2, 2)], ids=str
 )
-def test_broadcast_dense_masks_across_many_tiles(monkeypatch, shape):
+def test_broadcast_dense_masks_across_many_tiles(tune, shape):
     # A mask of size 1 along T_q or T_k is read whole in every tile, wherever the tile
     # starts; one of size 2 is sliced like any other (tiles of 1 key, 1 query).
     T_q, T_k = (20, 30) if shape[-1] != 2 else (shape[-2], 2)
     block, chunk = (1, 1) if shape[-1] == 2 else (4, 8)
-    use_small_tiles(monkeypatch, block_q=block, block_k=block, chunk_k=chunk)
+    tune(**small_tiles(block_q=block, block_k=block, chunk_k=chunk))
     q, k, v = make_qkv(2, 2, 1, T_q, T_k, 4, 3)
     mask = torch.rand(shape, generator=torch.Generator().manual_seed(3)) < 0.5
     out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
@@ -82,10 +82,10 @@ def test_broadcast_dense_masks_across_many_tiles(monkeypatch, shape):
     np.testing.assert_allclose(lse.numpy(), lse_want, atol=FLOAT64, rtol=0)
 
 
-def test_chunks_never_span_an_empty_block(monkeypatch):
+def test_chunks_never_span_an_empty_block(tune):
     # Attention sinks (the first 8 keys) and a window (StreamingLLM's mask) leave a gap of
     # EMPTY blocks in every late row: a chunk across it would compute them unmasked.
-    use_small_tiles(monkeypatch, block_q=4, block_k=4, chunk_k=16)
+    tune(**small_tiles(block_q=4, block_k=4, chunk_k=16))
     q, k, v = make_qkv(1, 2, 2, 64, 64, 4, 3)
     mask = masks.padding([8]) | masks.sliding_window(4)
     plan = qkv.dispatch(q, k, v, mask=mask, backend="tiled").plan
@@ -156,10 +156,10 @@ def test_plans_are_immutable_values():
         plan.k0[0] = 1
 
 
-def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch):
+def test_causal_tiles_are_evaluated_once_per_diagonal(monkeypatch, tune):
     # causal() is shift-invariant: every diagonal tile has the same pattern, so the tiled
     # kernel evaluates it once per call, not once per tile.
-    use_small_tiles(monkeypatch, block_q=8, block_k=8, chunk_k=8)
+    tune(**small_tiles(block_q=8, block_k=8, chunk_k=8))
     calls = []
     mask = masks.causal()
     block = type(mask).block
@@ -184,7 +184,7 @@ def test_the_plain_decode_path_is_the_full_path(H, H_kv, T_q, mask, dtype, monke
     k, v = (torch.randn(2, H_kv, 37, 16, generator=g).to(dtype) for _ in range(2))
     m = masks.causal() if mask == "causal" else None
     full = qkv.attention(q, k, v, mask=m, backend="sdpa", scale=0.3)
-    monkeypatch.setattr(qkv.functional, "choose", None)  # the plain path never dispatches
+    monkeypatch.setattr(qkv.functional, "prepare", None)  # the plain path never dispatches
     fast = qkv.attention(q, k, v, mask=m, scale=0.3)
     assert torch.equal(fast, full)
     expected = oracle(q.float(), k.float(), v.float(), mask=m, scale=0.3)
@@ -225,3 +225,72 @@ def test_calls_the_plain_path_does_not_take_go_the_full_way():
         out = qkv.attention(q, k, v, **kw)
         expected = oracle(q, k, v, **kw)
         np.testing.assert_allclose(out.double().numpy(), expected, atol=1e-5)
+
+
+def _ran(monkeypatch, call):
+    """The code that ``call()`` ran, as a path name: the kernel by the backend that
+    qkv.functional.KERNELS ran, the tiled kernel's code by the function it entered."""
+    import qkv.kernels.tiled as T
+
+    ran = []
+    for backend, run in list(qkv.functional.KERNELS.items()):
+        monkeypatch.setitem(
+            qkv.functional.KERNELS,
+            backend,
+            lambda c, run=run, backend=backend: ran.append(backend) or run(c),
+        )
+    fused, loop = T.flash.fused_forward, T.loop_forward
+    monkeypatch.setattr(
+        T.flash,
+        "fused_forward",
+        lambda c, *, native: (
+            ran.append("tiled-native" if native else "tiled-flash") or fused(c, native=native)
+        ),
+    )
+    monkeypatch.setattr(T, "loop_forward", lambda c: ran.append("tiled-loop") or loop(c))
+    call()
+    return ran[-1] if ran and ran[-1].startswith("tiled-") else (ran[0] if ran else "plain")
+
+
+def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
+    # For a call of each kind: the path qkv.dispatch names is the code qkv.attention runs,
+    # and the rule that chose it is named.
+    from qkv.kernels.tiled import native
+
+    q, k, v = make_qkv(1, 2, 2, 700, 700, 16, 16, dtype=torch.float32)
+    k_nan = k.clone()
+    k_nan[0, 0, 600] = float("nan")
+    window = masks.sliding_window(64)
+    cases = {
+        "sdpa": dict(mask=masks.causal()),
+        "reference": dict(return_weights=True),
+        "tiled-flash": dict(mask=window),
+        "tiled-loop": dict(mask=window, score_mod=qkv.scores.softcap(5.0)),
+    }
+    for want, kw in cases.items():
+        d = qkv.dispatch(q, k, v, **kw)
+        assert d.path == want and d.rule, (want, d)
+        assert _ran(monkeypatch, lambda kw=kw: qkv.attention(q, k, v, **kw)) == want, want
+    d = qkv.dispatch(q, k_nan, v, mask=window)
+    assert (d.path, d.rule) == ("tiled-loop", "non-finite key")
+    assert _ran(monkeypatch, lambda: qkv.attention(q, k_nan, v, mask=window)) == "tiled-loop"
+    with qkv.tuned(fused=False):
+        assert qkv.dispatch(q, k, v, mask=window).path == "tiled-loop"
+        assert _ran(monkeypatch, lambda: qkv.attention(q, k, v, mask=window)) == "tiled-loop"
+    if native.available():
+        qb, kb, vb = make_qkv(1, 2, 2, 1024, 1024, 32, 32, dtype=torch.bfloat16)
+        d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
+        assert (d.path, d.rule) == ("tiled-native", "native bfloat16")
+        ran = _ran(monkeypatch, lambda: qkv.attention(qb, kb, vb, mask=masks.causal()))
+        assert ran == "tiled-native"
+        tune(native=False)
+        assert qkv.dispatch(qb, kb, vb, mask=masks.causal()).path == "sdpa"
+
+
+def test_every_rule_is_named_once_and_has_a_known_mode():
+    from qkv.core.dispatch import RULES
+
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names)
+    assert {r.when for r in RULES} <= {"always", "eager", "tracing"}
+    assert RULES[-1].when == "always"  # the last rule always matches, in either mode

@@ -388,7 +388,7 @@ def worker_bfloat16(rank, world, port, T):
         q = torch.randn(1, 4, T, 64, generator=g).bfloat16()
         k, v = (torch.randn(1, 2, T, 64, generator=g).bfloat16() for _ in range(2))
         w = torch.randn(1, 4, T, 64, generator=g).bfloat16()
-        assert native.takes(q, k, v) == native.available()
+        assert native.supports(q, k, v) == native.available()
         for mask in (masks.causal(), masks.sliding_window(100)):
             full = [x.clone().requires_grad_() for x in (q, k, v)]
             want = qkv.attention(*full, mask=mask, backend="tiled")

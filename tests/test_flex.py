@@ -11,6 +11,7 @@ from test_scores import zoo
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
+from qkv.core import lowering as L
 from qkv.kernels import flex as F
 
 pytest.importorskip("torch.nn.attention.flex_attention")
@@ -112,9 +113,9 @@ def test_the_block_mask_equals_create_block_mask_block_for_block(name):
     # T a multiple of the block: at a ragged end create_block_mask counts the padding past
     # T as masked, so a last block qkv calls FULL is PARTIAL there (both compute the same).
     mask, T = STRUCTURED[name], 768
-    ours = F.block_mask(mask, 1, 1, T, T, 0, torch.device("cpu"))
+    ours = L.flex_block_mask(mask, 1, 1, T, T, 0, torch.device("cpu"))
     theirs = create_block_mask(
-        F.mask_mod(mask, 0, torch.device("cpu")), 1, 1, T, T, device="cpu", BLOCK_SIZE=F.BLOCK
+        L.flex_mask_mod(mask, 0, torch.device("cpu")), 1, 1, T, T, device="cpu", BLOCK_SIZE=F.BLOCK
     )
     for count, index in (
         ("kv_num_blocks", "kv_indices"),
@@ -175,11 +176,11 @@ def test_flex_is_never_chosen_by_auto_on_the_cpu_and_dispatch_says_why():
 
 
 def test_auto_prefers_flex_on_cuda(monkeypatch):
-    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.dispatch._flex_on_gpu)
+    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.dispatch.Ask.gpu)
     # send what the tiled kernel would take to flex, and leave SDPA what it does best.
     import qkv.core.dispatch as d
 
-    monkeypatch.setattr(d, "_flex_on_gpu", lambda key, mask: not isinstance(mask, torch.Tensor))
+    monkeypatch.setattr(d.Ask, "gpu", property(lambda ask: not isinstance(ask.mask, torch.Tensor)))
     q, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))
     choose = lambda **kw: qkv.dispatch(q, k, v, **kw)  # noqa: E731
     assert choose(mask=masks.sliding_window(256)).backend == "flex"

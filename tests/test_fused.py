@@ -6,7 +6,7 @@ precision (which the fused step runs in float32)."""
 import numpy as np
 import pytest
 import torch
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(K.FLASH is None, reason="this torch has no fused
 TOL = {torch.float64: FLOAT64, **LOW_PRECISION}
 
 
-def run(q, k, v, mask, fused, monkeypatch):
-    monkeypatch.setattr(K, "FUSED", fused)
+def run(q, k, v, mask, fused, monkeypatch, tune):
+    tune(fused=fused)
     calls = []
     real = K.fused_forward
     monkeypatch.setattr(K, "fused_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -31,21 +31,21 @@ def run(q, k, v, mask, fused, monkeypatch):
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 53, 37)))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
+def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch, tune):
     if small:  # 8 x 8 tiles, 16-key chunks: many blocks, spans with EMPTY gaps
-        use_small_tiles(monkeypatch)
+        tune(**small_tiles())
     T_q, T_k = 37, 53
     mask = mask_zoo(2, T_k, T_q)[name]
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 8, 8, dtype=dtype, seed=3)
     if small:
-        small_calls(monkeypatch)
-    out, lse, fused = run(q, k, v, mask, True, monkeypatch)
+        tune(**SMALL_CALLS)
+    out, lse, fused = run(q, k, v, mask, True, monkeypatch, tune)
     assert fused
     want, want_lse = oracle_with_lse(q, k, v, mask)
     tol = TOL[dtype]
     np.testing.assert_allclose(out.double().numpy(), want, atol=tol, rtol=tol)
     np.testing.assert_allclose(lse.double().numpy(), want_lse, atol=tol * 4, rtol=tol)
-    loop_out, loop_lse, fused = run(q, k, v, mask, False, monkeypatch)
+    loop_out, loop_lse, fused = run(q, k, v, mask, False, monkeypatch, tune)
     assert not fused
     np.testing.assert_allclose(
         out.double().numpy(), loop_out.double().numpy(), atol=2 * tol, rtol=2 * tol
@@ -53,25 +53,22 @@ def test_fused_equals_the_oracle_and_the_loop(name, dtype, small, monkeypatch):
     assert torch.equal(lse == float("-inf"), loop_lse == float("-inf"))  # the same empty rows
 
 
-def small_calls(monkeypatch):
-    """With 8 × 8 tiles: spans over 24 keys cut into FULL and masked stretches, groups of 4
-    query blocks sharing FULL stretches of 8 keys or more, backward calls of 16 keys."""
-    monkeypatch.setattr(K, "FUSED_SPAN", 24)
-    monkeypatch.setattr(K, "GROUP", 4)
-    monkeypatch.setattr(K, "SHARED_MIN", 8)
-    monkeypatch.setattr(K, "BACKWARD_SPAN", 16)  # the backward cuts longer unmasked calls
+#: With 8 × 8 tiles: spans over 24 keys cut into FULL and masked stretches, groups of 4 query
+#: blocks sharing FULL stretches of 8 keys or more, backward calls of 16 keys (the backward
+#: cuts longer unmasked calls).
+SMALL_CALLS = dict(fused_span=24, group=4, shared_min=8, backward_span=16)
 
 
 @pytest.mark.parametrize("T_q,T_k", [(37, 53), (64, 64), (120, 41), (1, 30)])
-def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
-    from qkv.core.dispatch import Problem, _plan
+def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k):
+    from qkv._checks import Problem
+    from qkv.core.dispatch import make_tiled_plan
 
-    use_small_tiles(monkeypatch)
-    small_calls(monkeypatch)
+    tuning = qkv.Tuning(**small_tiles(), **SMALL_CALLS)
     for name, mask in mask_zoo(2, T_k, T_q).items():
-        plan = _plan(mask, Problem(0, 2, 2, 2, T_q, T_k, 8, 8, T_k - T_q, 1.0))
+        plan = make_tiled_plan(mask, Problem(0, 2, 2, 2, T_q, T_k, 8, 8, T_k - T_q, 1.0), tuning)
         count = np.zeros((T_q, T_k), int)
-        for _, _, group in K.calls(plan):
+        for _, _, group in K.calls(plan, tuning):
             for c in group:
                 assert c.k0 < c.k1 and c.q0 < c.q1, (name, c)
                 if c.chunks is None:  # every key FULL for every query of the call
@@ -88,25 +85,25 @@ def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k, monkeypatch):
         assert want.max() <= 1
 
 
-def test_rows_with_no_key_give_zero_and_minus_infinity(monkeypatch):
-    use_small_tiles(monkeypatch)
+def test_rows_with_no_key_give_zero_and_minus_infinity(monkeypatch, tune):
+    tune(**small_tiles())
     q, k, v = make_qkv(2, 2, 2, 20, 30, 8, 8, dtype=torch.float32)
     mask = masks.padding([0, 30]) | masks.predicate(lambda b, h, qi, kv: qi == kv + 100)
-    out, lse, fused = run(q, k, v, mask, True, monkeypatch)
+    out, lse, fused = run(q, k, v, mask, True, monkeypatch, tune)
     assert fused and (out[0] == 0).all() and (lse[0] == float("-inf")).all()
     assert torch.isfinite(lse[1]).all()
 
 
-def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch):
+def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch, tune):
     q, k, v = make_qkv(1, 2, 2, 40, 40, 8, 8, dtype=torch.float32)
-    _, _, fused = run(q, k, v[..., :4], masks.causal(), True, monkeypatch)  # D_v != D
+    _, _, fused = run(q, k, v[..., :4], masks.causal(), True, monkeypatch, tune)  # D_v != D
     assert not fused
     k_nan = k.clone()
     k_nan[0, 0, 30] = float("nan")  # masked out for rows < 30: must not reach them
-    out, _, fused = run(q, k_nan, v, masks.causal(), True, monkeypatch)
+    out, _, fused = run(q, k_nan, v, masks.causal(), True, monkeypatch, tune)
     assert not fused and torch.isfinite(out[0, 0, :30]).all()
     with torch.no_grad():
-        _, _, fused = run(q, k, v, masks.causal(), True, monkeypatch)
+        _, _, fused = run(q, k, v, masks.causal(), True, monkeypatch, tune)
         assert fused
     out = qkv.attention(
         q, k, v, mask=masks.causal(), backend="tiled", score_mod=qkv.scores.softcap(2.0)
@@ -122,17 +119,17 @@ def test_what_the_fused_step_cannot_take_runs_the_loop(monkeypatch):
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", [n for n, m in mask_zoo(2, 53, 37).items()])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monkeypatch):
+def test_fused_backward_equals_the_reference_gradients(name, dtype, small, monkeypatch, tune):
     if small:
-        use_small_tiles(monkeypatch)
+        tune(**small_tiles())
     mask = mask_zoo(2, 53, 37)[name]
     q, k, v = make_qkv(2, 4, 2, 37, 53, 8, 8, dtype=dtype, seed=5)
     g = torch.randn(2, 4, 37, 8, generator=torch.Generator().manual_seed(6)).to(dtype)
     calls = []
     real = K.fused_backward
-    monkeypatch.setattr(K, "fused_backward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(K, "fused_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     if small:
-        small_calls(monkeypatch)
+        tune(**SMALL_CALLS)
     fused = grads(q, k, v, g, mask, backend="tiled")
     assert calls
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")

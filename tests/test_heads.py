@@ -65,7 +65,30 @@ def test_recording_leaves_the_output_alone_and_stops_with_the_block():
     model(idx)
     torch.testing.assert_close(inside, before, atol=1e-5, rtol=1e-5)
     assert len(calls) == 4 and len(inner) == 2  # two layers, two forward passes outside
-    assert qkv.functional.RECORDERS == []
+    assert qkv.core.record.listeners() == ()
+
+
+def test_a_record_block_sees_its_own_thread_only():
+    # The open blocks live in a ContextVar: a block in one thread records that thread's
+    # calls, not those another thread makes at the same time, and closes on an exception.
+    import threading
+
+    model, idx = small_gpt(), torch.randint(0, 256, (1, 12))
+    seen = {}
+
+    def other():
+        with heads.record() as calls:
+            model(idx)
+            seen["other"] = len(calls)
+
+    with heads.record() as mine:
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+    assert seen["other"] == 2 and len(mine) == 0
+    with pytest.raises(RuntimeError), heads.record():
+        raise RuntimeError("boom")
+    assert qkv.core.record.listeners() == ()
 
 
 def test_recorded_weights_are_the_modules_weights():

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, use_small_tiles
+from helpers import make_qkv, small_tiles
 from tolerances import FLOAT64
 
 import qkv
@@ -64,8 +64,8 @@ def test_merge_errors():
         qkv.merge_attention([torch.zeros(2, 3, 4)] * 2, [torch.zeros(2, 3), torch.zeros(2, 2)])
 
 
-def test_attention_weights_for_chosen_heads_and_rows(monkeypatch):
-    use_small_tiles(monkeypatch)
+def test_attention_weights_for_chosen_heads_and_rows(tune):
+    tune(**small_tiles())
     q, k, v = make_qkv(2, 4, 2, 37, 37, 5, 5)
     mask = masks.sliding_window(6) | masks.prefix_lm(3)
     _, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)

@@ -10,14 +10,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, use_small_tiles
+from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from hypothesis import given
 from hypothesis import strategies as st
 from tolerances import rounding_tolerance
 
 import qkv
 from qkv import numpy as qnp
-from qkv.kernels.tiled import flash as fused
 from qkv.kernels.tiled import native
 
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
@@ -39,8 +38,7 @@ pytestmark = pytest.mark.skipif(
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "per_batch"])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, parts, monkeypatch):
-    monkeypatch.setattr(native, "P_PARTS", parts)
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, parts):
     g = torch.Generator().manual_seed(B * 1000 + R)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).bfloat16()
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).bfloat16() for _ in range(2))
@@ -52,7 +50,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
         allowed[..., 0, :] = False  # a row with no key
         bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     scale = 1 / math.sqrt(D)
-    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale)
+    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale, parts)
     q = q5.reshape(B, H_kv, G * R, D)
     mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N).numpy()
     want, want_lse = oracle_with_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
@@ -61,7 +59,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
         lse.reshape(B, H_kv, G * R).double().numpy(),
     )
     # float32 arithmetic on bfloat16 inputs. With P as hi + lo (~16 bits, the default) the
-    # error is float32's; with P rounded once to bfloat16 (P_PARTS = 1) it is up to about
+    # error is float32's; with P rounded once to bfloat16 (p_parts = 1) it is up to about
     # the bfloat16 output's own rounding (0.7× here), before out is rounded. The lse is
     # float32's either way (its sum is of the unrounded P).
     atol = 2e-5 if parts == 2 else rounding_tolerance(want, torch.bfloat16, 1.0)
@@ -83,12 +81,11 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(name, small, monkeypatch):
+def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(
+    name, small, monkeypatch, tune
+):
     if small:  # many blocks and calls; spans cut into stretches
-        use_small_tiles(monkeypatch)
-        monkeypatch.setattr(fused, "FUSED_SPAN", 24)
-        monkeypatch.setattr(fused, "GROUP", 4)
-        monkeypatch.setattr(fused, "SHARED_MIN", 8)
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8)
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=11)
@@ -146,7 +143,8 @@ def test_native_output_within_its_own_rounding_on_random_problems(
         for s in [(1, 2 * H_kv, T_q, D), (1, H_kv, T_k, D), (1, H_kv, T_k, D)]
     )
     scale = sharp / math.sqrt(D)
-    assert native.takes(q, k, v)
+    assert native.supports(q, k, v)
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native"
     got = qkv.attention(q, k, v, mask=mask, backend="tiled", scale=scale)
     want = qnp.attention(*(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale)
     np.testing.assert_allclose(
@@ -214,9 +212,9 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
 
 
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
+def test_gradients_in_bfloat16_run_natively(name, monkeypatch, tune):
     """Both passes native, every mask kind, T_q != T_k, GQA: against float64 autograd on
-    the same inputs, and against the float32 path (``NATIVE`` off), which rounds only its
+    the same inputs, and against the float32 path (``Tuning.native`` off), which rounds only its
     results to bfloat16."""
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
@@ -228,7 +226,7 @@ def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
     got = grads(q, k, v, g, mask, backend="tiled")
     assert seen, "the bfloat16 backward did not run natively"
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
-    monkeypatch.setattr(native, "NATIVE", False)
+    tune(native=False)
     upcast = grads(q, k, v, g, mask, backend="tiled")
     for a, b, c in zip(got, want, upcast):
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
@@ -241,7 +239,7 @@ def test_gradients_in_bfloat16_run_natively(name, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16", "native_off"])
-def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
+def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch, tune):
     """Forward and backward: neither native call is made."""
     D = 48 if case == "head_dim_48" else 32
     dtype = torch.float16 if case == "float16" else torch.bfloat16
@@ -251,8 +249,10 @@ def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch):
     if case == "inf_value":
         v[0, 0, 7, 1] = float("inf")
     if case == "native_off":
-        monkeypatch.setattr(native, "NATIVE", False)
-    assert not native.takes(q, k, v)
+        tune(native=False)
+    else:
+        assert not native.supports(q, k, v)
+    assert qkv.dispatch(q, k, v, mask=qkv.masks.causal(), backend="tiled").path != "tiled-native"
     seen = calls(monkeypatch)
     mask = qkv.masks.causal()
     q, k, v = (x.requires_grad_() for x in (q, k, v))

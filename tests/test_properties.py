@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import use_small_tiles
+from helpers import small_tiles
 from hypothesis import example, given
 from hypothesis import strategies as st
 from tolerances import (
@@ -145,14 +145,13 @@ def with_targeted(test):
 
 
 @pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    use_small_tiles(monkeypatch, block_q=4, block_k=4, chunk_k=8)
+def tiny_tiles(tune):
+    tune(**small_tiles(block_q=4, block_k=4, chunk_k=8))
 
 
 @contextmanager
 def tiles_of(problem: Problem):
-    with pytest.MonkeyPatch.context() as mp:
-        use_small_tiles(mp, *problem.tiles)
+    with qkv.tuned(**small_tiles(*problem.tiles)):
         yield
 
 

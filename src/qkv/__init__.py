@@ -17,6 +17,7 @@ from .nn import (
     RoPE,
     SelfAttention,
 )
+from .tuning import Tuning, tuned, tuning
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "RoPE",
     "SelfAttention",
     "Trace",
+    "Tuning",
     "attention",
     "attention_weights",
     "dispatch",
@@ -41,5 +43,7 @@ __all__ = [
     "models",
     "numpy",
     "scores",
+    "tuned",
+    "tuning",
     "tutorial",
 ]

@@ -9,93 +9,26 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
-import numpy as np
 import torch
 
 from ._checks import Problem, check_attention
-from .core import compiled as _compiled
-from .core.dispatch import NATIVE_SCORES, Dispatch, MaskLike, check_backend, choose
-from .core.lowering import dense_mask, float_mask, indices, mask_tile, mod_tile, modify
-from .kernels.flex import flex
-from .kernels.reference import reference
-from .kernels.sdpa import sdpa
-from .kernels.tiled import tiled
-from .masks import Mask
-from .masks.library import _Causal
+from .core import compiled
+from .core.call import lowered, prepare, torch_inputs
+from .core.dispatch import Dispatch, plain
+from .core.lowering import dense_mask, indices
+from .core.record import listeners
+from .kernels import Lowered, Result, flex, reference, sdpa, tiled
+from .masks import Mask, MaskLike
 from .scores import ScoreMod, as_score_mod
+from .tuning import tuning
 
 Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
 __all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch", "merge_attention"]
-
-
-def _torch_side(mask: Any, **tensors: Any) -> MaskLike:
-    """The checks only the torch entry points need: tensors, not arrays, and a mask that is
-    a qkv mask or a bool tensor (a NumPy bool array is moved to the first tensor's device)."""
-    for name, x in tensors.items():
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"{name} must be a torch.Tensor (use qkv.numpy for arrays); got {type(x).__name__}"
-            )
-    if isinstance(mask, np.ndarray):
-        mask = torch.from_numpy(mask).to(next(iter(tensors.values())).device)
-    if mask is not None and not isinstance(mask, (Mask, torch.Tensor)):
-        raise TypeError(f"mask must be a qkv mask or a bool tensor; got {type(mask).__name__}")
-    return mask
-
-
-def _prepare(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    mask: Any,
-    scale: float | None,
-    q_offset: int | None,
-    dropout_p: float,
-    score_mod: Any = None,
-    **choice: Any,
-) -> tuple[Problem, MaskLike, ScoreMod | None, Dispatch]:
-    """Validate one call (the torch side of it, then the shared checks) and choose a kernel."""
-    mask = _torch_side(mask, query=query, key=key, value=value)
-    mod = as_score_mod(score_mod)
-    compiling = torch.compiler.is_compiling()
-    p = check_attention(
-        query,
-        key,
-        value,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        dropout_p=dropout_p,
-        validate_mask=not compiling,
-    )
-    if mod is not None:
-        mod.validate(p.B, p.H, p.T_q, p.T_k)
-    if compiling:  # decide without reading values: see qkv._compiled
-        if choice["backend"] == "flex":
-            raise ValueError(
-                "backend='flex' plans its BlockMask from the mask's values, "
-                "which a torch.compile trace cannot read: call it outside the "
-                "compiled function, or use backend='auto' inside"
-            )
-        check_backend(
-            choice["backend"],
-            dropout_p=dropout_p,
-            score_mod=mod,
-            **{k: v for k, v in choice.items() if k != "backend"},
-        )
-        return (
-            p,
-            mask,
-            mod,
-            _compiled.choose(p, mask, mod, query.device, dropout_p=dropout_p, **choice),
-        )
-    return p, mask, mod, choose(p, mask, key, dropout_p=dropout_p, score_mod=mod, **choice)
 
 
 def dispatch(
@@ -116,7 +49,9 @@ def dispatch(
     """Which kernel :func:`attention` would run on these arguments, and why.
 
     Takes the same arguments as :func:`attention` and validates them the same way. The
-    rules are in ``qkv._dispatch``'s docstring and ``docs/kernels.md``.
+    rules are in :mod:`qkv.core.dispatch` and ``docs/kernels.md``; ``path`` names the code
+    that runs (for the tiled kernel: its PyTorch loop, torch's flash calls or qkv's native
+    kernel).
 
     Example:
         >>> import torch, qkv
@@ -127,7 +62,7 @@ def dispatch(
         reference: the attention weights asked for: only the materialised reference kernel
         provides them
     """
-    return _prepare(
+    prep = prepare(
         query,
         key,
         value,
@@ -140,11 +75,72 @@ def dispatch(
         return_lse=return_lse,
         backend=backend,
         score_mod=score_mod,
-    )[3]
+    )
+    choice = prep.choice
+    if (
+        _plain_applies(
+            query,
+            key,
+            value,
+            mask,
+            scale,
+            dropout_p,
+            return_weights,
+            return_lse,
+            backend,
+            score_mod,
+            q_offset,
+        )
+        is not None
+    ):
+        why = f"{choice.reason}; attention() takes the decode fast path to it (rule 'plain')"
+        return dataclasses.replace(choice, reason=why)
+    return choice
 
 
-#: The active :func:`qkv.heads.record` blocks (innermost last).
-RECORDERS: list[Any] = []
+#: the kernels, by the backend the dispatch names
+KERNELS: dict[str, Callable[[Lowered], Result]] = {
+    "reference": reference.run,
+    "sdpa": sdpa.run,
+    "tiled": tiled.run,
+    "flex": flex.run,
+}
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: MaskLike = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_weights: Literal[False] = False,
+    return_lse: Literal[False] = False,
+    backend: Backend = "auto",
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: MaskLike = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def attention(
@@ -161,7 +157,7 @@ def attention(
     return_lse: bool = False,
     backend: Backend = "auto",
     score_mod: ScoreMod | Callable[..., Any] | None = None,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale, masked) V``.
 
     Args:
@@ -202,22 +198,27 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    if (
-        not (RECORDERS or dropout_p or return_weights or return_lse)
-        and backend == "auto"
-        and score_mod is None
-        and q_offset is None
-    ):
-        out = _plain_call(query, key, value, mask, scale)
-        if out is not None:
-            return out
-    # A qkv.heads.record() block keeps every call's inputs and log-sum-exp (not while
-    # compiling: a graph has no side effects). There, "auto" picks a backend that returns
-    # the log-sum-exp (the tiled kernel: no T_q × T_k).
-    recorders = RECORDERS if RECORDERS and not torch.compiler.is_compiling() else ()
-    user_mask = mask
-    lse_for_recorders = bool(recorders and backend == "auto" and dropout_p == 0)
-    p, mask, mod, choice = _prepare(
+    listening = listeners()
+    if not listening:
+        scale_ = _plain_applies(
+            query,
+            key,
+            value,
+            mask,
+            scale,
+            dropout_p,
+            return_weights,
+            return_lse,
+            backend,
+            score_mod,
+            q_offset,
+        )
+        if scale_ is not None:  # the decode fast path (qkv.core.dispatch.plain)
+            return sdpa.sdpa(query, key, value, mask=None, is_causal=False, scale=scale_)
+    # A qkv.heads.record() block keeps every call's inputs and log-sum-exp. There, "auto"
+    # picks a backend that returns the log-sum-exp (the tiled kernel: no T_q × T_k).
+    lse_for_listeners = bool(listening and backend == "auto" and dropout_p == 0)
+    prep = prepare(
         query,
         key,
         value,
@@ -227,133 +228,74 @@ def attention(
         dropout_p=dropout_p,
         generator=generator,
         return_weights=return_weights,
-        return_lse=return_lse or lse_for_recorders,
+        return_lse=return_lse or lse_for_listeners,
         backend=backend,
         score_mod=score_mod,
     )
+    p, choice = prep.p, prep.choice
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
-    weights = lse = None
     if p.T_k == 0:  # no keys at all: every row is fully masked
-        out = q.new_zeros(p.B, p.H, p.T_q, p.D_v)
-        weights = q.new_zeros(p.B, p.H, p.T_q, 0)
-        lse = torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device)
-    elif choice.backend == "sdpa":
-        if mod is not None:  # additive: its term and the mask as one float mask
-            dense = float_mask(mask, mod, p, q)
-        else:
-            dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
-        out = sdpa(
-            q,
-            k,
-            v,
-            mask=dense,
-            is_causal=choice.sdpa_mask == "is_causal",
-            scale=p.scale,
-            dropout_p=dropout_p,
+        result = Result(
+            q.new_zeros(p.B, p.H, p.T_q, p.D_v),
+            torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device),
+            q.new_zeros(p.B, p.H, p.T_q, 0),
         )
-    elif choice.backend == "flex":
-        out, lse = flex(
-            q,
-            k,
-            v,
-            mask=mask,
-            mod=mod,
-            q_offset=p.q_offset,
-            scale=p.scale,
-            return_lse=return_lse or lse_for_recorders,
-        )
-    elif choice.backend == "tiled" and choice.compiled is not None:
-        out, lse = _compiled.tiled_op(q, k, v, choice.compiled, p)
-    elif choice.backend == "tiled":
-        out, lse = tiled(
-            q,
-            k,
-            v,
-            plan=choice.plan,
-            mask_tile=mask_tile(mask, p, q.device),
-            scale=p.scale,
-            mod_tile=mod_tile(mod, p, q.device),
-            mod_tensors=mod.tensors() if mod is not None else (),
-        )
+    elif choice.compiled is not None:  # while tracing: the tiled kernel as one opaque op
+        result = Result(*compiled.tiled_op(q, k, v, choice.compiled, p))
     else:
-        out, weights, lse = reference(
+        call = lowered(
+            prep,
             q,
             k,
             v,
-            mask=dense_mask(mask, p, q.device),
-            scale=p.scale,
             dropout_p=dropout_p,
             generator=generator,
-            modify=modify(mod, p, q.device),
+            need_lse=return_lse or lse_for_listeners,
         )
-    for recorder in recorders:
-        recorder.add(
+        result = KERNELS[choice.backend](call)
+    for listener in listening:
+        listener.add(
             query,
             key,
             value,
-            None if lse is None else p.restore(lse),
-            mask=user_mask,
+            None if result.lse is None else p.restore(result.lse),
+            mask=mask,
             scale=scale,
             q_offset=q_offset,
             score_mod=score_mod,
         )
-    extras = ([weights] if return_weights else []) + ([lse] if return_lse else [])
+    extras = ([result.weights] if return_weights else []) + ([result.lse] if return_lse else [])
     if not extras:
-        return p.restore(out)
-    return tuple(p.restore(x) for x in [out, *extras])
+        return p.restore(result.out)
+    return tuple(p.restore(x) for x in [result.out, *extras])
 
 
-_PLAIN_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
-
-
-def _plain_call(query: Any, key: Any, value: Any, mask: Any, scale: Any) -> torch.Tensor | None:
-    """The most common call — a decode step — with as little Python as it can have:
-    (B, H, T, D) tensors of one float dtype and device whose sizes agree, and no mask, or
-    causal with one query (which allows every key before it). It runs torch's fused kernel,
-    which is what the full path would choose, on the same arguments. Anything else
-    returns None and takes the full path, which checks, explains and dispatches."""
+def _plain_applies(
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    scale: Any,
+    dropout_p: float,
+    return_weights: bool,
+    return_lse: bool,
+    backend: str,
+    score_mod: Any,
+    q_offset: Any,
+) -> float | None:
+    """The scale of the decode fast path (:func:`qkv.core.dispatch.plain`), or None: a call
+    with no option set and tensors it takes."""
     if (
-        type(query) is not torch.Tensor
-        or type(key) is not torch.Tensor
-        or type(value) is not torch.Tensor
-        or query.ndim != 4
-        or key.ndim != 4
-        or value.ndim != 4
-        or torch.compiler.is_compiling()
+        dropout_p
+        or return_weights
+        or return_lse
+        or backend != "auto"
+        or score_mod is not None
+        or q_offset is not None
+        or torch.compiler.is_compiling()  # (and a graph cannot read the knobs' ContextVar)
     ):
         return None
-    B, H, T_q, D = query.shape
-    B_k, H_kv, T_k, D_k = key.shape
-    B_v, H_v, T_v, _ = value.shape
-    if not (mask is None or (type(mask) is _Causal and T_q == 1)):
-        return None
-    if not (
-        B == B_k == B_v
-        and H_kv == H_v
-        and T_k == T_v
-        and D_k == D
-        and T_q
-        and T_k
-        and D
-        and H % H_kv == 0
-    ):
-        return None
-    dtype = query.dtype
-    if (
-        dtype not in _PLAIN_DTYPES
-        or key.dtype != dtype
-        or value.dtype != dtype
-        or key.device != query.device
-        or value.device != query.device
-    ):
-        return None
-    if dtype is torch.bfloat16 and T_q * T_k >= NATIVE_SCORES:  # dispatch rule 4's size
-        return None
-    if scale is None:
-        scale = D**-0.5
-    elif type(scale) is not float or not 0.0 < scale < math.inf:
-        return None
-    return sdpa(query, key, value, mask=None, is_causal=False, scale=scale)
+    return plain(query, key, value, mask, scale, tuning())
 
 
 def attention_weights(
@@ -391,7 +333,7 @@ def attention_weights(
         >>> w.shape, round(w.sum().item(), 4)
         (torch.Size([1, 1, 1, 4096]), 1.0)
     """
-    mask = _torch_side(mask, query=query, key=key, lse=lse)
+    mask = torch_inputs(mask, query=query, key=key, lse=lse)
     p = check_attention(query, key, key, mask=mask, scale=scale, q_offset=q_offset)
     if tuple(lse.shape) != p.mask_shape[:-1]:
         letters = ", ".join(p.mask_letters[:-1])

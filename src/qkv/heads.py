@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from . import functional
 from ._checks import check_attention
-from .functional import _torch_side, attention_weights, row_scores
+from .core.call import torch_inputs
+from .core.record import listening
+from .functional import attention_weights, row_scores
 
 SCORES = ("previous_token", "duplicate_token", "induction", "first_token")
 
@@ -84,7 +85,7 @@ class Call:
         head: ``q`` (D,), the keys' ``q·k`` (T_k,), ``scaled`` (× scale), ``modified``
         (after the score modification; = scaled without one), ``allowed`` (the mask,
         bool), ``weights`` (the softmax) and ``out`` = weights · V (D_v,)."""
-        mask = _torch_side(self.mask, query=self.query, key=self.key)
+        mask = torch_inputs(self.mask, query=self.query, key=self.key)
         p = check_attention(
             self.query, self.key, self.value, mask=mask, scale=self.scale, q_offset=self.q_offset
         )
@@ -149,6 +150,9 @@ class Recorder:
     def __getitem__(self, i: int) -> Call:
         return self.calls[i]
 
+    def __iter__(self) -> Iterator[Call]:
+        return iter(self.calls)
+
 
 @contextlib.contextmanager
 def record() -> Iterator[Recorder]:
@@ -163,12 +167,8 @@ def record() -> Iterator[Recorder]:
         >>> len(calls), calls[0].weights(rows=[19]).shape   # layers; (B, H, rows, T_k)
         (2, torch.Size([1, 4, 1, 20]))
     """
-    recorder = Recorder()
-    functional.RECORDERS.append(recorder)
-    try:
+    with listening(Recorder()) as recorder:
         yield recorder
-    finally:
-        functional.RECORDERS.remove(recorder)
 
 
 def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int = 0) -> torch.Tensor:

@@ -1,22 +1,80 @@
-"""How masks and score modifications reach each kernel: a dense bool mask (reference, sdpa),
-a float mask (sdpa with an additive modification), or functions that evaluate them on one
-tile of the tiled kernel, never on the whole T_q × T_k.
+"""Lowering, in one stage: a mask and a score modification become what the chosen kernel
+eats — a dense bool mask (reference, sdpa), a float mask (sdpa with an additive
+modification), SDPA's ``is_causal``, a function over whole score matrices (reference), tile
+objects that evaluate them one tile at a time (tiled: never the whole T_q × T_k), or
+FlexAttention's ``BlockMask`` and ``score_mod`` (flex). :func:`lower` makes a
+:class:`qkv.kernels.Lowered` call holding just the chosen kernel's forms.
 
 Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
-length.
+length · bq a block's queries · L a tile's keys.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from .._checks import Problem
-from ..kernels.tiled.plan import MaskTile, ModTile
-from ..masks import Mask
+from ..kernels import Lowered
+from ..kernels.flex import BLOCK
+from ..masks import FULL, PARTIAL, Mask, MaskLike
 from ..scores import ScoreMod
-from .dispatch import MaskLike
+from ..tuning import Tuning
+from .dispatch import Dispatch
+
+
+def lower(
+    choice: Dispatch,
+    p: Problem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskLike,
+    mod: ScoreMod | None,
+    *,
+    tuning: Tuning,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    need_lse: bool = False,
+) -> Lowered:
+    """The call as the kernel ``choice`` names receives it: q, k, v in (B, H|H_kv, T, D)
+    layout, and the mask and modification in that kernel's forms only."""
+    base = dict(
+        q=q,
+        k=k,
+        v=v,
+        scale=p.scale,
+        q_offset=p.q_offset,
+        path=choice.path,
+        tuning=tuning,
+        dropout_p=dropout_p,
+        generator=generator,
+        need_lse=need_lse,
+    )
+    if choice.backend == "sdpa":
+        if mod is not None:  # additive: its term and the mask as one float mask
+            return Lowered(**base, bias=float_mask(mask, mod, p, q))
+        dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
+        return Lowered(**base, dense=dense, is_causal=choice.sdpa_mask == "is_causal")
+    if choice.backend == "tiled":
+        return Lowered(
+            **base,
+            plan=choice.plan,
+            tiles=mask_tiles(mask, p, q.device),
+            mod_tiles=None if mod is None else ScoreTiles(mod, p, q.device),
+            mod_tensors=() if mod is None else tuple(mod.tensors()),
+        )
+    if choice.backend == "flex":
+        return Lowered(
+            **base,
+            block_mask=flex_block_mask(mask, p.B, p.H, p.T_q, p.T_k, p.q_offset, q.device),
+            score_mod=flex_score_mod(mod, p.q_offset),
+        )
+    return Lowered(**base, dense=dense_mask(mask, p, q.device), modify=modify(mod, p, q.device))
 
 
 def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
@@ -31,34 +89,51 @@ def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor
     return mask[None, None] if mask.ndim == 2 else p.to4d(mask)
 
 
-def mask_tile(mask: MaskLike, p: Problem, device: torch.device) -> MaskTile | None:
-    """Evaluate the mask on one tile only: the tiled kernel's view of a mask."""
+class PredicateTiles:
+    """A qkv mask evaluated on one tile at a time, at the call's absolute positions. A
+    shift-invariant mask's tile is evaluated once per offset from the diagonal."""
+
+    def __init__(self, mask: Mask, p: Problem, device: torch.device) -> None:
+        self.mask, self.p, self.device = mask, p, device
+        self.shift_invariant = mask.shift_invariant
+        self._seen: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        o, p = self.p.q_offset, self.p
+        if not self.shift_invariant:
+            return self.mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=self.device)
+        # The same pattern recurs along each diagonal: evaluate it once per call.
+        key = (q1 - q0, k1 - k0, o + q0 - k0)
+        if key not in self._seen:
+            self._seen[key] = self.mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=self.device)
+        return self._seen[key]
+
+
+class DenseTiles:
+    """A dense bool mask read one tile at a time (its size-1, broadcast dims kept whole)."""
+
+    shift_invariant = False
+
+    def __init__(self, dense: torch.Tensor) -> None:
+        self.dense = dense
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        rows = slice(q0, q1) if self.dense.shape[-2] > 1 else slice(None)
+        cols = slice(k0, k1) if self.dense.shape[-1] > 1 else slice(None)
+        return self.dense[..., rows, cols]
+
+
+def mask_tiles(
+    mask: MaskLike, p: Problem, device: torch.device
+) -> PredicateTiles | DenseTiles | None:
+    """The tiled kernel's view of a mask: evaluated on one tile only (None: no mask)."""
     if mask is None:
         return None
     if isinstance(mask, Mask):
-        o, cache = p.q_offset, {}
-
-        def tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-            if not mask.shift_invariant:
-                return mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
-            # The same pattern recurs along each diagonal: evaluate it once per call.
-            key = (q1 - q0, k1 - k0, o + q0 - k0)
-            if key not in cache:
-                cache[key] = mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=device)
-            return cache[key]
-
-        tile.shift_invariant = mask.shift_invariant  # type: ignore[attr-defined]
-        tile.q_offset = o  # type: ignore[attr-defined]
-        return tile
+        return PredicateTiles(mask, p, device)
     dense = dense_mask(mask, p, device)
-
-    def dense_tile(q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        # Size-1 (broadcast) dims are kept whole, not sliced.
-        rows = slice(q0, q1) if dense.shape[-2] > 1 else slice(None)
-        cols = slice(k0, k1) if dense.shape[-1] > 1 else slice(None)
-        return dense[..., rows, cols]
-
-    return dense_tile
+    assert dense is not None
+    return DenseTiles(dense)
 
 
 def indices(
@@ -82,13 +157,13 @@ def modify(
     return lambda s: mod.apply(s, *idx).expand(s.shape)
 
 
-class _ModTile:
+class ScoreTiles:
     """The score modification on tiles of the tiled kernel, whose scores are laid out
     (B, H_kv, G·bq, L): query head h = kv_head·G + g, so a tile is a (B, H, bq, L) view."""
 
     def __init__(self, mod: ScoreMod, p: Problem, device: torch.device) -> None:
         self.mod, self.p, self.device, self.heads = mod, p, device, torch.arange(p.H)
-        self.stages, self.terms = _stages(mod), {}
+        self.stages, self.terms = mod.stages(), {}
 
     def _view(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int):
         idx = indices(self.p, self.device, torch.arange(q0, q1), self.heads, k0, k1)
@@ -116,17 +191,6 @@ class _ModTile:
         return d4.reshape(s.shape), grads
 
 
-def _stages(mod: ScoreMod) -> list[ScoreMod]:
-    """A chain's modifications in order (nested chains flattened); else [mod]."""
-    inner = getattr(mod, "mods", None)
-    return [s for m in inner for s in _stages(m)] if inner is not None else [mod]
-
-
-def mod_tile(mod: ScoreMod | None, p: Problem, device: torch.device) -> ModTile | None:
-    """The score modification as the tiled kernel applies it, tile by tile (or None)."""
-    return None if mod is None else _ModTile(mod, p, device)
-
-
 def float_mask(mask: MaskLike, mod: ScoreMod, p: Problem, like: torch.Tensor) -> torch.Tensor:
     """An additive modification and a mask as one float mask for torch's fused kernel:
     the modification's term, -inf where the mask blocks."""
@@ -135,3 +199,75 @@ def float_mask(mask: MaskLike, mod: ScoreMod, p: Problem, like: torch.Tensor) ->
     term = term.reshape((1,) * (4 - term.ndim) + tuple(term.shape))
     allowed = dense_mask(mask, p, like.device)
     return term if allowed is None else term.masked_fill(~allowed, float("-inf"))
+
+
+# FlexAttention's forms
+
+
+def flex_block_mask(
+    mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: int, device: torch.device
+) -> Any:
+    """The ``BlockMask`` of a qkv mask (None: every block FULL), from its block map."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if mask is None:
+        codes = np.full((-(-T_q // BLOCK), -(-T_k // BLOCK)), FULL, dtype=np.int8)
+    else:
+        codes = mask.blocks(B, H, T_q, T_k, block_q=BLOCK, block_k=BLOCK, q_offset=q_offset)
+
+    def pack(chosen: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        # per query block: how many key blocks, and their indices first (stable: in order)
+        count = chosen.sum(-1).astype(np.int32)
+        order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
+        return (
+            torch.from_numpy(count).to(device)[None, None],
+            torch.from_numpy(order).to(device)[None, None],
+        )
+
+    partial, partial_idx = pack(codes == PARTIAL)
+    full, full_idx = pack(codes == FULL)
+    return BlockMask.from_kv_blocks(
+        partial,
+        partial_idx,
+        full,
+        full_idx,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=flex_mask_mod(mask, q_offset, device),
+        seq_lengths=(T_q, T_k),
+    )
+
+
+def flex_mask_mod(mask: Mask | None, q_offset: int, device: torch.device) -> Any:
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for a qkv mask: its predicate at
+    absolute query positions, reading its arrays as tensors on ``device``."""
+    if mask is None:
+        return lambda b, h, q_idx, kv_idx: kv_idx >= 0
+    on_device = _tensors(mask, device)
+
+    def fn(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return on_device(b, h, q_idx + q_offset, kv_idx)
+
+    return fn
+
+
+def flex_score_mod(mod: Any, q_offset: int) -> Any:
+    """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` for a qkv modification."""
+    if mod is None:
+        return None
+
+    def fn(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return mod.apply(score, b, h, q_idx + q_offset, kv_idx, q_idx)
+
+    return fn
+
+
+def _tensors(mask: Mask, device: torch.device) -> Mask:
+    """A copy of the mask tree whose NumPy arrays are torch tensors on ``device`` (the
+    predicates index them either way)."""
+    out = copy.copy(mask)
+    for name, value in vars(mask).items():
+        if isinstance(value, np.ndarray):
+            setattr(out, name, torch.from_numpy(value).to(device))
+        elif isinstance(value, Mask):
+            setattr(out, name, _tensors(value, device))
+    return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import zlib
 from typing import Any
@@ -23,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.lowering import mask_tile
-from ..functional import _prepare, merge_attention
+from ..core.call import tiled_call
 from ..functional import attention as local_attention
+from ..functional import merge_attention
+from ..kernels import tiled
 from ..kernels.reference import accumulation_dtype
-from ..kernels.tiled import plain_backward, tiled_forward
 from ..masks import EMPTY, Mask
 from .layout import Layout
 
@@ -240,17 +241,12 @@ class _RingAttention(torch.autograd.Function):
                 ):
                     qa, qb, ql = runs[i]
                     rows = slice(ql, ql + qb - qa)
-                    pr, m, _, choice = _tiled_plan(q, k, v, pair_mask, s)
-                    dq, dk, dv = plain_backward(
-                        q,
-                        k,
-                        v,
+                    call = tiled_call(q, k, v, mask=pair_mask, scale=s)
+                    dq, dk, dv = tiled.backward(
+                        call,
                         out[:, :, rows],
                         lse[:, :, rows],
                         dout[:, :, rows],
-                        choice.plan,
-                        mask_tile(m, pr, q.device),
-                        pr.scale,
                         delta=delta[:, :, rows],
                     )
                     dquery[:, :, rows] += dq
@@ -264,6 +260,7 @@ class _RingAttention(torch.autograd.Function):
         return dquery, dkey, dvalue, None, None, None, None, None, None, None
 
 
+@functools.cache
 def _find_malloc_trim() -> Any:
     """glibc's malloc_trim, or None (another C library)."""
     try:
@@ -272,15 +269,13 @@ def _find_malloc_trim() -> Any:
         return None
 
 
-_MALLOC_TRIM = _find_malloc_trim()
-
-
 def _trim() -> None:
     """Give the memory a ring step freed back to the system. glibc keeps freed buffers of a
     few MB for reuse, so without this a rank's resident memory remembers every piece and
     partial it has held (at T = 65536 on 4 ranks: 0.40 of one process instead of 0.32)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    trim = _find_malloc_trim()  # looked up on the first ring step, not at import
+    if trim is not None:
+        trim(0)
 
 
 def _length(bounds: tuple[int, int]) -> int:
@@ -306,25 +301,8 @@ def _pairs(query, kv, layout, mask, runs, owner, bounds, scale, D):
                 yield i, (ka, kb, kl), (query[:, :, ql : ql + qb - qa], k, v, pair, scale)
 
 
-def _tiled_plan(q, k, v, mask, scale):
-    return _prepare(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        q_offset=None,
-        dropout_p=0.0,
-        generator=None,
-        return_weights=False,
-        return_lse=True,
-        backend="tiled",
-    )
-
-
 def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    p, m, _, choice = _tiled_plan(q, k, v, mask, scale)
-    out, lse = tiled_forward(q, k, v, choice.plan, mask_tile(m, p, q.device), p.scale)
+    out, lse = tiled.forward(tiled_call(q, k, v, mask=mask, scale=scale))
     return out.to(q.dtype), lse
 
 

@@ -1,7 +1,7 @@
-"""The flex kernel: torch's FlexAttention, lowered from qkv's masks and score modifications.
+"""The flex kernel: torch's FlexAttention, compiled, over a call lowered to its forms.
 
 A qkv mask is already a predicate over absolute positions and already has a block map, which
-is what FlexAttention consumes:
+is what FlexAttention consumes (:func:`qkv.core.lowering.lower` makes both):
 
 - the ``BlockMask`` is built from the mask's own block map (``Mask.blocks`` at 128 × 128:
   FULL blocks and PARTIAL blocks apart, EMPTY ones absent) with ``BlockMask.from_kv_blocks``
@@ -25,13 +25,11 @@ dim · D_v value head dim.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..masks import FULL, PARTIAL, Mask
+from .contract import Lowered, Result
 
 #: FlexAttention's block (queries and keys); the block map is classified at this size.
 BLOCK = 128
@@ -43,90 +41,13 @@ RECOMPILE_LIMIT = 256
 _COMPILED: Any = None
 
 
-def block_mask(
-    mask: Mask | None, B: int, H: int, T_q: int, T_k: int, q_offset: int, device: torch.device
-) -> Any:
-    """The ``BlockMask`` of a qkv mask (None: every block FULL), from its block map."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if mask is None:
-        codes = np.full((-(-T_q // BLOCK), -(-T_k // BLOCK)), FULL, dtype=np.int8)
-    else:
-        codes = mask.blocks(B, H, T_q, T_k, block_q=BLOCK, block_k=BLOCK, q_offset=q_offset)
-
-    def pack(chosen: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        # per query block: how many key blocks, and their indices first (stable: in order)
-        count = chosen.sum(-1).astype(np.int32)
-        order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
-        return (
-            torch.from_numpy(count).to(device)[None, None],
-            torch.from_numpy(order).to(device)[None, None],
-        )
-
-    partial, partial_idx = pack(codes == PARTIAL)
-    full, full_idx = pack(codes == FULL)
-    return BlockMask.from_kv_blocks(
-        partial,
-        partial_idx,
-        full,
-        full_idx,
-        BLOCK_SIZE=BLOCK,
-        mask_mod=mask_mod(mask, q_offset, device),
-        seq_lengths=(T_q, T_k),
-    )
-
-
-def mask_mod(mask: Mask | None, q_offset: int, device: torch.device) -> Any:
-    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` for a qkv mask: its predicate at
-    absolute query positions, reading its arrays as tensors on ``device``."""
-    if mask is None:
-        return lambda b, h, q_idx, kv_idx: kv_idx >= 0
-    on_device = _tensors(mask, device)
-
-    def fn(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return on_device(b, h, q_idx + q_offset, kv_idx)
-
-    return fn
-
-
-def score_mod(mod: Any, q_offset: int) -> Any:
-    """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` for a qkv modification."""
-    if mod is None:
-        return None
-
-    def fn(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return mod.apply(score, b, h, q_idx + q_offset, kv_idx, q_idx)
-
-    return fn
-
-
-def _tensors(mask: Mask, device: torch.device) -> Mask:
-    """A copy of the mask tree whose NumPy arrays are torch tensors on ``device`` (the
-    predicates index them either way)."""
-    out = copy.copy(mask)
-    for name, value in vars(mask).items():
-        if isinstance(value, np.ndarray):
-            setattr(out, name, torch.from_numpy(value).to(device))
-        elif isinstance(value, Mask):
-            setattr(out, name, _tensors(value, device))
-    return out
-
-
-def flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask | None,
-    mod: Any,
-    q_offset: int,
-    scale: float,
-    return_lse: bool,
-) -> tuple[torch.Tensor, Any]:
-    """Run the compiled FlexAttention: (out, lse or None), inputs (B, H|H_kv, T, D)."""
+def run(call: Lowered) -> Result:
+    """The contract's entry: the compiled FlexAttention over the call's block mask and
+    score_mod; the log-sum-exp when the call needs it."""
     global _COMPILED
     from torch.nn.attention.flex_attention import flex_attention
 
+    q, k, v = call.q, call.k, call.v
     cpu = q.device.type == "cpu"
     if cpu and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise ValueError(
@@ -134,7 +55,7 @@ def flex(
             "has no backward pass on CPU. Use backend='tiled' (or 'auto') to "
             "train there, or run under torch.no_grad()"
         )
-    if cpu and return_lse:
+    if cpu and call.need_lse:
         raise ValueError(
             "backend='flex' cannot give the log-sum-exp on CPU (torch's "
             "compiled FlexAttention does not return it there); use "
@@ -142,21 +63,18 @@ def flex(
         )
     if _COMPILED is None:
         _COMPILED = torch.compile(flex_attention, dynamic=False)
-    B, H, T_q, _ = q.shape
-    T_k = k.shape[2]
-    blocks = block_mask(mask, B, H, T_q, T_k, q_offset, q.device)
     result = run_compiled(
         _COMPILED,
         q,
         k,
         v,
-        score_mod=score_mod(mod, q_offset),
-        block_mask=blocks,
-        scale=scale,
-        enable_gqa=k.shape[1] != H,
-        return_lse=return_lse,
+        score_mod=call.score_mod,
+        block_mask=call.block_mask,
+        scale=call.scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+        return_lse=call.need_lse,
     )
-    return (result[0], result[1]) if return_lse else (result, None)
+    return Result(result[0], result[1]) if call.need_lse else Result(result)
 
 
 def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .contract import Lowered, Result
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics are kept in float32 at least."""
@@ -101,3 +103,18 @@ def reference(
         weights = weights * keep / (1.0 - dropout_p)
     out = weights @ v.to(acc)  # (B, H, T_q, D_v)
     return out.to(q.dtype), weights.to(q.dtype), lse
+
+
+def run(call: Lowered) -> Result:
+    """The contract's entry: :func:`reference` on the call's dense mask and modification."""
+    out, weights, lse = reference(
+        call.q,
+        call.k,
+        call.v,
+        mask=call.dense,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+        generator=call.generator,
+        modify=call.modify,
+    )
+    return Result(out, lse, weights)

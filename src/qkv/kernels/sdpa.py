@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .contract import Lowered, Result
+
 
 def sdpa(
     q: torch.Tensor,
@@ -28,7 +30,7 @@ def sdpa(
     B, H, T_q, D = q.shape
     H_kv = k.shape[1]
     # A plain bool under torch.compile (a branch): H != H_kv would be a SymBool there.
-    gqa = True if H != H_kv else False  # noqa: SIM210
+    gqa = True if H_kv != H else False  # noqa: SIM210
     if gqa and mask is None and not is_causal:
         # GQA with no mask (every decode step): the G query heads sharing a key/value head
         # become G·T_q query rows of it, so each head of the cache is read once, not G times
@@ -47,3 +49,18 @@ def sdpa(
         scale=scale,
         enable_gqa=gqa,
     )
+
+
+def run(call: Lowered) -> Result:
+    """The contract's entry: the call's float mask if it has one, else its bool mask or
+    ``is_causal``."""
+    out = sdpa(
+        call.q,
+        call.k,
+        call.v,
+        mask=call.bias if call.bias is not None else call.dense,
+        is_causal=call.is_causal,
+        scale=call.scale,
+        dropout_p=call.dropout_p,
+    )
+    return Result(out)

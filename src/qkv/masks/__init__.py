@@ -22,16 +22,26 @@ Example:
     · · █ █
 """
 
+from typing import Union
+
+import numpy as np
+import torch
+
 from .algebra import Mask, Predicate, predicate
 from .interop import from_torch
 from .library import causal, document, full, padding, prefix_lm, sliding_window
 from .tiles import EMPTY, FULL, PARTIAL
+
+#: What an attention call takes as ``mask=``: a qkv mask, a bool tensor or array (True = may
+#: attend), or None.
+MaskLike = Union[Mask, torch.Tensor, np.ndarray, None]  # noqa: UP007 (a runtime alias on 3.10)
 
 __all__ = [
     "EMPTY",
     "FULL",
     "PARTIAL",
     "Mask",
+    "MaskLike",
     "Predicate",
     "causal",
     "document",

@@ -25,6 +25,17 @@ class Mask:
     #: True if the mask depends only on ``q_idx - kv_idx`` (and b, h): a tile's pattern
     #: then depends only on its offset from the diagonal, and kernels may reuse it.
     shift_invariant = False
+    #: What the mask is, by structure: "full", "causal", "sliding_window", "padding",
+    #: "document", "prefix_lm", "predicate", "and", "or", "not" or "shifted". The dispatch
+    #: reads it where a kernel has a mask built in (SDPA's ``is_causal``).
+    kind = "predicate"
+
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
+        """Postfix tokens that rebuild this mask from ``tensors`` and ``ints`` (appended to
+        here): how a mask crosses into the compiled tiled op (:mod:`qkv.core.compiled`), whose
+        arguments are tensors, ints and strings. None for a mask data cannot rebuild (a
+        user predicate)."""
+        return None
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         raise NotImplementedError
@@ -258,6 +269,10 @@ class _Binary(Mask):
         self.left, self.right = left, right
         self.shift_invariant = left.shift_invariant and right.shift_invariant
 
+    def recipe(self, tensors, ints):
+        left, right = self.left.recipe(tensors, ints), self.right.recipe(tensors, ints)
+        return None if left is None or right is None else [*left, *right, self.kind]
+
     def validate(self, B, H, T_q, T_k):
         self.left.validate(B, H, T_q, T_k)
         self.right.validate(B, H, T_q, T_k)
@@ -268,6 +283,8 @@ class _Binary(Mask):
 
 
 class _And(_Binary):
+    kind = "and"
+
     def _classify(self, t):
         return np.minimum(self.left._classify(t), self.right._classify(t))
 
@@ -284,6 +301,8 @@ class _And(_Binary):
 
 
 class _Or(_Binary):
+    kind = "or"
+
     def _classify(self, t):
         return np.maximum(self.left._classify(t), self.right._classify(t))
 
@@ -299,9 +318,15 @@ class _Or(_Binary):
 
 
 class _Not(Mask):
+    kind = "not"
+
     def __init__(self, inner: Mask) -> None:
         self.inner = inner
         self.shift_invariant = inner.shift_invariant
+
+    def recipe(self, tensors, ints):
+        inner = self.inner.recipe(tensors, ints)
+        return None if inner is None else [*inner, "not"]
 
     def validate(self, B, H, T_q, T_k):
         self.inner.validate(B, H, T_q, T_k)
@@ -325,6 +350,8 @@ class _Shifted(Mask):
     """``inner`` seen by a call whose queries and keys sit ``dq`` and ``dk`` positions further
     on than the call places them: a part of a longer sequence of length T (context-parallel
     attention over one shard pair). Structure, block map and shift-invariance carry over."""
+
+    kind = "shifted"
 
     def __init__(self, inner: Mask, dq: int, dk: int, T: int) -> None:
         self.inner, self.dq, self.dk, self.T = inner, dq, dk, T

@@ -10,14 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from .._checks import fmt_shape
+from .._recipes import keep_int
 from .algebra import Mask, _int_arg, _ints, _like, _short
 from .tiles import _FAR, FULL, _codes
 
 
 class _Full(Mask):
     shift_invariant = True
+    kind = "full"
+
+    def recipe(self, tensors, ints):
+        return ["full"]
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx >= 0
@@ -31,6 +37,10 @@ class _Full(Mask):
 
 class _Causal(Mask):
     shift_invariant = True
+    kind = "causal"
+
+    def recipe(self, tensors, ints):
+        return ["causal"]
 
     def __call__(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
@@ -47,6 +57,10 @@ class _Causal(Mask):
 
 class _SlidingWindow(Mask):
     shift_invariant = True
+    kind = "sliding_window"
+
+    def recipe(self, tensors, ints):
+        return ["sliding_window:" + keep_int(ints, self.window)]
 
     def __init__(self, window: int) -> None:
         self.window = _int_arg("window", window, 1)
@@ -69,6 +83,12 @@ class _SlidingWindow(Mask):
 
 
 class _Padding(Mask):
+    kind = "padding"
+
+    def recipe(self, tensors, ints):
+        tensors.append(torch.as_tensor(self.lengths))
+        return [f"padding:{len(tensors) - 1}"]
+
     def __init__(self, lengths: Any) -> None:
         self.lengths = _ints("lengths", lengths, (1,))
         if (self.lengths < 0).any():
@@ -101,6 +121,12 @@ class _Padding(Mask):
 
 
 class _Document(Mask):
+    kind = "document"
+
+    def recipe(self, tensors, ints):
+        tensors.append(torch.as_tensor(self.ids))
+        return [f"document:{len(tensors) - 1}"]
+
     def __init__(self, ids: Any) -> None:
         self.ids = _ints("ids", ids, (1, 2))
 
@@ -158,6 +184,11 @@ class _Document(Mask):
 
 
 class _PrefixLM(Mask):
+    kind = "prefix_lm"
+
+    def recipe(self, tensors, ints):
+        return ["prefix_lm:" + keep_int(ints, self.prefix)]
+
     def __init__(self, prefix: int) -> None:
         self.prefix = _int_arg("prefix", prefix, 0)
 

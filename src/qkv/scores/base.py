@@ -132,6 +132,16 @@ class ScoreMod:
         """This modification, then ``other`` on its result."""
         return chain(self, other)
 
+    def stages(self) -> list[ScoreMod]:
+        """The modifications applied in order: a chain's, flattened; else this one."""
+        return [self]
+
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
+        """Postfix tokens that rebuild this modification from ``tensors`` and ``ints``
+        (appended to here), for the compiled tiled op (:mod:`qkv.core.compiled`); None for a
+        user function, which data cannot rebuild."""
+        return None
+
 
 class _Function(ScoreMod):
     def __init__(
@@ -184,6 +194,15 @@ class _Chain(ScoreMod):
         for m in self.mods:
             score = m.apply(score, b, h, q_idx, kv_idx, row)
         return score
+
+    def stages(self):
+        return [s for m in self.mods for s in m.stages()]
+
+    def recipe(self, tensors, ints):
+        parts = [m.recipe(tensors, ints) for m in self.mods]
+        if any(p is None for p in parts):
+            return None
+        return [t for p in parts for t in p or ()] + [f"chain:{len(self.mods)}"]
 
     def term(self, b, h, q_idx, kv_idx, row, *, like):
         return sum(m.term(b, h, q_idx, kv_idx, row, like=like) for m in self.mods)

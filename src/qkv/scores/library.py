@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._checks import fmt_shape
+from .._recipes import keep_int
 from .base import ScoreMod, _index, _like, _numpy, _scatter
 
 
@@ -46,11 +47,18 @@ class _Alibi(ScoreMod):
     def tensors(self):
         return (self.slopes,)
 
+    def recipe(self, tensors, ints):
+        tensors.append(self.slopes)
+        return [f"alibi:{len(tensors) - 1}"]
+
     def __repr__(self) -> str:
         return f"alibi({self.slopes.shape[0]} heads)"
 
 
 class _Softcap(ScoreMod):
+    def recipe(self, tensors, ints):
+        return [f"softcap:{self.cap!r}"]
+
     def __init__(self, cap: float) -> None:
         if (
             isinstance(cap, bool)
@@ -175,6 +183,13 @@ class _RelativeBias(ScoreMod):
     def tensors(self):
         return (self.table,)
 
+    def recipe(self, tensors, ints):
+        tensors.append(self.table)
+        bidirectional = keep_int(ints, int(self.bidirectional))
+        return [
+            f"relative_bias:{len(tensors) - 1}:{bidirectional}:{keep_int(ints, self.max_distance)}"
+        ]
+
     def __repr__(self) -> str:
         return (
             f"relative_bias({self.table.shape[0]} buckets, {self.table.shape[1]} heads, "
@@ -227,6 +242,10 @@ class _Bias(ScoreMod):
 
     def tensors(self):
         return (self.tensor,)
+
+    def recipe(self, tensors, ints):
+        tensors.append(self.tensor)
+        return [f"bias:{len(tensors) - 1}"]
 
     def __repr__(self) -> str:
         return f"bias(tensor{tuple(self.tensor.shape)})"

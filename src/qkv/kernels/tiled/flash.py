@@ -14,25 +14,26 @@ from typing import NamedTuple
 
 import torch
 
+from ...tuning import Tuning
+from ..contract import Lowered, MaskTiles
 from ..reference import accumulation_dtype, all_finite
-from . import native
-from .plan import Chunk, MaskTile, Plan, _blocked, _fit, _rows
+from . import native as _native
+from .plan import Chunk, Plan, _blocked, _fit, _rows
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-#: the fused step is used when True (tests turn it off to compare it with the loop)
-FUSED = True
 
 
-def fusable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether :func:`fused_forward` can run this call: torch's CPU kernel exists, the
-    tensors are on the CPU in a floating dtype, D_v = D (the kernel's requirement), and K
-    is finite — the kernel adds the mask to the scores, and NaN + (-inf) would carry a
-    masked-out NaN key into the rows that mask it (the loop masks by assignment instead)."""
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`fused_forward` and :func:`fused_backward` can run this call: torch's
+    CPU kernels exist, the tensors are on the CPU in a floating dtype, D_v = D (the kernel's
+    requirement), and K is finite — the kernel adds the mask to the scores, and NaN + (-inf)
+    would carry a masked-out NaN key into the rows that mask it (the loop masks by
+    assignment instead). Reads all of K: the dispatch asks once per call."""
     return (
-        FUSED
-        and FLASH is not None
+        FLASH is not None
+        and FLASH_BACKWARD is not None
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
         and v.shape[-1] == q.shape[-1]
@@ -60,28 +61,21 @@ class Call(NamedTuple):
     chunks: tuple[Chunk, ...] | None
 
 
-#: query blocks taken together, so that the key stretch FULL for all of them runs as one
-#: call over their queries (larger calls run nearer the matmul peak), when it is at least
-#: SHARED_MIN keys
-GROUP = 8
-SHARED_MIN = 256
-#: the longest key span (keys) one call covers with a mask; a longer span is cut into its
-#: FULL stretches (no mask) and its masked stretches, merged by their log-sum-exps
-FUSED_SPAN = 1024
-
-
-def calls(plan: Plan) -> list[tuple[int, int, list[Call]]]:
-    """The plan as fused calls, per group of GROUP query blocks: (q0, q1, its calls), whose
-    results merge (by log-sum-exp) into the group's rows. Each query block's keys are
-    covered exactly once."""
-    rows = plan.rows
+def calls(plan: Plan, tuning: Tuning) -> list[tuple[int, int, list[Call]]]:
+    """The plan as fused calls, per group of ``tuning.group`` query blocks: (q0, q1, its
+    calls), whose results merge (by log-sum-exp) into the group's rows. Each query block's
+    keys are covered exactly once. The key stretch FULL for all the blocks of a group runs as
+    one call over their queries (larger calls run nearer the matmul peak) when it has at
+    least ``tuning.shared_min`` keys; a masked span longer than ``tuning.fused_span`` keys is
+    cut into its FULL stretches (no mask) and its masked stretches."""
+    rows, n = plan.rows, tuning.group
     return [
-        (group[0][0], group[-1][1], _group_calls(group))
-        for group in (rows[g : g + GROUP] for g in range(0, len(rows), GROUP))
+        (group[0][0], group[-1][1], _group_calls(group, tuning))
+        for group in (rows[g : g + n] for g in range(0, len(rows), n))
     ]
 
 
-def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Call]:
+def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]], tuning: Tuning) -> list[Call]:
     """The calls for consecutive query blocks: the key stretches FULL for all of them as one
     unmasked call each over all their queries, then the rest the same way for each half of
     the group, down to single blocks (:func:`_segments`). A causal triangle becomes large
@@ -91,14 +85,14 @@ def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]]) -> list[Ca
         q0, q1, chunks = group[0]
         return [
             Call(q0, q1, p[0].k0, p[-1].k1, None if _all_full(p) else p)
-            for p in (_segments(chunks) if chunks else ())
+            for p in (_segments(chunks, tuning.fused_span) if chunks else ())
         ]
     # A block with no keys shares nothing, so a shared stretch covers every block.
-    shared = _shared_full([c for _, _, c in group])
+    shared = _shared_full([c for _, _, c in group], tuning.shared_min)
     found = [Call(group[0][0], group[-1][1], a, b, None) for a, b in shared]
     rest = [(q0, q1, _without(chunks, shared)) for q0, q1, chunks in group]
     half = len(rest) // 2
-    return found + _group_calls(rest[:half]) + _group_calls(rest[half:])
+    return found + _group_calls(rest[:half], tuning) + _group_calls(rest[half:], tuning)
 
 
 def _all_full(chunks: Sequence[Chunk]) -> bool:
@@ -122,8 +116,8 @@ def _full_stretches(chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
     return found
 
 
-def _shared_full(blocks: Sequence[Sequence[Chunk]]) -> list[tuple[int, int]]:
-    """Key ranges of at least SHARED_MIN keys FULL for every one of the blocks."""
+def _shared_full(blocks: Sequence[Sequence[Chunk]], at_least: int) -> list[tuple[int, int]]:
+    """Key ranges of at least ``at_least`` keys FULL for every one of the blocks."""
     common = _full_stretches(blocks[0])
     for chunks in blocks[1:]:
         other, both = _full_stretches(chunks), []
@@ -132,7 +126,7 @@ def _shared_full(blocks: Sequence[Sequence[Chunk]]) -> list[tuple[int, int]]:
                 if max(a, c) < min(b, d):
                     both.append((max(a, c), min(b, d)))
         common = both
-    return [(a, b) for a, b in common if b - a >= SHARED_MIN]
+    return [(a, b) for a, b in common if b - a >= at_least]
 
 
 def _without(chunks: Sequence[Chunk], cut: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
@@ -152,12 +146,12 @@ def _without(chunks: Sequence[Chunk], cut: Sequence[tuple[int, int]]) -> tuple[C
     return tuple(out)
 
 
-def _segments(chunks: Sequence[Chunk]) -> list[tuple[Chunk, ...]]:
+def _segments(chunks: Sequence[Chunk], span: int) -> list[tuple[Chunk, ...]]:
     """A query block's keys as the parts of one call each: all of them when they span at
-    most FUSED_SPAN keys (one call, the mask over the span); a longer span cut into its
+    most ``span`` keys (one call, the mask over the span); a longer span cut into its
     FULL stretches (calls with no mask) and its masked stretches (the mask over just those
     keys)."""
-    if chunks[-1].k1 - chunks[0].k0 <= FUSED_SPAN:
+    if chunks[-1].k1 - chunks[0].k0 <= span:
         return [tuple(chunks)]
     full = _full_stretches(chunks)
     parts = [(Chunk(a, b, None),) for a, b in full]
@@ -165,22 +159,18 @@ def _segments(chunks: Sequence[Chunk]) -> list[tuple[Chunk, ...]]:
     return sorted(parts, key=lambda p: p[0].k0)
 
 
-def fused_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: Plan,
-    mask_tile: MaskTile | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as the fused calls of :func:`calls`: torch's CPU flash kernel over
     each call's keys, with their mask as an additive float mask — -inf where the mask blocks
     and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
     calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
     query heads of a key/value head as rows (GQA reads each key/value head once). bfloat16
-    calls run qkv's native kernel where it :func:`~qkv.kernels.native.takes` them, other
-    half precision in float32 (:func:`_working`). out in the accumulation dtype, as lse."""
-    packed = native.pack(k, v) if native.takes(q, k, v) else None
+    calls run qkv's native kernel with ``native`` (the dispatch has checked
+    :func:`qkv.kernels.tiled.native.supports`), other half precision in float32
+    (:func:`_working`). out in the accumulation dtype, as lse."""
+    q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
+    p_parts = call.tuning.p_parts
+    packed = _native.pack(k, v) if native else None
     if packed is None:
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
@@ -191,8 +181,8 @@ def fused_forward(
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
-    cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
-    for g0, g1, group in calls(plan):
+    cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
+    for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:
             bias, empty = _call_bias(c, mask_tile, H_kv, G, acc, cache)
@@ -201,7 +191,9 @@ def fused_forward(
             done[c.q0 - g0 : c.q1 - g0] = True
             if packed is not None:  # a row with no key: lse -inf already
                 into = (out[:, :, :, at], lse[:, :, :, at]) if first else ()
-                o, l_ = native.attend(q5[:, :, :, at], packed, c.k0, c.k1, bias, scale, *into)
+                o, l_ = _native.attend(
+                    q5[:, :, :, at], packed, c.k0, c.k1, bias, scale, p_parts, *into
+                )
                 if first:  # written straight into out and lse
                     continue
             else:
@@ -235,24 +227,17 @@ FLASH_BACKWARD = getattr(
 
 
 def fused_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    plan: Plan,
-    mask_tile: MaskTile | None,
-    scale: float,
+    call: Lowered, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, native: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
     forward was fused and nothing reaches the log-sum-exp. bfloat16 calls run qkv's native
-    kernel where it :func:`~qkv.kernels.native.takes` them, other half precision in float32
-    (:func:`_working`); the gradients come back in the inputs' dtypes."""
+    kernel with ``native``, other half precision in float32 (:func:`_working`); the
+    gradients come back in the inputs' dtypes."""
+    q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     dtypes = q.dtype, k.dtype, v.dtype
-    packed = native.pack_backward(k, v) if native.takes(q, k, v) else None
+    packed = _native.pack_backward(k, v) if native else None
     if packed is None:
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
@@ -264,18 +249,19 @@ def fused_backward(
     if packed is not None:  # reads Delta, and lse -inf as "no key"; one dQ per thread
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)[..., 0]
-        dq_threads = native.gradient_buffer(B, H_kv, G, T_q, D)
+        dq_threads = _native.gradient_buffer(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)
         lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None], H_kv)
         dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
-    cache: dict | None = {} if getattr(mask_tile, "shift_invariant", False) else None
-    for _, _, group in calls(plan):
-        for c in (piece for call in group for piece in _backward_pieces(call)):
+    cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
+    span = call.tuning.backward_span
+    for _, _, group in calls(plan, call.tuning):
+        for c in (piece for one in group for piece in _backward_pieces(one, span)):
             bias, _ = _call_bias(c, mask_tile, H_kv, G, acc, cache)
             if packed is not None:
                 at = slice(c.q0, c.q1)
-                native.backward(
+                _native.backward(
                     q5[:, :, :, at],
                     do5[:, :, :, at],
                     packed[0],
@@ -311,19 +297,14 @@ def fused_backward(
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 
-#: the most keys one backward call covers: its dK and dV are that long, so an unmasked call
-#: over a long FULL stretch (causal at T = 64K) is cut into pieces of this many keys
-BACKWARD_SPAN = 4096
-
-
-def _backward_pieces(c: Call) -> list[Call]:
-    """A call's keys in pieces of at most BACKWARD_SPAN (only unmasked calls are longer):
-    each piece's gradients are its exact share, given the whole rows' out and lse."""
-    if c.chunks is not None or c.k1 - c.k0 <= BACKWARD_SPAN:
+def _backward_pieces(c: Call, span: int) -> list[Call]:
+    """A call's keys in pieces of at most ``span`` keys (only unmasked calls are longer):
+    each piece's dK and dV are that long (an unmasked call over a long FULL stretch, causal
+    at T = 64K, is cut), and its gradients are its exact share, given the whole rows' out
+    and lse."""
+    if c.chunks is not None or c.k1 - c.k0 <= span:
         return [c]
-    return [
-        c._replace(k0=a, k1=min(a + BACKWARD_SPAN, c.k1)) for a in range(c.k0, c.k1, BACKWARD_SPAN)
-    ]
+    return [c._replace(k0=a, k1=min(a + span, c.k1)) for a in range(c.k0, c.k1, span)]
 
 
 def _merge(
@@ -341,7 +322,7 @@ def _merge(
 
 
 def _call_bias(
-    c: Call, mask_tile: MaskTile | None, H_kv: int, G: int, dtype: torch.dtype, cache: dict | None
+    c: Call, mask_tile: MaskTiles | None, H_kv: int, G: int, dtype: torch.dtype, cache: dict | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The additive float mask of a call in the kernel's (B|1, H_kv|1, G·rows, keys) layout,
     and the rows it leaves no key; (None, None) when every key is FULL. ``cache`` (a
@@ -377,7 +358,7 @@ def _call_bias(
 
 
 def _span_mask(
-    chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTile | None
+    chunks: Sequence[Chunk], q0: int, q1: int, mask_tile: MaskTiles | None
 ) -> torch.Tensor:
     """The mask of queries q0..q1-1 over the keys from the first chunk's start to the last
     chunk's end, (B|1, H|1, bq, span) bool: True over FULL blocks, the mask over each

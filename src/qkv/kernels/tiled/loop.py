@@ -1,4 +1,4 @@
-"""The tiled kernel: online softmax over query blocks × key blocks, in pure PyTorch.
+"""The tiled kernel's loop: online softmax over query blocks × key blocks, in pure PyTorch.
 
 A mask is first lowered to a block map (``Mask.blocks``): EMPTY tiles are skipped, FULL
 tiles run with no mask at all, and the predicate is evaluated only on PARTIAL tiles. So a
@@ -8,9 +8,8 @@ sliding window or packed documents cost what they attend to, and memory is O(T·
 For each query block, consecutive non-empty key blocks are fused into chunks of up to
 ``chunk_k`` keys, one matmul each (fewer, larger matmuls run closer to the CPU's peak). The
 running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
-On the CPU in float32/float64, a query block whose key span is short (a window) runs as one
-call of torch's fused flash kernel instead, forward and backward (:mod:`qkv.kernels.fused`);
-the loop stays the fallback and the readable reference.
+Where the dispatch chooses them, the same plan runs as calls of a fused kernel instead
+(:mod:`qkv.kernels.tiled.flash`); the loop stays the fallback and the readable reference.
 
 The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
 style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O) + dlse)``,
@@ -26,12 +25,11 @@ length · D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from ..contract import Lowered, MaskTiles, ModTiles
 from ..reference import accumulation_dtype, finite_or_zero
-from .plan import Chunk, MaskTile, ModTile, Plan, _blocked, _fit, _rows
+from .plan import Chunk, _blocked, _fit, _rows
 
 
 def _scores(
@@ -40,10 +38,10 @@ def _scores(
     chunk: Chunk,
     q0: int,
     q1: int,
-    mask_tile: MaskTile | None,
+    mask_tile: MaskTiles | None,
     H_kv: int,
     G: int,
-    mod_tile: ModTile | None = None,
+    mod_tile: ModTiles | None = None,
 ) -> torch.Tensor:
     """Scores of one (pre-scaled) query block against one chunk, modified, -inf where
     masked."""
@@ -54,7 +52,7 @@ def _scores(
 
 
 def _masked(
-    s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTile | None, H_kv: int, G: int
+    s: torch.Tensor, chunk: Chunk, q0: int, q1: int, mask_tile: MaskTiles | None, H_kv: int, G: int
 ) -> torch.Tensor:
     """The tile's scores, -inf (in place) where the mask blocks."""
     if chunk.masked is not None:
@@ -66,18 +64,12 @@ def _masked(
     return s
 
 
-def loop_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    plan: Plan,
-    mask_tile: MaskTile | None,
-    scale: float,
-    mod_tile: ModTile | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def loop_forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
     """The readable kernel and the fallback: online softmax over the plan's chunks in
     PyTorch, one tile at a time. out (B, H, T_q, D_v) and lse (B, H, T_q), both in the
     accumulation dtype."""
+    q, k, v, plan, scale = call.q, call.k, call.v, call.plan, call.scale
+    mask_tile, mod_tile = call.tiles, call.mod_tiles
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, _ = q.shape
     H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
@@ -118,26 +110,22 @@ def _finite_operand(x: torch.Tensor) -> torch.Tensor:
     return x if bool(torch.isfinite(x).all()) else finite_or_zero(x)
 
 
-def tiled_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+def loop_backward(
+    call: Lowered,
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    plan: Plan,
-    mask_tile: MaskTile | None,
-    scale: float,
-    mod_tile: ModTile | None = None,
-    mod_tensors: Sequence[torch.Tensor] = (),
-    need: bool = False,
+    dlse: torch.Tensor | None = None,
+    *,
     delta: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """Gradients of the loss w.r.t. q, k, v and, if ``need``, ``mod_tensors`` (the tensors
-    the score modification reads; else Nones), recomputing each score tile once. ``delta``,
-    rowsum(dout ∘ out) in the accumulation dtype, is computed here unless given.
+    need_mod: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of the loss w.r.t. q, k, v and, if ``need_mod``, ``call.mod_tensors`` (the
+    tensors the score modification reads; else Nones), recomputing each score tile once.
+    ``delta``, rowsum(dout ∘ out) in the accumulation dtype, is computed here unless given.
     ``dlse`` is the gradient reaching the log-sum-exp (None when it is unused)."""
+    q, k, v, plan, scale = call.q, call.k, call.v, call.plan, call.scale
+    mask_tile, mod_tile, mod_tensors, need = call.tiles, call.mod_tiles, call.mod_tensors, need_mod
     acc = accumulation_dtype(q.dtype)
     H_kv = k.shape[1]
     q5, k_, v_ = _blocked(q.to(acc), H_kv), k.to(acc), v.to(acc)

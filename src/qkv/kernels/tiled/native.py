@@ -10,6 +10,7 @@ Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N key
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -21,47 +22,40 @@ try:
 except ImportError:  # not built (no C compiler at install): the float32 path runs
     _bf16 = None
 
-#: the native step is used when True (tests turn it off to compare it with float32)
-NATIVE = True
-#: P enters ·V as this many bfloat16 parts: 2 (hi + lo, ~16 bits: qkv's accuracy promise)
-#: or 1 (P rounded once, as torch's CPU flash kernel does: faster, but a property test found
-#: 1.64× the output's own rounding; docs/kernels.md#native-bfloat16)
-P_PARTS = 2
 
-_AVAILABLE = _bf16 is not None and _bf16.available()
-
-
+@functools.cache
 def available() -> bool:
-    """Whether the native kernel is built and this CPU runs it."""
-    return _AVAILABLE
+    """Whether the native kernel is built and this CPU runs it (asked once, when first
+    needed)."""
+    return _bf16 is not None and bool(_bf16.available())
 
 
-def fits(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
-    """Whether calls of this dtype, device and head dims can run natively: bfloat16 on the
-    CPU, the kernel built and this CPU able to run it, D = D_v a multiple of 32 (the
-    kernel's vectors) up to 256."""
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native kernel can run the flash calls of this call: bfloat16 Q, K, V on
+    the CPU, the kernel built and this CPU able to run it, each with its head dim
+    contiguous, D = D_v a multiple of 32 (the kernel's vectors) up to 256, and finite Q and
+    V (the dispatch has checked K) — the kernel's max would pass over a NaN score, and
+    0 · inf in ·V would reach rows that mask the key out. Reads Q and V: the dispatch asks
+    once per call."""
     return (
-        NATIVE
-        and _AVAILABLE
-        and dtype == torch.bfloat16
-        and device.type == "cpu"
-        and D_v == D
-        and D % 32 == 0
-        and D <= 256
-    )
-
-
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the fused calls run natively: bfloat16 Q, K, V on the CPU, each with its head
-    dim contiguous, a head dim the kernel's vectors tile (a multiple of 32, at most 256),
-    and finite Q and V (the caller has checked K) — the kernel's max would pass over a NaN
-    score, and 0 · inf in ·V would reach rows that mask the key out."""
-    return (
-        fits(q.dtype, q.device, q.shape[-1], v.shape[-1])
+        shapes_fit(q.dtype, q.device, q.shape[-1], v.shape[-1])
         and q.dtype == k.dtype == v.dtype
         and all(x.stride(-1) == 1 for x in (q, k, v))
         and all_finite(q)
         and all_finite(v)
+    )
+
+
+def shapes_fit(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
+    """The part of :func:`supports` that reads no values: bfloat16 on a CPU that runs the
+    kernel, D = D_v a multiple of 32 up to 256."""
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and D_v == D
+        and D % 32 == 0
+        and D <= 256
+        and available()
     )
 
 
@@ -102,13 +96,15 @@ def attend(
     k1: int,
     bias: torch.Tensor | None,
     scale: float,
+    p_parts: int = 2,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
-    k1 - k0) or None. A row with no allowed key: out 0, lse -inf. Written into ``out``
-    (B, H_kv, G, R, D) and ``lse`` (B, H_kv, G, R), float32 views, where given."""
+    k1 - k0) or None. A row with no allowed key: out 0, lse -inf. P enters ·V as ``p_parts``
+    bfloat16 parts (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and
+    ``lse`` (B, H_kv, G, R), float32 views, where given."""
     _check_call("attend", q5, packed, k0, k1, bias)
     B, H_kv, G, R, D = q5.shape
     N = k1 - k0
@@ -135,7 +131,7 @@ def attend(
         (B, H_kv, G, R, D),
         (packed.Nt, k0, N),
         scale,
-        P_PARTS,
+        p_parts,
         torch.get_num_threads(),
     )
     return out, lse

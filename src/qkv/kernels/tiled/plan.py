@@ -8,37 +8,14 @@ length · D head dim.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ...masks import EMPTY, PARTIAL
-
-# Measured on the 2-core CPU this project targets (docs/kernels.md): 128-query blocks make
-# the matmuls larger, 64-key blocks keep the work wasted at a mask's ragged edge small, and
-# chunks of up to 1024 keys make each matmul large enough to run near peak.
-BLOCK_Q = 128
-BLOCK_K = 64
-CHUNK_K = 1024
-
-# mask_tile(q0, q1, k0, k1) -> bool tensor broadcastable to (B, H, q1 - q0, k1 - k0),
-# positions relative to the start of the query and key sequences.
-MaskTile = Callable[[int, int, int, int], torch.Tensor]
-
-
-class ModTile(Protocol):
-    """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries
-    q0..q1-1 and keys k0..k1-1, and its backward (see ``qkv.scores.ScoreMod.vjp``)."""
-
-    def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
-
-    def vjp(
-        self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, need: bool
-    ) -> tuple[torch.Tensor, list]: ...
 
 
 class Chunk(NamedTuple):
@@ -103,9 +80,9 @@ def make_plan(
     T_q: int,
     T_k: int,
     *,
-    block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
-    chunk_k: int = CHUNK_K,
+    block_q: int,
+    block_k: int,
+    chunk_k: int,
 ) -> Plan:
     """Turn the non-EMPTY tiles of a block map (``Mask.sparse_blocks``: rows, cols, codes,
     sorted by row then column) into chunks of consecutive key blocks, at most ``chunk_k``

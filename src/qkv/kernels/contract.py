@@ -1,0 +1,97 @@
+"""The one contract every kernel keeps: it takes a :class:`Lowered` call and returns a
+:class:`Result`.
+
+A :class:`Lowered` call is one validated attention problem in the canonical layout, with the
+mask and the score modification already in the form the chosen kernel eats — a dense bool
+mask, a float mask, SDPA's ``is_causal``, a function over whole score matrices, tile objects
+and a plan, or FlexAttention's block mask and ``score_mod`` — made in one stage,
+:func:`qkv.core.lowering.lower`. A kernel reads only the fields of its form; it neither
+validates, nor chooses between paths, nor lowers.
+
+Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
+length · D head dim · D_v value head dim · bq a block's queries · L a tile's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..tuning import Tuning
+
+#: The code that runs a call, as :func:`qkv.dispatch` names it.
+PATHS = ("reference", "sdpa", "flex", "tiled-loop", "tiled-flash", "tiled-native", "tiled-op")
+
+
+class MaskTiles(Protocol):
+    """A mask as the tiled kernel reads it, one tile at a time:
+    ``tiles(q0, q1, k0, k1)`` is a bool tensor broadcastable to (B, H, q1 - q0, k1 - k0)
+    (True = may attend) for queries q0..q1-1 and keys k0..k1-1 of the call, counted from
+    the start of its query and key sequences."""
+
+    #: the pattern of a tile depends only on its offset from the diagonal (kernels may
+    #: reuse one tile's pattern for every tile at that offset)
+    shift_invariant: bool
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
+
+
+class ModTiles(Protocol):
+    """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries q0..q1-1
+    and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`)."""
+
+    def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
+
+    def vjp(
+        self, ds: torch.Tensor, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int, *, need: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Lowered:
+    """One call, lowered for its kernel. q (B, H, T_q, D), k (B, H_kv, T_k, D) and
+    v (B, H_kv, T_k, D_v), T_k >= 1; ``path`` names the code that runs (one of
+    :data:`PATHS`). The mask and modification fields hold only the chosen kernel's form;
+    the others stay None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    q_offset: int
+    path: str
+    tuning: Tuning
+    dropout_p: float = 0.0
+    generator: torch.Generator | None = None
+    need_lse: bool = False
+    #: reference and sdpa: the mask as bool, broadcastable to (B, H, T_q, T_k)
+    dense: torch.Tensor | None = None
+    #: sdpa with an additive modification: its term and the mask as one float mask
+    bias: torch.Tensor | None = None
+    #: sdpa: its own top-left causal mask (equal to qkv's causal when T_q == T_k)
+    is_causal: bool = False
+    #: reference: the modification over a whole (B, H, T_q, T_k) score matrix
+    modify: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: tiled: what to compute (a :class:`qkv.kernels.tiled.plan.Plan`), the mask and the
+    #: modification per tile, and the tensors the modification reads (gradients reach them)
+    plan: Any = None
+    tiles: MaskTiles | None = None
+    mod_tiles: ModTiles | None = None
+    mod_tensors: tuple[torch.Tensor, ...] = ()
+    #: flex: FlexAttention's BlockMask and score_mod
+    block_mask: Any = None
+    score_mod: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a kernel returns: out (B, H, T_q, D_v) in q's dtype; the (B, H, T_q) log-sum-exp
+    (accumulation dtype) and the (B, H, T_q, T_k) weights where the kernel gives them, else
+    None. Fully masked rows: out 0, weights 0, lse -inf."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
