@@ -257,3 +257,34 @@ def test_from_huggingface_bad_arguments(tmp_path):
         GPT.from_huggingface(tmp_path / "missing")
     with pytest.raises(TypeError, match="GPT2LMHeadModel or a directory"):
         GPT.from_huggingface(torch.nn.Linear(2, 2))
+
+
+def test_uniform_attention_runs_with_a_layout():
+    # UniformAttention.project once dropped the positions a context-parallel layout passes
+    # (found by mypy: its signature did not match MultiHeadAttention.project), so a uniform
+    # GPT called with layout= raised TypeError. One rank on loopback: the same logits.
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from qkv.distributed import Layout
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16, attention="uniform"))
+    idx = torch.randint(0, 256, (1, 12))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        sharded = model(idx, layout=Layout.contiguous(12, 1))
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(sharded, model(idx), atol=1e-6, rtol=1e-6)

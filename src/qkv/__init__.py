@@ -4,6 +4,8 @@ Legend used in every docstring and error: B batch · H query heads · H_kv key/v
 T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 """
 
+from importlib import metadata as _metadata
+
 from . import distributed, heads, masks, models, numpy, scores
 from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
 from .learn import tutorial
@@ -19,7 +21,10 @@ from .nn import (
 )
 from .tuning import Tuning, tuned, tuning
 
-__version__ = "0.1.0"
+try:  # pyproject.toml holds the one source, read from the installed package's metadata
+    __version__ = _metadata.version("qkv")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CausalAttention",

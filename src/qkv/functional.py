@@ -383,7 +383,9 @@ def row_scores(
         allowed = mask.at(p.B, p.H, (p.q_offset + rs).to(query.device), kv)
         allowed = allowed.expand(p.B, p.H, len(rs), p.T_k)[:, hs]
     elif mask is not None:
-        allowed = dense_mask(mask, p, query.device).expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
+        dense = dense_mask(mask, p, query.device)
+        assert dense is not None
+        allowed = dense.expand(p.B, p.H, p.T_q, p.T_k)[:, hs][:, :, rs]
     return scaled, modified, allowed, hs, rs
 
 

@@ -167,7 +167,8 @@ def record() -> Iterator[Recorder]:
         >>> len(calls), calls[0].weights(rows=[19]).shape   # layers; (B, H, rows, T_k)
         (2, torch.Size([1, 4, 1, 20]))
     """
-    with listening(Recorder()) as recorder:
+    recorder = Recorder()
+    with listening(recorder):
         yield recorder
 
 
@@ -247,7 +248,7 @@ def head_scores(
     L = tokens.shape[1] // 2
     per_layer = []
     for call in run(model, tokens):
-        total = dict.fromkeys(SCORES, 0.0)
+        total: dict[str, torch.Tensor] = {name: torch.tensor(0.0) for name in SCORES}
         for r0 in range(L, 2 * L, ROW_BLOCK):
             r1 = min(2 * L, r0 + ROW_BLOCK)
             part = scores_from_weights(call.weights(rows=slice(r0, r1)).float(), L, r0)

@@ -38,7 +38,10 @@ from .args import Parser, positive
 
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+        found = re.search(rf"{field}:\s+(\d+)", f.read())
+    if found is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return int(found.group(1)) * 1024
 
 
 class PeakRSS:
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     """Markdown: one row per (dtype, pass, T, mask), ratios against SDPA of the same run."""
-    rows = {}
+    rows: dict[tuple[str, str, int, str], dict[str, Result]] = {}
     for r in results:
         rows.setdefault((r.dtype, r.pass_, r.T, r.mask), {})[r.candidate] = r
     lines = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .. import masks
+from .. import __version__, masks
 from ..learn import tutorial
 from ..learn.explain import explain
 from ..nn.mha import MultiHeadAttention
@@ -45,6 +45,7 @@ def _ids(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkv", description="qkv: attention, step by step.")
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser(
@@ -335,6 +336,7 @@ def _explain(args: argparse.Namespace) -> None:
     tokens, x = _sequence(args)
     torch.manual_seed(args.seed)
     E = x.shape[1]
+    module: SelfAttention | MultiHeadAttention | None
     if args.simplified:
         module, mask = None, masks.causal() if args.causal else None
         title = "simplified attention" + (", causal" if args.causal else "")

@@ -154,6 +154,7 @@ def _tiled_backward_op(
     call = _rebuilt(q, k, v, mask, mod, tensors, ints, scale, q_offset)
     mod_tensors = call.mod_tensors
     dq, dk, dv, *dmod = tiled.backward(call, out, lse, dout, dlse, need_mod=True)
+    assert dq is not None and dk is not None and dv is not None
     # One gradient per recipe tensor: the modification's (zeros where none), the mask's zero.
     by_id = {id(t): d for t, d in zip(mod_tensors, dmod) if d is not None}
     return [

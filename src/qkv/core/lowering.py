@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -43,38 +44,40 @@ def lower(
 ) -> Lowered:
     """The call as the kernel ``choice`` names receives it: q, k, v in (B, H|H_kv, T, D)
     layout, and the mask and modification in that kernel's forms only."""
-    base = dict(
-        q=q,
-        k=k,
-        v=v,
-        scale=p.scale,
-        q_offset=p.q_offset,
-        path=choice.path,
-        tuning=tuning,
+    base = Lowered(
+        q,
+        k,
+        v,
+        p.scale,
+        p.q_offset,
+        choice.path,
+        tuning,
         dropout_p=dropout_p,
         generator=generator,
         need_lse=need_lse,
     )
     if choice.backend == "sdpa":
         if mod is not None:  # additive: its term and the mask as one float mask
-            return Lowered(**base, bias=float_mask(mask, mod, p, q))
+            return replace(base, bias=float_mask(mask, mod, p, q))
         dense = dense_mask(mask, p, q.device) if choice.sdpa_mask == "dense" else None
-        return Lowered(**base, dense=dense, is_causal=choice.sdpa_mask == "is_causal")
+        return replace(base, dense=dense, is_causal=choice.sdpa_mask == "is_causal")
     if choice.backend == "tiled":
-        return Lowered(
-            **base,
+        return replace(
+            base,
             plan=choice.plan,
             tiles=mask_tiles(mask, p, q.device),
             mod_tiles=None if mod is None else ScoreTiles(mod, p, q.device),
             mod_tensors=() if mod is None else tuple(mod.tensors()),
         )
     if choice.backend == "flex":
-        return Lowered(
-            **base,
-            block_mask=flex_block_mask(mask, p.B, p.H, p.T_q, p.T_k, p.q_offset, q.device),
+        return replace(
+            base,
+            block_mask=flex_block_mask(
+                _qkv_mask(mask), p.B, p.H, p.T_q, p.T_k, p.q_offset, q.device
+            ),
             score_mod=flex_score_mod(mod, p.q_offset),
         )
-    return Lowered(**base, dense=dense_mask(mask, p, q.device), modify=modify(mod, p, q.device))
+    return replace(base, dense=dense_mask(mask, p, q.device), modify=modify(mod, p, q.device))
 
 
 def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
@@ -86,7 +89,14 @@ def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor
     if isinstance(mask, Mask):
         out = mask.block(p.B, p.H, p.q_offset, p.q_offset + p.T_q, 0, p.T_k, device=device)
         return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
-    return mask[None, None] if mask.ndim == 2 else p.to4d(mask)
+    dense = torch.as_tensor(mask)
+    return dense[None, None] if dense.ndim == 2 else p.to4d(dense)
+
+
+def _qkv_mask(mask: MaskLike) -> Mask | None:
+    """A mask the flex kernel takes (the dispatch refused dense ones for it)."""
+    assert mask is None or isinstance(mask, Mask)
+    return mask
 
 
 class PredicateTiles:
@@ -163,7 +173,8 @@ class ScoreTiles:
 
     def __init__(self, mod: ScoreMod, p: Problem, device: torch.device) -> None:
         self.mod, self.p, self.device, self.heads = mod, p, device, torch.arange(p.H)
-        self.stages, self.terms = mod.stages(), {}
+        self.stages = mod.stages()
+        self.terms: dict[tuple[int, int, int, int], torch.Tensor] = {}
 
     def _view(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int):
         idx = indices(self.p, self.device, torch.arange(q0, q1), self.heads, k0, k1)

@@ -174,7 +174,7 @@ class _RingAttention(torch.autograd.Function):
     accumulator home."""
 
     @staticmethod
-    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece):  # type: ignore[override]
+    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece):
         runs = list(_runs_of(layout, rank, piece))  # query runs, no longer than a piece
         D, D_v = key.shape[-1], value.shape[-1]
         acc = accumulation_dtype(query.dtype)
@@ -204,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx, dout):
         query, key, value, out, lse = ctx.saved_tensors
         layout, mask, scale, rank, world, group, piece = ctx.args
         runs = list(_runs_of(layout, rank, piece))
@@ -249,6 +249,7 @@ class _RingAttention(torch.autograd.Function):
                         dout[:, :, rows],
                         delta=delta[:, :, rows],
                     )
+                    assert dq is not None and dk is not None and dv is not None
                     dquery[:, :, rows] += dq
                     dcurrent[:, :, kl : kl + kb - ka, :D] += dk
                     dcurrent[:, :, kl : kl + kb - ka, D:] += dv
@@ -349,7 +350,8 @@ def _exchange(
         dist.irecv(recv, source, group=group),
     ]
     for r in requests:
-        r.wait()
+        if r is not None:  # None only when this rank is outside the group
+            r.wait()
     return recv
 
 

@@ -150,7 +150,7 @@ class _Gather(torch.autograd.Function):
     (gloo has no reduce_scatter)."""
 
     @staticmethod
-    def forward(ctx, x, dim, layout, group):  # type: ignore[override]
+    def forward(ctx, x, dim, layout, group):
         dim = dim % x.ndim
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if world != layout.world_size:
@@ -176,7 +176,7 @@ class _Gather(torch.autograd.Function):
         return full
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         mine = ctx.layout.positions(ctx.rank).to(grad.device)

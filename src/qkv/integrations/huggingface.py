@@ -23,10 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..functional import attention
-from ..masks import Mask, causal, full
+from ..masks import Mask, MaskLike, causal, full
 from ..masks import padding as padding_mask
 from ..masks import sliding_window as sliding_window_mask
 from ..scores import bias, chain
@@ -90,14 +89,15 @@ def qkv_attention_forward(
         )
     T_q, q_offset = query.shape[2], None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    mask = attention_mask
+    mask: MaskLike = attention_mask
     if type(mask) is StructuralMask:  # built by qkv_mask: used as the qkv mask it holds
         if key.shape[2] != mask.shape[-1] or T_q != mask.shape[-2]:
             raise ValueError(
                 f"the mask was built for (T_q, T_k) = {tuple(mask.shape[-2:])}; "
                 f"{type(module).__name__} passes ({T_q}, {key.shape[2]})"
             )
-        mask, q_offset = mask.qkv_mask, mask.q_offset
+        structural: StructuralMask = mask
+        mask, q_offset = structural.qkv_mask, structural.q_offset
     elif mask is None and is_causal and T_q > 1:
         # transformers skipped building a causal mask: it expects is_causal with keys aligned
         # to the queries, and drops cache slots past them (as its sdpa path does).
@@ -121,8 +121,20 @@ def qkv_attention_forward(
         return_weights=want_weights,
         score_mod=chain(*mods) if mods else None,
     )
-    out, weights = result if want_weights else (result, None)
+    out, weights = result if isinstance(result, tuple) else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _densified(x: Any) -> Any:
+    """x with every StructuralMask inside it (in lists, tuples and dicts, as a torch op's
+    arguments come) replaced by its dense tensor."""
+    if isinstance(x, StructuralMask):
+        return x.dense()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_densified(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _densified(v) for k, v in x.items()}
+    return x
 
 
 class StructuralMask(torch.Tensor):
@@ -149,9 +161,8 @@ class StructuralMask(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        dense = lambda x: x.dense() if isinstance(x, StructuralMask) else x  # noqa: E731
-        return func(*tree_map(dense, args), **tree_map(dense, kwargs or {}))
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return func(*_densified(args), **_densified(kwargs or {}))
 
 
 def _structure(mask_function: Any) -> Mask | None:

@@ -42,12 +42,12 @@ class _Scores(torch.autograd.Function):
     the gradients of rows that mask it out; a row that does attend to it is NaN through dS."""
 
     @staticmethod
-    def forward(ctx, q, k):  # type: ignore[override]
+    def forward(ctx, q, k):
         ctx.save_for_backward(q, k)
         return q @ k.transpose(-2, -1)
 
     @staticmethod
-    def backward(ctx, ds):  # type: ignore[override]
+    def backward(ctx, ds):
         q, k = ctx.saved_tensors
         return ds @ finite_or_zero(k), ds.transpose(-2, -1) @ finite_or_zero(q)
 

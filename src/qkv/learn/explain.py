@@ -193,13 +193,14 @@ def explain(
                 notes[name] = f"{name} = x itself: no trainable weights"
             merge = lambda context: context[0, 0]  # noqa: E731
         else:
-            q, k, v = module.project(x)  # (1, H, T, d) each
+            m: Any = module  # a qkv module: project, merge, maybe attention_mask
+            q, k, v = m.project(x)  # (1, H, T, d) each
             scale = 1.0 / math.sqrt(q.shape[-1])
             if hasattr(module, "attention_mask"):
-                mask = module.attention_mask(mask)
+                mask = m.attention_mask(mask)
             if hasattr(module, "out_proj"):
                 notes["output"] = "heads concatenated, then out_proj"
-            merge = lambda context: module.merge(context, like=x)  # noqa: E731
+            merge = lambda context: m.merge(context, like=x)  # noqa: E731
         context, weights = attention(
             q, k, v, mask=mask, scale=scale, return_weights=True, score_mod=score_mod
         )
@@ -208,6 +209,7 @@ def explain(
         modified = None
         if score_mod is not None:
             mod = as_score_mod(score_mod)
+            assert mod is not None
             notes["score_mod"] = repr(mod)
             i = torch.arange(T)
             modified = mod.apply(
@@ -218,9 +220,11 @@ def explain(
                 i.view(1, 1, 1, T),
                 i.view(1, 1, T, 1),
             )[0]  # (H, T, T)
-        dense = mask.dense(1, H, T, T)[0, 0] if isinstance(mask, Mask) else mask
-        if isinstance(dense, torch.Tensor):
-            dense = dense.expand(1, 1, T, T)[0, 0]  # any broadcastable shape -> (T, T)
+        dense: torch.Tensor | None = None
+        if isinstance(mask, Mask):
+            dense = mask.dense(1, H, T, T)[0, 0]
+        elif mask is not None:  # any broadcastable shape -> (T, T)
+            dense = torch.as_tensor(mask).expand(1, 1, T, T)[0, 0]
         return Trace(
             tokens=tokens,
             inputs=x,

@@ -103,7 +103,8 @@ class SelfAttention_v1(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, E) -> queries, keys, values, each (1, 1, T, d_out) (one batch, one head)."""
-        return tuple((x @ W)[None, None] for W in (self.W_query, self.W_key, self.W_value))
+        q, k, v = ((x @ W)[None, None] for W in (self.W_query, self.W_key, self.W_value))
+        return q, k, v
 
     def merge(self, context: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return context[0, 0]

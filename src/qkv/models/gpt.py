@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -125,8 +125,14 @@ class UniformAttention(MultiHeadAttention):
     averages the values of its past uniformly (seed 001's ``xbow``) — attention with
     nothing learned about *where* to look."""
 
-    def project(self, x, context=None, cache=None):
-        q, k, v = super().project(x, context, cache)
+    def project(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project(x, context, cache, positions)
         return torch.zeros_like(q), k, v
 
 
@@ -168,11 +174,10 @@ class Block(nn.Module):
             rope=rope,
         )
         self.drop = nn.Dropout(config.dropout)
-        if config.attention_only:
-            self.ln_2 = self.mlp = None
-        else:
-            self.ln_2 = _norm(config)
-            self.mlp = MLP(config)
+        self.ln_2: nn.Module | None = None
+        self.mlp: MLP | None = None
+        if not config.attention_only:
+            self.ln_2, self.mlp = _norm(config), MLP(config)
 
     def forward(
         self,
@@ -185,7 +190,7 @@ class Block(nn.Module):
         x = x + self.drop(
             self.attn(self.ln_1(x), cache=cache, layout=layout, schedule=schedule, group=group)
         )
-        if self.mlp is not None:
+        if self.mlp is not None and self.ln_2 is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x
 
@@ -237,8 +242,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         if fan_in:
             return
-        residual = [b.attn.out_proj for b in self.blocks]
-        residual += [b.mlp.proj for b in self.blocks if b.mlp is not None]
+        residual = [b.attn.out_proj for b in self.layers]
+        residual += [b.mlp.proj for b in self.layers if b.mlp is not None]
         for proj in residual:
             nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(len(residual)))
 
@@ -296,7 +301,12 @@ class GPT(nn.Module):
 
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty :class:`qkv.KVCache` per layer, each of block_size tokens."""
-        return [b.attn.new_cache(batch, self.config.block_size) for b in self.blocks]
+        return [b.attn.new_cache(batch, self.config.block_size) for b in self.layers]
+
+    @property
+    def layers(self) -> list[Block]:
+        """The blocks, typed (``self.blocks`` is the ``nn.ModuleList`` holding them)."""
+        return [cast(Block, b) for b in self.blocks]
 
     @torch.no_grad()
     def generate(
@@ -463,8 +473,10 @@ def _copy_gpt2_weights(hf: Any, model: GPT) -> None:
 
     t = hf.transformer
     model.wte.weight.copy_(t.wte.weight)
+    assert model.wpe is not None  # GPT-2's positions are learned
     model.wpe.weight.copy_(t.wpe.weight)
-    for ours, theirs in zip(model.blocks, t.h):
+    for ours, theirs in zip(model.layers, t.h):
+        assert ours.mlp is not None and ours.ln_2 is not None  # GPT-2 has MLPs
         E = model.config.n_embd
         w, b = theirs.attn.c_attn.weight, theirs.attn.c_attn.bias  # (E, 3E), (3E,)
         for i, lin in enumerate((ours.attn.W_query, ours.attn.W_key, ours.attn.W_value)):

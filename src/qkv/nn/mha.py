@@ -118,10 +118,12 @@ class MultiHeadAttention(AttentionModule):
         q = split_heads(self.W_query(x), self.num_heads)  # (B, H, T_q, d_head)
         k = split_heads(self.W_key(source), self.num_kv_heads)  # (B, H_kv, T_k, d_head)
         v = split_heads(self.W_value(source), self.num_kv_heads)
-        if positions is None:  # absolute position of x's first token
-            positions = 0 if cache is None else cache.length
+        # absolute positions of x's tokens: given, or following the cache
+        at: torch.Tensor | int = (
+            positions if positions is not None else (0 if cache is None else cache.length)
+        )
         if self.rope is not None:
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            q, k = self.rope(q, at), self.rope(k, at)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, H_kv, start + T_q, d_head)
         return q, k, v
@@ -131,7 +133,9 @@ class MultiHeadAttention(AttentionModule):
         out = self.out_proj(context.transpose(1, 2).reshape(B, T, H * d_head))  # (B, T, d_out)
         return out if like.ndim == 3 else out[0]
 
-    def forward(
+    # Cross-attention's context comes second, positionally (as nn.MultiheadAttention's key
+    # and value do), so the signature extends AttentionModule.forward's rather than matching.
+    def forward(  # type: ignore[override]
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,

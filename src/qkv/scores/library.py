@@ -133,8 +133,7 @@ def _bucket_table(bidirectional: bool, num_buckets: int, max_distance: int) -> n
         ).long()
     )
     table = offset + torch.where(dist < exact, dist, far.clamp(max=num_buckets - 1))
-    table = table.numpy()
-    return table
+    return table.numpy()
 
 
 class _RelativeBias(ScoreMod):

@@ -81,7 +81,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON ({err})") from None
 
 
-def _replace(path: Path, write: Callable[[Path], None]) -> None:
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)

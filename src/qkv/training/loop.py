@@ -63,8 +63,8 @@ class Result:
 
 
 def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
+    decay: list[torch.Tensor] = [p for p in model.parameters() if p.ndim >= 2]
+    rest: list[torch.Tensor] = [p for p in model.parameters() if p.ndim < 2]
     # Positions are a table, not a map: they are not decayed (nanoGPT decays them; either
     # works). A tied embedding appears once in parameters().
     if model.wpe is not None:
@@ -204,7 +204,8 @@ def train(
             step += 1
             record: dict[str, float] = {"step": step, "loss": loss.item(), "lr": lr}
             if step % tcfg.eval_interval == 0 or step == tcfg.steps:
-                record["val_loss"] = _loss_on(model, *held_out, autocast=tcfg.autocast)
+                x_val, y_val = held_out
+                record["val_loss"] = _loss_on(model, x_val, y_val, autocast=tcfg.autocast)
                 scores = ""
                 if tcfg.data == "repeated_segments":  # the best head's, on held-out tokens
                     record["induction"] = induction_score(model)

@@ -52,7 +52,7 @@ def backward(
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call, q, k, v, *mod_tensors):  # type: ignore[override]
+    def forward(ctx, call, q, k, v, *mod_tensors):
         out, lse = forward(call)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
@@ -60,7 +60,7 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):  # type: ignore[override]
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
         call = dataclasses.replace(ctx.call, q=q, k=k, v=v, mod_tensors=tuple(mod_tensors))
         if dlse is not None and not bool(dlse.any()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from .plan import Chunk, Plan, _blocked, _fit, _rows
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
-FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -221,7 +221,7 @@ def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.T
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 
-FLASH_BACKWARD = getattr(
+FLASH_BACKWARD: Any = getattr(
     torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
 )
 
@@ -345,14 +345,14 @@ def _call_bias(
             ),
         )
     )
-    if key is not None and key in cache:
+    if key is not None and cache is not None and key in cache:
         return cache[key]
     allowed = _fit(_span_mask(c.chunks, c.q0, c.q1, mask_tile), H_kv, G)
     # In q's dtype: torch 2.13 reads a float32 mask beside float64 inputs as float64
     # (silently wrong numbers), so the dtypes must match.
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     found = bias, ~allowed.any(-1)
-    if key is not None:
+    if key is not None and cache is not None:
         cache[key] = found
     return found
 
@@ -372,6 +372,7 @@ def _span_mask(
             pieces.append(ones(c.k1 - c.k0))
         else:
             m0, m1 = c.masked
+            assert mask_tile is not None  # a masked range comes from a mask
             t = mask_tile(q0, q1, m0, m1)
             t = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))
             pieces += [

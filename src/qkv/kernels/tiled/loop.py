@@ -57,6 +57,7 @@ def _masked(
     """The tile's scores, -inf (in place) where the mask blocks."""
     if chunk.masked is not None:
         c0, c1 = chunk.masked
+        assert mask_tile is not None  # a chunk with a masked range comes from a mask
         m = mask_tile(q0, q1, c0, c1)
         m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))  # (B|1, H|1, ·, ·)
         m = _fit(m.expand(m.shape[0], m.shape[1], q1 - q0, c1 - c0), H_kv, G)
@@ -84,7 +85,9 @@ def loop_forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
         # The scale is folded into the query block, not applied to every score tile.
         qb = _rows(q5, q0, q1) * scale  # (B, H_kv, G·bq, D)
         # Running row max m, sum l and output o of the online softmax, set by the first chunk.
-        m = l = o = None  # noqa: E741
+        m: torch.Tensor | None = None
+        l: torch.Tensor | None = None  # noqa: E741
+        o: torch.Tensor | None = None
         for chunk in chunks:
             s = _scores(qb, k, chunk, q0, q1, mask_tile, H_kv, G, mod_tile)  # (B, H_kv, G·bq, L)
             row_max = s.amax(dim=-1, keepdim=True)
@@ -93,7 +96,7 @@ def loop_forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
             p = s.sub_(m_safe).exp_()  # in place of s
             pv = p @ v[:, :, chunk.k0 : chunk.k1]  # (B, H_kv, G·bq, D_v)
-            if m is None:
+            if m is None or l is None or o is None:  # the first chunk sets them
                 l, o = p.sum(dim=-1, keepdim=True), pv  # noqa: E741
             else:  # rescale what was summed under the old max; 0 while m was -inf
                 alpha = torch.exp(m - m_safe)
@@ -101,6 +104,7 @@ def loop_forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
                 o = o.mul_(alpha).add_(pv)
             m = m_new
         bq = q1 - q0
+        assert l is not None and o is not None  # the row had a chunk
         out[:, :, :, q0:q1] = (o / l.masked_fill(l == 0, 1.0)).view(B, H_kv, G, bq, D_v)
         lse[:, :, :, q0:q1] = (m_safe + torch.log(l)).view(B, H_kv, G, bq)
     return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
@@ -178,7 +182,8 @@ def loop_backward(
                 ds, dts = mod_tile.vjp(ds, raw, q0, q1, chunk.k0, chunk.k1, need=need)
                 for i, dt in enumerate(dts):
                     if dt is not None:
-                        dmod[i] = dt if dmod[i] is None else dmod[i] + dt
+                        prev = dmod[i]
+                        dmod[i] = dt if prev is None else prev + dt
             dqb += ds @ k0_[:, :, ks]
             dk[:, :, ks] += ds.transpose(-2, -1) @ qb0  # qb0 carries the scale already
         dq5[:, :, :, q0:q1] = dqb.view(*dqb.shape[:2], G, q1 - q0, -1)

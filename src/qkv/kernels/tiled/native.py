@@ -18,7 +18,7 @@ import torch
 from ..reference import all_finite
 
 try:
-    from . import _bf16
+    from . import _bf16  # type: ignore[attr-defined]
 except ImportError:  # not built (no C compiler at install): the float32 path runs
     _bf16 = None
 
@@ -172,11 +172,8 @@ def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
         return (0, 0, 0, 0)
     if bias.dtype != torch.float32 or not bias.is_contiguous():
         raise ValueError("native: the bias must be a contiguous float32 tensor")
-    return (
-        bias.data_ptr(),
-        *(s if n > 1 else 0 for s, n in zip(bias.stride()[:2], bias.shape[:2])),
-        bias.stride(2),
-    )
+    (sb, sh), (nb, nh) = bias.stride()[:2], bias.shape[:2]
+    return bias.data_ptr(), sb if nb > 1 else 0, sh if nh > 1 else 0, bias.stride(2)
 
 
 def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
