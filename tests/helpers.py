@@ -5,6 +5,9 @@ import torch
 
 from qkv import masks
 
+#: the backends that give the log-sum-exp on the CPU
+LSE_BACKENDS = ["reference", "tiled", "auto"]
+
 
 def make_qkv(B, H, H_kv, T_q, T_k, D, D_v, *, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -42,15 +45,20 @@ def mask_zoo(B, T_k, T_q=None, seed=0):
     }
 
 
-def oracle_with_lse(q, k, v, mask, scale=None):
-    """The NumPy float64 oracle's out and lse on the same (rounded) inputs."""
+def oracle(q, k, v, **kw):
+    """The NumPy float64 oracle (``qkv.numpy.attention``) on the same (rounded) inputs; a
+    tensor mask goes as an array, other keywords as given."""
     from qkv import numpy as qnp
 
-    if isinstance(mask, torch.Tensor):
-        mask = mask.numpy()
-    return qnp.attention(
-        *(x.double().numpy() for x in (q, k, v)), mask=mask, scale=scale, return_lse=True
-    )
+    arrays = [x.detach().cpu().double().numpy() for x in (q, k, v)]
+    if isinstance(kw.get("mask"), torch.Tensor):
+        kw["mask"] = kw["mask"].cpu().numpy()
+    return qnp.attention(*arrays, **kw)
+
+
+def oracle_with_lse(q, k, v, mask, scale=None):
+    """The NumPy float64 oracle's out and lse on the same (rounded) inputs."""
+    return oracle(q, k, v, mask=mask, scale=scale, return_lse=True)
 
 
 def grads(q, k, v, g, mask, **kw):
@@ -67,3 +75,49 @@ def small_tiles(block_q=8, block_k=8, chunk_k=16):
     tiny tiles, so small inputs span many blocks and chunks, and let auto consider it for
     small inputs too."""
     return dict(small_scores=0, block_q=block_q, block_k=block_k, chunk_k=chunk_k)
+
+
+def mha(**kw):
+    """A float64 qkv.MultiHeadAttention, 16 → 16 with 4 heads unless told otherwise."""
+    import qkv
+
+    kw = {"num_heads": 4, **kw}
+    return qkv.MultiHeadAttention(kw.pop("d_in", 16), kw.pop("d_out", 16), **kw).double()
+
+
+def x_(B=2, T=9, E=16, seed=1):
+    """(B, T, E) float64 inputs for a module."""
+    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+#: (B, H, T_q, T_k) of score_zoo's modifications
+SCORE_SHAPE = (2, 4, 37, 53)
+
+
+def score_zoo(dtype=torch.float64):
+    """One of every modification, and compositions, for (B, H, T_q, T_k) = SCORE_SHAPE;
+    tensors in ``dtype``."""
+    import math
+
+    from qkv import scores
+
+    B, H, T_Q, T_K = SCORE_SHAPE
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(32, H, generator=g, dtype=dtype)
+    bias = torch.randn(B, 1, T_Q, T_K, generator=g, dtype=dtype)
+    bias[0, 0, 3] = -math.inf  # a row the bias masks entirely
+    bias[1, 0, :, 5] = -math.inf  # a key the bias masks for every query
+    slopes = scores.alibi_slopes(H).to(dtype)
+    return {
+        "alibi": scores.alibi(slopes),
+        "softcap": scores.softcap(2.0),
+        "relative_bias": scores.relative_bias(table, bidirectional=False, max_distance=20),
+        "relative_bias_bidirectional": scores.relative_bias(table, max_distance=16),
+        "bias": scores.bias(bias),
+        "bias_2d": scores.bias(bias[0, 0, 10:11].expand(T_Q, T_K) * 0.5),
+        "function": scores.function(
+            lambda s, b, h, q, kv: s * (1 + h) / 2 - (q - kv) / 8, "by_head"
+        ),
+        "alibi>softcap": scores.alibi(slopes).then(scores.softcap(1.5)),
+        "bias>alibi": scores.chain(scores.bias(bias), scores.alibi(slopes)),
+    }

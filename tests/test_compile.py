@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo as dynamo
-from helpers import make_qkv, mask_zoo
 from torch._dynamo.testing import CompileCounter
 
 import qkv
 from qkv import masks, scores
 from qkv.models import GPT, GPTConfig
+from tests.helpers import make_qkv, mask_zoo
 
 MASKS = [
     "none",

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_qkv, mask_zoo, small_tiles
-from tolerances import FLOAT64
 from torch.nn.attention.bias import causal_lower_right
 
 import qkv
 from qkv import masks
+from tests.helpers import make_qkv, mask_zoo, oracle, small_tiles
+from tests.tolerances import FLOAT64
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
@@ -36,13 +36,6 @@ SLOW_SHAPES = [
         (1, 2), ((1, 1), (4, 2), (4, 1)), (1, 2, 17, 113), (1, 2, 17, 113)
     )
 ]
-
-
-def oracle(q, k, v, **kw):
-    arrays = [x.detach().double().numpy() for x in (q, k, v)]
-    if isinstance(kw.get("mask"), torch.Tensor):
-        kw["mask"] = kw["mask"].numpy()
-    return qkv.numpy.attention(*arrays, **kw)
 
 
 def check_against_oracle(shape, mask_name, backend):
@@ -163,38 +156,6 @@ def test_tiled_gradients_equal_reference(shape, mask_name):
         grads[backend] = [x.grad for x in leaves]
     for ref, til in zip(grads["reference"], grads["tiled"]):
         torch.testing.assert_close(til, ref, atol=FLOAT64, rtol=0)
-
-
-def test_dispatch_reasons():
-    q, k, v = make_qkv(1, 2, 2, 8, 8, 4, 4)
-    assert qkv.dispatch(q, k, v).backend == "sdpa"
-    assert "is_causal" in qkv.dispatch(q, k, v, mask=masks.causal()).reason
-    assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.padding([5])).reason
-
-
-def test_dispatch_drops_a_mask_that_allows_everything():
-    q, k, v = make_qkv(1, 2, 2, 1, 9, 4, 4)  # one query at the end of the keys: a decode step
-    d = qkv.dispatch(q, k, v, mask=masks.causal())
-    assert d.backend == "sdpa" and "allows every position" in d.reason
-    q2 = make_qkv(1, 2, 2, 2, 9, 4, 4)[0]
-    assert "allows every position" not in qkv.dispatch(q2, k, v, mask=masks.causal()).reason
-
-
-def test_dispatch_small_inputs_skip_planning(tune):
-
-    tune(small_scores=512 * 512)
-    q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
-    d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
-    assert d_.backend == "sdpa" and "is small" in d_.reason
-    d = qkv.dispatch(q, k, v, return_lse=True)
-    assert d.backend == "tiled" and "log-sum-exp" in d.reason
-    d = qkv.dispatch(q, k, v, return_weights=True, return_lse=True)
-    assert d.backend == "reference" and "weights" in d.reason
-    d = qkv.dispatch(q, k, v, dropout_p=0.1, generator=torch.Generator())
-    assert d.backend == "reference" and "Generator" in d.reason
-    assert qkv.dispatch(q, k, v, dropout_p=0.1).backend == "sdpa"
-    assert qkv.dispatch(q, k, v, backend="reference").reason == "requested with backend='reference'"
-    assert str(qkv.dispatch(q, k, v)).startswith("sdpa: ")
 
 
 def test_dispatch_prefers_tiled_for_sparse_and_long_masks():

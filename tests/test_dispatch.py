@@ -7,21 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, mask_zoo, small_tiles
-from tolerances import FLOAT64
 
 import qkv
 from qkv import masks
 from qkv.core.dispatch import Dispatch
+from tests.helpers import make_qkv, mask_zoo, oracle, small_tiles
+from tests.tolerances import FLOAT64
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
-
-
-def oracle(q, k, v, **kw):
-    arrays = [x.detach().double().numpy() for x in (q, k, v)]
-    if isinstance(kw.get("mask"), torch.Tensor):
-        kw["mask"] = kw["mask"].numpy()
-    return qkv.numpy.attention(*arrays, **kw)
 
 
 def test_small_scores_boundary_is_512_squared():
@@ -294,3 +287,49 @@ def test_every_rule_is_named_once_and_has_a_known_mode():
     assert len(set(names)) == len(names)
     assert {r.when for r in RULES} <= {"always", "eager", "tracing"}
     assert RULES[-1].when == "always"  # the last rule always matches, in either mode
+
+
+def test_dispatch_sends_long_dense_ish_masks_to_tiled(tune):
+
+    tune(**small_tiles(), long_scores=64 * 64)
+    q, k, v = make_qkv(1, 1, 1, 64, 64, 4, 4)
+    mask = masks.padding([60])  # computes 15/16 of the scores: not sparse
+    choice = qkv.dispatch(q, k, v, mask=mask)
+    assert choice.backend == "tiled" and "T_q × T_k = 64 × 64" in choice.reason
+    short = make_qkv(1, 1, 1, 63, 64, 4, 4)[0]
+    assert qkv.dispatch(short, k, v, mask=mask).backend == "sdpa"
+    np.testing.assert_allclose(
+        qkv.attention(q, k, v, mask=mask).numpy(), oracle(q, k, v, mask=mask), atol=FLOAT64
+    )
+
+
+def test_dispatch_reasons():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 4, 4)
+    assert qkv.dispatch(q, k, v).backend == "sdpa"
+    assert "is_causal" in qkv.dispatch(q, k, v, mask=masks.causal()).reason
+    assert "dense bool mask" in qkv.dispatch(q, k, v, mask=masks.padding([5])).reason
+
+
+def test_dispatch_drops_a_mask_that_allows_everything():
+    q, k, v = make_qkv(1, 2, 2, 1, 9, 4, 4)  # one query at the end of the keys: a decode step
+    d = qkv.dispatch(q, k, v, mask=masks.causal())
+    assert d.backend == "sdpa" and "allows every position" in d.reason
+    q2 = make_qkv(1, 2, 2, 2, 9, 4, 4)[0]
+    assert "allows every position" not in qkv.dispatch(q2, k, v, mask=masks.causal()).reason
+
+
+def test_dispatch_small_inputs_skip_planning(tune):
+
+    tune(small_scores=512 * 512)
+    q, k, v = make_qkv(1, 1, 1, 256, 256, 4, 4)
+    d_ = qkv.dispatch(q, k, v, mask=masks.sliding_window(8))
+    assert d_.backend == "sdpa" and "is small" in d_.reason
+    d = qkv.dispatch(q, k, v, return_lse=True)
+    assert d.backend == "tiled" and "log-sum-exp" in d.reason
+    d = qkv.dispatch(q, k, v, return_weights=True, return_lse=True)
+    assert d.backend == "reference" and "weights" in d.reason
+    d = qkv.dispatch(q, k, v, dropout_p=0.1, generator=torch.Generator())
+    assert d.backend == "reference" and "Generator" in d.reason
+    assert qkv.dispatch(q, k, v, dropout_p=0.1).backend == "sdpa"
+    assert qkv.dispatch(q, k, v, backend="reference").reason == "requested with backend='reference'"
+    assert str(qkv.dispatch(q, k, v)).startswith("sdpa: ")

@@ -106,7 +106,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=[pytest.mark.slow, pytest.mark.distributed])]
+)
 def test_context_parallel_equals_one_process(world):
     run_ranks(worker, world, timeout=240)
 
@@ -194,6 +196,7 @@ def check_gpt(rank, world, positions, schedule):
         torch.testing.assert_close(p.grad, grads[name], atol=1e-10, rtol=0, msg=name)
 
 
+@pytest.mark.distributed
 def test_the_torchrun_example_runs_on_two_processes():
     import pathlib
     import subprocess
@@ -358,11 +361,13 @@ def run_ranks(fn, world, *args, timeout=300):
                 p.kill()
 
 
+@pytest.mark.distributed
 def test_four_ranks_float32_and_the_bytes_they_send():
     run_ranks(worker_float32, 4, 512, ["composition"])
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("T", [1000, 4096])
 def test_float32_every_mask(T, world):
@@ -415,5 +420,6 @@ def worker_bfloat16(rank, world, port, T):
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_bfloat16_through_the_ring():
     run_ranks(worker_bfloat16, 2, 512)

@@ -5,14 +5,12 @@ tests run on CUDA when one is present). On CPU torch's FlexAttention runs infere
 import numpy as np
 import pytest
 import torch
-from helpers import mask_zoo
-from test_scores import zoo
 
 import qkv
 from qkv import masks
-from qkv import numpy as qnp
 from qkv.core import lowering as L
 from qkv.kernels import flex as F
+from tests.helpers import SCORE_SHAPE, mask_zoo, oracle, score_zoo
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 # A fall back to flex's unfused eager path (past the recompile limit) is a failure here.
@@ -31,10 +29,6 @@ def inputs(device, dtype=torch.float32):
     k = torch.randn(B, H_KV, T_K, D, generator=g, dtype=dtype)
     v = torch.randn(B, H_KV, T_K, D_V, generator=g, dtype=dtype)
     return q.to(device), k.to(device), v.to(device)
-
-
-def oracle(q, k, v, **kw):
-    return qnp.attention(*(x.detach().cpu().double().numpy() for x in (q, k, v)), **kw)
 
 
 def check_mask(device, name):
@@ -61,11 +55,10 @@ def test_flex_equals_the_oracle_for_every_other_mask(device, name):
 
 
 def check_mod(device, mod_name, mask_name):
-    # test_scores' modifications are built for (T_q, T_k) = (37, 53): run at that size.
-    from test_scores import T_K as t_k
-    from test_scores import T_Q as t_q
+    # score_zoo's modifications are built for its (T_q, T_k): run at that size.
+    _, _, t_q, t_k = SCORE_SHAPE
 
-    mod = zoo(torch.float32)[mod_name]
+    mod = score_zoo(torch.float32)[mod_name]
     mask = mask_zoo(B, t_k, t_q)[mask_name]
     g = torch.Generator().manual_seed(0)
     q, k, v = (
@@ -87,7 +80,7 @@ def test_flex_applies_score_modifications(device, mod_name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mod_name", list(zoo()))
+@pytest.mark.parametrize("mod_name", list(score_zoo()))
 @pytest.mark.parametrize(
     "mask_name", ["none", "sliding_window", "padding", "document&causal", "prefix_lm", "predicate"]
 )

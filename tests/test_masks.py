@@ -184,7 +184,7 @@ def test_bad_mask_arguments(make, exc, words):
 
 
 def zoo_for(B, T_k):
-    from helpers import mask_zoo
+    from tests.helpers import mask_zoo
 
     return {k: m for k, m in mask_zoo(B, T_k).items() if isinstance(m, masks.Mask)}
 

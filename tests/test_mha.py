@@ -2,22 +2,14 @@
 
 import pytest
 import torch
-from tolerances import FLOAT64
 from torch import nn
 
 import qkv
 from qkv import masks
+from tests.helpers import mha, x_
+from tests.tolerances import FLOAT64
 
 torch.manual_seed(0)
-
-
-def mha(**kw):
-    kw = {"num_heads": 4, **kw}
-    return qkv.MultiHeadAttention(kw.pop("d_in", 16), kw.pop("d_out", 16), **kw).double()
-
-
-def x_(B=2, T=9, E=16, seed=1):
-    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 # ------------------------------------------------------------------ GQA and RoPE
@@ -37,25 +29,6 @@ def test_gqa_with_repeated_kv_weights_equals_mha():
 def test_mqa_and_shapes():
     m = mha(num_kv_heads=1)
     assert m.W_key.weight.shape == (4, 16) and m(x_()).shape == (2, 9, 16)
-
-
-def test_rope_is_a_rotation_that_sees_relative_positions():
-    rope = qkv.RoPE(8).double()
-    q, k = (
-        torch.randn(2, 3, 5, 8, dtype=torch.float64),
-        torch.randn(2, 3, 5, 8, dtype=torch.float64),
-    )
-    torch.testing.assert_close(rope(q, 7).norm(dim=-1), q.norm(dim=-1))
-    shifted = rope(q, 11) @ rope(k, 11).transpose(-1, -2)
-    torch.testing.assert_close(rope(q, 0) @ rope(k, 0).transpose(-1, -2), shifted)
-    # Against the complex-number definition: x_j + i·x_{j+D/2} times e^{i·p·θ_j}.
-    p = torch.arange(3, 8, dtype=torch.float64)
-    theta = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
-    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(
-        torch.ones(5, 4, dtype=torch.float64), p[:, None] * theta
-    )
-    torch.testing.assert_close(rope(q, 3), torch.cat([z.real, z.imag], -1))
-    torch.testing.assert_close(rope(q, torch.arange(3, 8)), rope(q, 3))
 
 
 @pytest.mark.parametrize(
@@ -84,54 +57,6 @@ def test_mha_errors(make, words):
 
 
 # ------------------------------------------------------------------ KV cache
-
-
-@pytest.mark.parametrize("rope", [False, True])
-@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_cached_decoding_equals_full_forward(rope, num_kv_heads, chunk):
-    m = mha(num_kv_heads=num_kv_heads, causal=True, rope=qkv.RoPE(4) if rope else None)
-    x = x_(T=10)
-    full = m(x)
-    cache = m.new_cache(batch=2, max_len=10)
-    parts = [m(x[:, i : i + chunk], cache=cache) for i in range(0, 10, chunk)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=FLOAT64, rtol=0)
-    assert cache.length == 10
-
-
-def test_cached_decoding_with_a_sliding_window():
-    m = mha(causal=True, rope=qkv.RoPE(4))
-    x = x_(T=12)
-    window = masks.sliding_window(4)
-    full = m(x, mask=window)
-    cache = m.new_cache(2, 12)
-    steps = torch.cat([m(x[:, i : i + 1], mask=window, cache=cache) for i in range(12)], 1)
-    torch.testing.assert_close(steps, full, atol=FLOAT64, rtol=0)
-
-
-def test_cache_errors():
-    cache = qkv.KVCache(2, 2, max_len=4, head_dim=3)
-    with pytest.raises(
-        ValueError,
-        match=r"key must have shape \(B, H_kv, T, D\) with B=2, H_kv=2, D=3; got \(2, 1, 1, 3\)",
-    ):
-        cache.append(torch.zeros(2, 1, 1, 3), torch.zeros(2, 1, 1, 3))
-    with pytest.raises(
-        TypeError, match="key is torch.float64 on cpu but the cache holds torch.float32"
-    ):
-        cache.append(torch.zeros(2, 2, 1, 3, dtype=torch.float64), torch.zeros(2, 2, 1, 3))
-    with pytest.raises(ValueError, match="value must have T=2 tokens like key; got 1"):
-        cache.append(torch.zeros(2, 2, 2, 3), torch.zeros(2, 2, 1, 3))
-    cache.append(torch.zeros(2, 2, 4, 3), torch.zeros(2, 2, 4, 3))
-    with pytest.raises(
-        ValueError,
-        match="KVCache overflow: appending T=1 tokens to 4 cached would exceed max_len=4",
-    ):
-        cache.append(torch.zeros(2, 2, 1, 3), torch.zeros(2, 2, 1, 3))
-    cache.reset()
-    assert cache.length == 0 and "length=0" in repr(cache)
-    with pytest.raises(ValueError, match="max_len must be an int >= 1; got 0"):
-        qkv.KVCache(1, 1, 0, 4)
 
 
 # ------------------------------------------------------------------ cross-attention and masks
@@ -203,10 +128,3 @@ def test_interop_errors():
     with pytest.raises(ValueError, match="needs num_heads dividing 6"):
         masks.from_torch(attn_mask=torch.zeros(6, 3, 3, dtype=torch.bool))
     assert masks.from_torch() is None
-
-
-def test_rope_frequencies_are_not_saved_with_the_weights():
-    # A buffer recomputed from head_dim and base: checkpoints hold weights only.
-    mha = qkv.MultiHeadAttention(16, 16, num_heads=2, rope=qkv.RoPE(8))
-    assert not any("inv_freq" in name for name in mha.state_dict())
-    assert list(qkv.RoPE(8).state_dict()) == []

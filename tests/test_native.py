@@ -10,14 +10,14 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from hypothesis import given
 from hypothesis import strategies as st
-from tolerances import rounding_tolerance
 
 import qkv
 from qkv import numpy as qnp
 from qkv.kernels.tiled import native
+from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
+from tests.tolerances import rounding_tolerance
 
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")

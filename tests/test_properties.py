@@ -11,18 +11,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import small_tiles
 from hypothesis import example, given
 from hypothesis import strategies as st
-from tolerances import (
+
+import qkv
+from qkv import masks
+from tests.helpers import small_tiles
+from tests.tolerances import (
     LOW_PRECISION,
     SDPA_SMALL_ROUNDING_UNITS,
     float64_tolerance,
     rounding_tolerance,
 )
-
-import qkv
-from qkv import masks
 
 SIZES = st.sampled_from([1, 2, 3, 5, 7, 13, 17, 31])
 

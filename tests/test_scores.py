@@ -6,40 +6,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv, mask_zoo
-from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks, scores
-from qkv import numpy as qnp
+from tests.helpers import SCORE_SHAPE, make_qkv, mask_zoo, oracle, score_zoo
+from tests.tolerances import FLOAT64, LOW_PRECISION
 
-B, H, H_KV, T_Q, T_K, D = 2, 4, 2, 37, 53, 8
-
-
-def zoo(dtype=torch.float64):
-    """One of every modification, and compositions; tensors in ``dtype``."""
-    g = torch.Generator().manual_seed(1)
-    table = torch.randn(32, H, generator=g, dtype=dtype)
-    bias = torch.randn(B, 1, T_Q, T_K, generator=g, dtype=dtype)
-    bias[0, 0, 3] = -math.inf  # a row the bias masks entirely
-    bias[1, 0, :, 5] = -math.inf  # a key the bias masks for every query
-    slopes = scores.alibi_slopes(H).to(dtype)
-    return {
-        "alibi": scores.alibi(slopes),
-        "softcap": scores.softcap(2.0),
-        "relative_bias": scores.relative_bias(table, bidirectional=False, max_distance=20),
-        "relative_bias_bidirectional": scores.relative_bias(table, max_distance=16),
-        "bias": scores.bias(bias),
-        "bias_2d": scores.bias(bias[0, 0, 10:11].expand(T_Q, T_K) * 0.5),
-        "function": scores.function(
-            lambda s, b, h, q, kv: s * (1 + h) / 2 - (q - kv) / 8, "by_head"
-        ),
-        "alibi>softcap": scores.alibi(slopes).then(scores.softcap(1.5)),
-        "bias>alibi": scores.chain(scores.bias(bias), scores.alibi(slopes)),
-    }
+B, H, T_Q, T_K = SCORE_SHAPE  # the sizes score_zoo's tensors are made for
+H_KV, D = 2, 8
 
 
-MODS = list(zoo())
+MODS = list(score_zoo())
 MASKS = [
     "none",
     "causal",
@@ -52,17 +29,6 @@ MASKS = [
 ]
 
 
-def oracle(q, k, v, mask, mod, **kw):
-    return qnp.attention(
-        q.double().numpy(),
-        k.double().numpy(),
-        v.double().numpy(),
-        mask=mask if not isinstance(mask, torch.Tensor) else mask.numpy(),
-        score_mod=mod,
-        **kw,
-    )
-
-
 def backends(mod):
     fused = mod.additive and not any(t.requires_grad for t in mod.tensors())
     return ["reference", "tiled", "auto"] + (["sdpa"] if fused else [])
@@ -72,8 +38,8 @@ def backends(mod):
 @pytest.mark.parametrize("mod_name", MODS)
 def test_every_backend_matches_the_oracle(mod_name, mask_name):
     q, k, v = make_qkv(B, H, H_KV, T_Q, T_K, D, 5)
-    mod, mask = zoo()[mod_name], mask_zoo(B, T_K, T_Q)[mask_name]
-    want, want_lse = oracle(q, k, v, mask, mod, return_lse=True)
+    mod, mask = score_zoo()[mod_name], mask_zoo(B, T_K, T_Q)[mask_name]
+    want, want_lse = oracle(q, k, v, mask=mask, score_mod=mod, return_lse=True)
     for backend in backends(mod):
         out = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend=backend)
         np.testing.assert_allclose(out.numpy(), want, atol=FLOAT64, err_msg=backend)
@@ -85,9 +51,9 @@ def test_every_backend_matches_the_oracle(mod_name, mask_name):
 @pytest.mark.parametrize("mod_name", MODS)
 def test_float32_within_1e6_of_the_oracle(mod_name):
     q, k, v = make_qkv(B, H, H_KV, T_Q, T_K, D, 5, dtype=torch.float32)
-    mod = zoo(torch.float32)[mod_name]
+    mod = score_zoo(torch.float32)[mod_name]
     for mask in (None, masks.sliding_window(9) & masks.padding([40, 53])):
-        want = oracle(q, k, v, mask, mod)
+        want = oracle(q, k, v, mask=mask, score_mod=mod)
         for backend in backends(mod):
             out = qkv.attention(q, k, v, mask=mask, score_mod=mod, backend=backend)
             assert np.abs(out.double().numpy() - want).max() < 1e-6, backend
@@ -96,7 +62,7 @@ def test_float32_within_1e6_of_the_oracle(mod_name):
 @pytest.mark.parametrize("mod_name", MODS)
 def test_tiled_gradients_equal_reference(mod_name):
     """Gradients of q, k, v and of the modification's tensors, through out and lse."""
-    mod = zoo()[mod_name]
+    mod = score_zoo()[mod_name]
     for t in mod.tensors():
         t.requires_grad_()
     grads = {}
@@ -303,7 +269,7 @@ def test_a_function_reading_an_undeclared_learnable_tensor_is_refused():
 def test_low_precision_applies_the_modification_in_float32():
     q, k, v = make_qkv(1, 4, 4, 200, 200, 16, 16, dtype=torch.bfloat16)
     mod = scores.alibi(scores.alibi_slopes(4)).then(scores.softcap(3.0))
-    want = oracle(q, k, v, masks.causal(), mod)
+    want = oracle(q, k, v, mask=masks.causal(), score_mod=mod)
     for backend in ("reference", "tiled"):
         out = qkv.attention(q, k, v, mask=masks.causal(), score_mod=mod, backend=backend)
         assert out.dtype == torch.bfloat16

@@ -5,11 +5,11 @@ test says why (and docs/seeds.md says what the notebook got wrong and what qkv d
 import numpy as np
 import pytest
 import torch
-from tolerances import PRINTED_4, PRINTED_5_SIGNIFICANT, PRINTED_8_INPUTS
 from torch import nn
 
 import qkv
 from qkv import masks, tutorial
+from tests.tolerances import PRINTED_4, PRINTED_5_SIGNIFICANT, PRINTED_8_INPUTS
 
 X = tutorial.sentence_embeddings()  # seeds 000 and 004: "Your journey starts with one step"
 

@@ -5,11 +5,18 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import make_qkv
-from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks
+from tests.helpers import LSE_BACKENDS, make_qkv, oracle
+from tests.tolerances import FLOAT64, LOW_PRECISION, rounding_tolerance
+
+DROPOUT_MASKS = {
+    "causal": masks.causal(),
+    "padding": masks.padding([3, 6]),
+    "window": masks.sliding_window(2),
+    "dense": torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) < 0.5,
+}
 
 BACKENDS = ["reference", "sdpa", "tiled"]
 
@@ -161,3 +168,96 @@ def test_numpy_mask_accepted_by_the_torch_core():
     torch.testing.assert_close(
         qkv.attention(q, k, v, mask=tri), qkv.attention(q, k, v, mask=masks.causal())
     )
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_MASKS))
+def test_dropout_keeps_the_mask(name):
+    # With dropout on and no generator (every module in training mode), a key must still
+    # reach only the rows that may see it: perturbing key j (and its value) under the same
+    # dropout pattern changes no row that masks j out.
+    mask = DROPOUT_MASKS[name]
+    q, k, v = make_qkv(2, 2, 2, 6, 6, 4, 3)
+    allowed = (
+        torch.from_numpy(mask.to_numpy(2, 2, 6, 6).copy())
+        if isinstance(mask, masks.Mask)
+        else mask.expand(2, 2, 6, 6)
+    )
+    assert qkv.dispatch(q, k, v, mask=mask, dropout_p=0.5).sdpa_mask != "none"
+    torch.manual_seed(0)
+    base = qkv.attention(q, k, v, mask=mask, dropout_p=0.5)
+    for j in range(6):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, j] += 3.0
+        v2[:, :, j] += 100.0
+        torch.manual_seed(0)
+        out = qkv.attention(q, k2, v2, mask=mask, dropout_p=0.5)
+        blind = ~allowed[..., j]  # (B, H, T_q): rows that mask key j out
+        torch.testing.assert_close(out[blind], base[blind], atol=FLOAT64, rtol=0)
+
+
+def test_dropout_with_the_lse_is_applied():
+    # tiled returns the lse but has no dropout: auto must not send this call there.
+    q, k, v = make_qkv(1, 2, 1, 6, 6, 4, 3)
+    choice = qkv.dispatch(q, k, v, dropout_p=0.5, return_lse=True)
+    assert choice.backend == "reference" and "dropout with the log-sum-exp" in choice.reason
+    torch.manual_seed(0)
+    out, _lse = qkv.attention(q, k, v, dropout_p=0.5, return_lse=True)
+    torch.manual_seed(0)
+    want, _, _lse_want = qkv.attention(
+        q, k, v, dropout_p=0.5, return_weights=True, return_lse=True, backend="reference"
+    )
+    torch.testing.assert_close(out, want, atol=FLOAT64, rtol=0)
+    assert not torch.allclose(out, qkv.attention(q, k, v))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_masked_non_finite_key_with_dropout_reaches_no_other_row(bad):
+    q, k, v = make_qkv(1, 2, 1, 6, 6, 3, 2)
+    k[0, 0, 4, 1] = bad
+    choice = qkv.dispatch(q, k, v, mask=masks.causal(), dropout_p=0.3)
+    assert choice.backend == "reference" and "no dropout" in choice.reason
+    out = qkv.attention(q, k, v, mask=masks.causal(), dropout_p=0.3)
+    assert torch.isfinite(out[..., :4, :]).all()
+
+
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_masked_non_finite_key_reaches_no_other_row_backward(backend, bad):
+    q, k, v = leaves_with_bad_key_4(bad)
+    out = qkv.attention(q, k, v, mask=masks.causal(), backend=backend)
+    out[..., :4, :].sum().backward()  # a loss on the rows that never see key 4
+    # Rows 4 and 5 attend to key 4: they are NaN, and so are their gradients (plain
+    # arithmetic); rows 0-3 mask it out and must not be touched.
+    assert torch.isfinite(q.grad[..., :4, :]).all()
+
+
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_key_no_row_may_see_poisons_no_gradient(backend, bad):
+    q, k, v = leaves_with_bad_key_4(bad)
+    out = qkv.attention(q, k, v, mask=masks.padding([4]), backend=backend)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert torch.isfinite(v.grad).all() and torch.isfinite(k.grad[0, 0, :4]).all()
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.sliding_window(64)], ids=str)
+def test_low_precision_within_its_own_rounding_at_long_length(backend, dtype, mask):
+    # T = 1024: long enough that accumulating the 1024-term sums in low precision costs
+    # several units in the last place, far beyond 1.5× the output's own rounding.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 32, generator=g).to(dtype) for _ in range(3))
+    exact = oracle(q, k, v, mask=mask)
+    got = qkv.attention(q, k, v, mask=mask, backend=backend)
+    assert got.dtype == dtype
+    err = np.abs(got.double().numpy() - exact).max()
+    assert err <= rounding_tolerance(exact, dtype), (err, rounding_tolerance(exact, dtype))
+
+
+def leaves_with_bad_key_4(bad):
+    q, k, v = (x.requires_grad_() for x in make_qkv(1, 2, 1, 6, 6, 3, 2))
+    with torch.no_grad():
+        k[0, 0, 4, 1] = bad
+    return q, k, v

@@ -10,13 +10,13 @@ import re
 import numpy as np
 import pytest
 import torch
-from browser import Browser, find_chromium
 
 from qkv import heads
 from qkv.cli import main
 from qkv.models import GPT, GPTConfig
 from qkv.training import PRESETS, TrainConfig, load_checkpoint, snapshots, train
 from qkv.view import byte_labels, view
+from tests.browser import Browser, find_chromium
 
 PROMPT = b"def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 

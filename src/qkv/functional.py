@@ -28,7 +28,18 @@ from .tuning import tuning
 
 Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
-__all__ = ["Dispatch", "MaskLike", "attention", "attention_weights", "dispatch", "merge_attention"]
+__all__ = [
+    "Dispatch",
+    "MaskLike",
+    "Problem",
+    "attention",
+    "attention_weights",
+    "dispatch",
+    "merge_attention",
+    "problem",
+    "row_scores",
+    "torch_inputs",
+]
 
 
 def dispatch(
@@ -296,6 +307,22 @@ def _plain_applies(
     ):
         return None
     return plain(query, key, value, mask, scale, tuning())
+
+
+def problem(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: MaskLike = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
+) -> Problem:
+    """The sizes of a call as :func:`attention` sees them, validated the same way: the
+    layout the caller used (``rank``), B, H, H_kv, T_q, T_k, D, D_v, ``q_offset`` and
+    ``scale``, with ``to4d``/``restore`` between the caller's layout and (B, H, T, ·)."""
+    mask = torch_inputs(mask, query=query, key=key, value=value)
+    return check_attention(query, key, value, mask=mask, scale=scale, q_offset=q_offset)
 
 
 def attention_weights(

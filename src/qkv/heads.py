@@ -30,10 +30,8 @@ from typing import Any
 
 import torch
 
-from ._checks import check_attention
-from .core.call import torch_inputs
 from .core.record import listening
-from .functional import attention_weights, row_scores
+from .functional import attention_weights, problem, row_scores, torch_inputs
 
 SCORES = ("previous_token", "duplicate_token", "induction", "first_token")
 
@@ -86,7 +84,7 @@ class Call:
         (after the score modification; = scaled without one), ``allowed`` (the mask,
         bool), ``weights`` (the softmax) and ``out`` = weights · V (D_v,)."""
         mask = torch_inputs(self.mask, query=self.query, key=self.key)
-        p = check_attention(
+        p = problem(
             self.query, self.key, self.value, mask=mask, scale=self.scale, q_offset=self.q_offset
         )
         if not (0 <= row < p.T_q and 0 <= head < p.H and 0 <= batch < p.B):

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import qkv
-from qkv import masks
-
+from .. import masks
+from ..functional import attention
+from ..nn import MultiHeadAttention
 from .args import Parser, positive
 
 
@@ -108,10 +108,10 @@ def candidates(
     """What to time for one mask: qkv (auto and tiled) and the baselines that apply."""
     mask = make_mask(name, T)
     out: dict[str, Callable[[], torch.Tensor]] = {
-        "qkv auto": lambda: qkv.attention(q, k, v, mask=mask),
+        "qkv auto": lambda: attention(q, k, v, mask=mask),
     }
     if mask is not None:
-        out["qkv tiled"] = lambda: qkv.attention(q, k, v, mask=mask, backend="tiled")
+        out["qkv tiled"] = lambda: attention(q, k, v, mask=mask, backend="tiled")
     if mask is None:
         out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
     if name == "causal":
@@ -132,7 +132,7 @@ def candidates(
         out["naive torch"] = naive
     cpu = q.device.type == "cpu"
     if flex and mask is not None and not (cpu and q.requires_grad):  # no backward on CPU
-        out["qkv flex"] = lambda: qkv.attention(q, k, v, mask=mask, backend="flex")
+        out["qkv flex"] = lambda: attention(q, k, v, mask=mask, backend="flex")
         out["flex (compiled)"] = flex_candidate(mask, T, q, k, v)
     return out
 
@@ -280,9 +280,9 @@ def decode(lengths: list[int], repeats: int) -> str:
             q = torch.randn(1, H, 1, D, generator=g)
             k, v = (torch.randn(1, H_kv, L, D, generator=g) for _ in range(2))
             mask = masks.causal()
-            ours = lambda: qkv.attention(q, k, v, mask=mask)  # noqa: E731
+            ours = lambda: attention(q, k, v, mask=mask)  # noqa: E731
             bare = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=H_kv != H)  # noqa: E731
-            mha = qkv.MultiHeadAttention(H * D, H * D, H, num_kv_heads=H_kv, causal=True)
+            mha = MultiHeadAttention(H * D, H * D, H, num_kv_heads=H_kv, causal=True)
             cache = mha.new_cache(1, L + 1)
             cache.keys[:, :, :L], cache.values[:, :, :L] = k, v
             x = torch.randn(1, 1, H * D, generator=g)

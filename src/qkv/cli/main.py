@@ -22,6 +22,7 @@ from ..learn.explain import explain
 from ..nn.mha import MultiHeadAttention
 from ..nn.modules import SelfAttention
 from .args import Parser, positive
+from .runs import run_generate, run_heads, run_train, run_view
 
 
 def _embeddings(text: str) -> list[list[float]]:
@@ -212,83 +213,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _heads(args: argparse.Namespace) -> None:
-    from ..heads import head_scores
-    from ..training import load_checkpoint
-
-    model = load_checkpoint(args.checkpoint)
-    if args.length is not None and 2 * args.length > model.config.block_size:
-        raise ValueError(
-            f"--length {args.length}: twice it must fit the context "
-            f"(block_size={model.config.block_size})"
-        )
-    scores = head_scores(model, length=args.length, batch=args.batch, seed=args.seed)
-    if args.json:
-        print(json.dumps({name: s.tolist() for name, s in scores.items()}))
-    else:
-        for name, s in scores.items():
-            layer, head = divmod(int(s.argmax()), s.shape[1])
-            print(f"{name:>16}: best layer {layer} head {head}: {s.max():.3f}")
-    if not args.no_png:
-        from ..learn.viz import head_scores_heatmap
-
-        try:
-            head_scores_heatmap(scores, title=f"head scores: {args.checkpoint}", path=args.png)
-            print(f"heatmap written to {args.png}", file=sys.stderr)
-        except ImportError as err:
-            print(f"no heatmap: {err}", file=sys.stderr)
-
-
-def _view(args: argparse.Namespace) -> None:
-    from ..heads import repeated_tokens
-    from ..training import load_checkpoint, snapshots
-    from ..view import byte_labels, view
-
-    model = load_checkpoint(args.checkpoint)
-    on_bytes = (
-        json.loads((args.checkpoint / "config.json").read_text())["train"].get("data", "text")
-        == "text"
-    )
-    if args.prompt is not None and args.tokens is not None:
-        raise ValueError("give --prompt or --tokens, not both")
-    labels = None
-    if args.prompt is not None:
-        if not on_bytes:
-            raise ValueError(
-                f"this checkpoint was not trained on bytes (its vocabulary is "
-                f"{model.config.vocab_size} tokens): give --tokens instead"
-            )
-        data = args.prompt.encode("utf-8")
-        tokens, labels = list(data), byte_labels(data)
-    elif args.tokens is not None:
-        tokens = args.tokens
-        if max(tokens) >= model.config.vocab_size or min(tokens) < 0:
-            raise ValueError(
-                f"--tokens: ids must be in 0 … {model.config.vocab_size - 1}; got {tokens}"
-            )
-    elif on_bytes:
-        raise ValueError("give --prompt TEXT: the text to show")
-    else:
-        tokens = repeated_tokens(
-            model.config.vocab_size, model.config.block_size // 2, batch=1, seed=1
-        )[0].tolist()
-    kept = [] if args.no_snapshots else snapshots(args.checkpoint)
-    if kept:  # the snapshot of the last step is the final model itself: not loaded twice
-        final = json.loads((args.checkpoint / "state.json").read_text())["step"]
-        kept = [(step, path) for step, path in kept if step != final]
-    frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
-    page = view(
-        model,
-        tokens,
-        labels=labels,
-        snapshots=frames,
-        query=args.query,
-        title=f"qkv: {args.checkpoint}",
-    )
-    page.save(args.out)
-    print(f"view written to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
-
-
 def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
     tokens: list[str] | None = args.tokens.split() if args.tokens else None
     rows = args.embeddings
@@ -380,61 +304,6 @@ def _mask(args: argparse.Namespace) -> None:
     print(mask.picture(T_q, T_k))
 
 
-def _train(args: argparse.Namespace) -> int:
-    from ..training import DEFAULT_PRESET, train
-
-    preset = args.preset
-    if preset is None:
-        preset = _saved_preset(args.out) if args.resume else DEFAULT_PRESET
-    result = train(
-        args.out,
-        preset=preset,
-        text=args.text,
-        steps=args.steps,
-        seed=args.seed,
-        resume=args.resume,
-        compile=args.compile,
-        progress=not args.quiet,
-    )
-    if result.interrupted:
-        return 130  # the shell's code for a run stopped by Ctrl-C
-    val = result.val_loss
-    print(
-        f"trained to step {result.step}: validation loss "
-        f"{'n/a' if val is None else f'{val:.4f} nats/{result.unit}'}; checkpoint in "
-        f"{result.out}"
-    )
-    return 0
-
-
-def _saved_preset(out: Path) -> str:
-    try:
-        return json.loads((out / "config.json").read_text())["preset"]
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"--out {str(out)!r} holds no checkpoint to resume (config.json is missing)"
-        ) from None
-
-
-def _generate(args: argparse.Namespace) -> None:
-    from ..training import load_checkpoint
-
-    if not args.prompt:
-        raise ValueError("--prompt must not be empty: the model continues a text")
-    model = load_checkpoint(args.checkpoint)
-    idx = torch.tensor([list(args.prompt.encode("utf-8"))])  # (1, T) bytes
-    out = model.generate(
-        idx,
-        args.tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        generator=torch.Generator().manual_seed(args.seed),
-        use_cache=not args.no_cache,
-    )
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -451,10 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {
         "explain": _explain,
         "mask": _mask,
-        "train": _train,
-        "generate": _generate,
-        "heads": _heads,
-        "view": _view,
+        "train": run_train,
+        "generate": run_generate,
+        "heads": run_heads,
+        "view": run_view,
     }
     try:
         return commands[args.command](args) or 0

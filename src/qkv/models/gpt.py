@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields
 from typing import Any, cast
 
 import torch
@@ -26,98 +25,8 @@ from ..distributed import Layout
 from ..nn.cache import KVCache
 from ..nn.mha import MultiHeadAttention
 from ..nn.rope import RoPE
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """The shape of a :class:`GPT`.
-
-    Args:
-        vocab_size: V (256 for bytes).
-        block_size: the context window: the most tokens the model attends over.
-        n_layer, n_head, n_embd: depth, H and E (E divisible by H).
-        n_kv_head: H_kv for grouped-query attention; None means n_head.
-        mlp_width: hidden width of the MLP; None means 4 · n_embd.
-        dropout: on the embeddings, the attention weights and both residual branches.
-        positions: "learned" (GPT-2: a table of block_size positions) or "rope".
-        attention_only: no MLPs (the models interpretability studies train).
-        attention: "softmax", or "uniform": every position averages its past equally
-            (seed 001's ``xbow``), the baseline that shows what attention adds.
-        gelu: "tanh" (GPT-2's approximation) or "erf" (exact).
-        layer_norm: LayerNorm before each branch and at the end; False for none (the
-            attention-only models of interpretability studies have none).
-        tie_embeddings: the LM head reads the token embedding's table; False gives it its own.
-        init: "gpt2" (N(0, 0.02) weights, residual projections scaled by 1/sqrt(their
-            number)) or "fan_in" (embeddings N(0, 1), each Linear N(0, 1/fan_in), a tied table
-            the LM head's: activations of unit scale from the start; a small model on a
-            synthetic task leaves its loss
-            plateau far sooner — the induction preset's head forms at ~700 steps with it and
-            not within 8,000 with "gpt2", docs/induction.md).
-        layer_norm_eps: epsilon of every LayerNorm.
-        rope_base: RoPE's wavelength base, when positions = "rope".
-    """
-
-    vocab_size: int = 256
-    block_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    n_kv_head: int | None = None
-    mlp_width: int | None = None
-    dropout: float = 0.0
-    positions: str = "learned"
-    attention_only: bool = False
-    attention: str = "softmax"
-    gelu: str = "tanh"
-    layer_norm: bool = True
-    tie_embeddings: bool = True
-    init: str = "gpt2"
-    layer_norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be an int >= 1; got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_embd must be a multiple of n_head; got "
-                f"n_embd={self.n_embd}, n_head={self.n_head}"
-            )
-        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
-            raise ValueError(
-                f"GPTConfig.n_head must be a multiple of n_kv_head; got "
-                f"n_head={self.n_head}, n_kv_head={self.n_kv_head}"
-            )
-        choices = {
-            "positions": ("learned", "rope"),
-            "attention": ("softmax", "uniform"),
-            "gelu": ("tanh", "erf"),
-            "init": ("gpt2", "fan_in"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"GPTConfig.{name} must be one of {allowed}; got {getattr(self, name)!r}"
-                )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1); got {self.dropout}")
-        if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                f"rope needs an even head width n_embd / n_head; got {self.n_embd // self.n_head}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
-        """The inverse of :meth:`to_dict`; unknown keys are an error, not ignored."""
-        unknown = set(data) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields: {', '.join(sorted(unknown))}")
-        return cls(**data)
+from .config import GPTConfig
+from .gpt2 import config_from_gpt2, copy_gpt2_weights
 
 
 class UniformAttention(MultiHeadAttention):
@@ -399,9 +308,9 @@ class GPT(nn.Module):
             raise TypeError(
                 f"model_or_path must be a GPT2LMHeadModel or a directory; got {type(hf).__name__}"
             )
-        config = _config_from_gpt2(hf.config)
+        config = config_from_gpt2(hf.config)
         model = cls(config).to(hf.lm_head.weight.dtype)
-        _copy_gpt2_weights(hf, model)
+        copy_gpt2_weights(hf, model)
         return model.train(hf.training)
 
 
@@ -427,63 +336,3 @@ def _sample(
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)  # (B, V)
     return torch.multinomial(probs, 1, generator=generator)
-
-
-_GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "erf"}
-
-
-def _config_from_gpt2(c: Any) -> GPTConfig:
-    refuse = []
-    if c.activation_function not in _GPT2_GELU:
-        refuse.append(f"activation_function={c.activation_function!r}")
-    if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx:
-        refuse.append("attention scaled other than by 1/sqrt(d_head)")
-    if getattr(c, "add_cross_attention", False):
-        refuse.append("add_cross_attention=True")
-    if not getattr(c, "tie_word_embeddings", True):
-        refuse.append("tie_word_embeddings=False")
-    dropouts = {c.resid_pdrop, c.embd_pdrop, c.attn_pdrop}
-    if len(dropouts) != 1:
-        refuse.append(
-            f"unequal dropouts (resid {c.resid_pdrop}, embd {c.embd_pdrop}, attn {c.attn_pdrop})"
-        )
-    if refuse:
-        raise ValueError(f"this GPT-2 cannot be reproduced by qkv's GPT: {'; '.join(refuse)}")
-    return GPTConfig(
-        vocab_size=c.vocab_size,
-        block_size=c.n_positions,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        n_embd=c.n_embd,
-        mlp_width=c.n_inner,
-        dropout=dropouts.pop(),
-        positions="learned",
-        gelu=_GPT2_GELU[c.activation_function],
-        layer_norm_eps=c.layer_norm_epsilon,
-    )
-
-
-@torch.no_grad()
-def _copy_gpt2_weights(hf: Any, model: GPT) -> None:
-    """GPT-2 stores its linear maps as Conv1D, weight (in, out): ours is the transpose."""
-
-    def linear(ours: nn.Linear, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        ours.weight.copy_(weight.T)
-        ours.bias.copy_(bias)
-
-    t = hf.transformer
-    model.wte.weight.copy_(t.wte.weight)
-    assert model.wpe is not None  # GPT-2's positions are learned
-    model.wpe.weight.copy_(t.wpe.weight)
-    for ours, theirs in zip(model.layers, t.h):
-        assert ours.mlp is not None and ours.ln_2 is not None  # GPT-2 has MLPs
-        E = model.config.n_embd
-        w, b = theirs.attn.c_attn.weight, theirs.attn.c_attn.bias  # (E, 3E), (3E,)
-        for i, lin in enumerate((ours.attn.W_query, ours.attn.W_key, ours.attn.W_value)):
-            linear(lin, w[:, i * E : (i + 1) * E], b[i * E : (i + 1) * E])
-        linear(ours.attn.out_proj, theirs.attn.c_proj.weight, theirs.attn.c_proj.bias)
-        linear(ours.mlp.fc, theirs.mlp.c_fc.weight, theirs.mlp.c_fc.bias)
-        linear(ours.mlp.proj, theirs.mlp.c_proj.weight, theirs.mlp.c_proj.bias)
-        for ln_ours, ln_theirs in ((ours.ln_1, theirs.ln_1), (ours.ln_2, theirs.ln_2)):
-            ln_ours.load_state_dict(ln_theirs.state_dict())
-    model.ln_f.load_state_dict(t.ln_f.state_dict())

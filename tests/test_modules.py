@@ -3,47 +3,12 @@
 import numpy as np
 import pytest
 import torch
-from tolerances import FLOAT64
 from torch import nn
 
 import qkv
-from qkv import masks, tutorial
-
-
-def test_naive_softmax_overflows_where_the_stable_one_does_not():
-    x = torch.tensor([10.0, 100.0, 1000.0])
-    assert tutorial.naive_softmax(x).isnan().any()  # exp(1000) = inf in float32; inf/inf
-    torch.testing.assert_close(tutorial.stable_softmax(x), torch.softmax(x, -1))
-    small = torch.randn(4, 7)
-    torch.testing.assert_close(tutorial.naive_softmax(small), tutorial.stable_softmax(small))
-
-
-@pytest.mark.parametrize("dim", [4, 64, 512])
-def test_dot_product_variance_grows_with_dim_and_scaling_flattens_it(dim):
-    # 20,000 trials: the relative standard error of a variance estimate is ~sqrt(2/n) = 1%
-    # for normal dot products (heavier tails at small dim); 10% is a wide, safe bound.
-    v = tutorial.dot_product_variance(dim, 20_000, np.random.default_rng(0))
-    assert v.unscaled == pytest.approx(dim, rel=0.1)
-    assert v.scaled == pytest.approx(1.0, rel=0.1)
-    u = tutorial.dot_product_variance(dim, 20_000, np.random.default_rng(1), distribution="uniform")
-    assert u.unscaled == pytest.approx(dim * 7 / 144, rel=0.1)  # seed 000's draw
-    assert u.scaled == pytest.approx(7 / 144, rel=0.1)  # flat, but not 1
-    with pytest.raises(ValueError, match="distribution must be 'normal' or 'uniform'"):
-        tutorial.dot_product_variance(dim, distribution="gamma")
-
-
-def test_three_ways_to_average_the_past_are_equal():
-    x = torch.randn(3, 11, 5, dtype=torch.float64)
-    a = tutorial.average_past_loops(x)
-    torch.testing.assert_close(tutorial.average_past_matmul(x), a, atol=FLOAT64, rtol=0)
-    torch.testing.assert_close(tutorial.average_past_softmax(x), a, atol=FLOAT64, rtol=0)
-
-
-def test_simplified_attention_is_unscaled_self_attention():
-    x = torch.randn(2, 5, 3, dtype=torch.float64)
-    r = tutorial.simplified_attention(x)
-    torch.testing.assert_close(r.weights, torch.softmax(x @ x.transpose(-1, -2), -1))
-    torch.testing.assert_close(r.context, r.weights @ x)
+from qkv import masks
+from tests.helpers import oracle
+from tests.tolerances import FLOAT64
 
 
 def functional_with_same_weights(module, x, mask=None):
@@ -176,3 +141,63 @@ def test_module_errors(make, x, exc, words):
         module = make()
         module(*x) if isinstance(x, tuple) else module(x)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qkv.CausalAttention(4, 3, dropout=0.5),
+        lambda: qkv.SelfAttention(4, 3, causal=True, dropout=0.5),
+        lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, dropout=0.5),
+        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True, dropout=0.5),
+    ],
+)
+def test_causal_modules_in_training_do_not_see_the_future(make):
+    torch.manual_seed(0)
+    module = make().double().train()
+    x = torch.randn(2, 7, 4, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, -1] += 10.0  # change only the last token
+    torch.manual_seed(1)
+    a = module(x)
+    torch.manual_seed(1)
+    b = module(x2)
+    torch.testing.assert_close(a[:, :-1], b[:, :-1], atol=FLOAT64, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "user_mask",
+    [
+        masks.padding([5, 7]),
+        torch.tensor([[True] * 5 + [False] * 2, [True] * 7])[:, None, :].expand(2, 7, 7),  # (B,T,T)
+        torch.ones(7, 7, dtype=torch.bool),
+    ],
+)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: qkv.SelfAttention(4, 3, causal=True),
+        lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, num_kv_heads=1),
+        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True),
+    ],
+)
+def test_causal_module_with_a_user_mask_stays_causal(make, user_mask):
+    torch.manual_seed(0)
+    module = make().double().eval()
+    x = torch.randn(2, 7, 4, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, -1] += 10.0
+    a, b = module(x, mask=user_mask), module(x2, mask=user_mask)
+    # Row t may see tokens 0..t only: changing the last token changes only the last row.
+    torch.testing.assert_close(a[:, :-1], b[:, :-1], atol=FLOAT64, rtol=0)
+    assert not torch.allclose(a[1, -1], b[1, -1])
+
+
+def test_causal_module_with_a_user_mask_equals_the_oracle():
+    torch.manual_seed(0)
+    module = qkv.SelfAttention(4, 3, causal=True).double()
+    x = torch.randn(2, 7, 4, dtype=torch.float64)
+    q, k, v = module.project(x)  # (B, 1, T, 3)
+    want = np.tril(np.ones((7, 7), bool)) & (np.arange(7) < np.array([[5], [7]]))[:, None, None]
+    out = module(x, mask=masks.padding([5, 7]))
+    np.testing.assert_allclose(out.detach().numpy(), oracle(q, k, v, mask=want)[:, 0], atol=FLOAT64)

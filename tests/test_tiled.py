@@ -1,18 +1,36 @@
-"""The tiled kernel's fused step (torch's CPU flash kernel per call over query blocks and
-their keys) against the NumPy float64 oracle and against the loop it replaces: every mask kind,
-odd sizes, T_q != T_k, GQA, fully masked rows, gaps inside a span; float64, float32 and half
-precision (which the fused step runs in float32)."""
+"""The tiled kernel: its flash calls (torch's CPU flash kernel per call over query blocks and
+their keys) against the NumPy float64 oracle and against the PyTorch loop they replace —
+every mask kind, odd sizes, T_q != T_k, GQA, fully masked rows, gaps inside a span; float64,
+float32 and half precision (which the flash calls run in float32) — and uneven tiles, dense
+masks with rows, at default and tiny tile sizes. The native bfloat16 kernel has
+test_native.py."""
 
 import numpy as np
 import pytest
 import torch
-from helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
-from tolerances import FLOAT64, LOW_PRECISION
 
 import qkv
 from qkv import masks
 from qkv import numpy as qnp
 from qkv.kernels.tiled import flash as K
+from tests.helpers import (
+    LSE_BACKENDS,
+    grads,
+    make_qkv,
+    mask_zoo,
+    oracle,
+    oracle_with_lse,
+    small_tiles,
+)
+from tests.tolerances import FLOAT64, LOW_PRECISION
+
+SHIFT_INVARIANT = {
+    "causal": masks.causal(),
+    "window": masks.sliding_window(3),
+    "causal&window": masks.causal() & masks.sliding_window(5),
+    "~causal": ~masks.causal(),
+    "window|causal": masks.sliding_window(2) | ~masks.causal(),
+}
 
 pytestmark = pytest.mark.skipif(K.FLASH is None, reason="this torch has no fused CPU kernel")
 
@@ -152,3 +170,34 @@ def test_a_loss_on_the_log_sum_exp_takes_the_loop_backward(monkeypatch):
         )[1],
         (q, k, v),
     )
+
+
+@pytest.mark.parametrize(
+    "tiles", [(8, 5, 10), (6, 4, 8), (5, 8, 16), (7, 3, 9), (1, 2, 2)], ids=str
+)
+@pytest.mark.parametrize("name", list(SHIFT_INVARIANT))
+@pytest.mark.parametrize("T_q, T_k", [(37, 37), (23, 41)])
+def test_tiled_with_uneven_tiles_matches_the_oracle(tune, tiles, name, T_q, T_k):
+    tune(**small_tiles(*tiles))
+    q, k, v = make_qkv(2, 2, 1, T_q, T_k, 4, 3)
+    mask = SHIFT_INVARIANT[name]
+    out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    want, _, lse_want = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
+    np.testing.assert_allclose(out.numpy(), want, atol=FLOAT64, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), lse_want, atol=FLOAT64, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(300, 300), (2, 1, 300, 300), (2, 3, 300, 300), (1, 3, 300, 1), (2, 1, 300, 1)],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", LSE_BACKENDS)
+def test_dense_masks_with_rows_at_default_tiles(shape, backend):
+    q, k, v = make_qkv(2, 3, 1, 300, 300, 8, 4)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(shape, generator=g) < 0.5
+    out, lse = qkv.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+    want, _, lse_want = oracle(q, k, v, mask=mask, return_weights=True, return_lse=True)
+    np.testing.assert_allclose(out.numpy(), want, atol=FLOAT64, rtol=0)
+    np.testing.assert_allclose(lse.numpy(), lse_want, atol=FLOAT64, rtol=0)

@@ -1,7 +1,10 @@
-"""Every bad input to the command line ends in one line that names the argument: no
-traceback, no usage block (qkv train / generate have their own in test_train.py)."""
+"""The qkv command: explain, mask, python -m qkv, --version; every bad input ends in one line
+that names the argument: no traceback, no usage block (qkv train / generate have their own
+in test_train.py, qkv bench in test_bench.py, qkv view in test_view.py)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -84,3 +87,81 @@ def test_every_bench_flag_has_help(capsys):
     ):
         block = text.split(flag, 1)[1].split("\n  -", 1)[0]
         assert len(block.split()) > 2, flag  # the flag's metavar and some words of help
+
+
+def test_cli_explain_default(tmp_path, capsys):
+    png = tmp_path / "a.png"
+    assert main(["explain", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "SelfAttention(d_in=3, d_out=2), seed 789" in out
+    assert "-0.0739" in out  # seed 004's SelfAttention_v2 output, first token
+    assert png.exists()  # matplotlib is in the dev extra
+
+
+def test_cli_explain_options(tmp_path, capsys):
+    data = tmp_path / "in.json"
+    data.write_text(json.dumps({"tokens": ["a", "b", "c"], "embeddings": [[1, 0], [0, 1], [1, 1]]}))
+    assert (
+        main(
+            [
+                "explain",
+                "--input",
+                str(data),
+                "--heads",
+                "2",
+                "--d-out",
+                "4",
+                "--causal",
+                "--json",
+                "--no-png",
+            ]
+        )
+        == 0
+    )
+    trace = json.loads(capsys.readouterr().out)
+    assert trace["tokens"] == ["a", "b", "c"] and len(trace["steps"]["weights"]) == 2
+    assert (
+        main(["explain", "--tokens", "x y", "--embeddings", "1,2;3,4", "--simplified", "--no-png"])
+        == 0
+    )
+    assert "simplified attention" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["explain", "--heads", "3", "--no-png"], "d_out must be a multiple of num_heads"),
+        (["explain", "--tokens", "a b", "--no-png"], "2 tokens but 6 embedding rows"),
+        (["explain", "--embeddings", "1,x"], "embeddings must be rows of comma-separated numbers"),
+        (["explain", "--heads", "0"], "must be a whole number >= 1"),
+        (
+            ["explain", "--input", "/nonexistent.json", "--no-png"],
+            "cannot read tokens and embeddings",
+        ),
+        (["mask", "sliding_window", "--window", "-2"], "must be a whole number >= 1"),
+        (["mask", "nope"], "invalid choice"),
+    ],
+)
+def test_cli_bad_options_get_a_message_not_a_traceback(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_cli_mask_picture(capsys):
+    assert main(["mask", "causal", "--size", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["█ · ·", "█ █ ·", "█ █ █"]
+    assert main(["mask", "document", "--size", "4", "--ids", "0,0,1,1"]) == 0
+    assert "document([0, 0, 1, 1])" in capsys.readouterr().out
+
+
+def test_python_dash_m(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "qkv", "mask", "sliding_window", "--size", "4", "--window", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0 and "· █ █ ·" in r.stdout

@@ -1,0 +1,142 @@
+"""The subcommands that train and read a run: ``qkv train``, ``generate``, ``heads``, ``view``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def run_heads(args: argparse.Namespace) -> None:
+    from ..heads import head_scores
+    from ..training import load_checkpoint
+
+    model = load_checkpoint(args.checkpoint)
+    if args.length is not None and 2 * args.length > model.config.block_size:
+        raise ValueError(
+            f"--length {args.length}: twice it must fit the context "
+            f"(block_size={model.config.block_size})"
+        )
+    scores = head_scores(model, length=args.length, batch=args.batch, seed=args.seed)
+    if args.json:
+        print(json.dumps({name: s.tolist() for name, s in scores.items()}))
+    else:
+        for name, s in scores.items():
+            layer, head = divmod(int(s.argmax()), s.shape[1])
+            print(f"{name:>16}: best layer {layer} head {head}: {s.max():.3f}")
+    if not args.no_png:
+        from ..learn.viz import head_scores_heatmap
+
+        try:
+            head_scores_heatmap(scores, title=f"head scores: {args.checkpoint}", path=args.png)
+            print(f"heatmap written to {args.png}", file=sys.stderr)
+        except ImportError as err:
+            print(f"no heatmap: {err}", file=sys.stderr)
+
+
+def run_view(args: argparse.Namespace) -> None:
+    from ..heads import repeated_tokens
+    from ..training import load_checkpoint, snapshots
+    from ..view import byte_labels, view
+
+    model = load_checkpoint(args.checkpoint)
+    on_bytes = (
+        json.loads((args.checkpoint / "config.json").read_text())["train"].get("data", "text")
+        == "text"
+    )
+    if args.prompt is not None and args.tokens is not None:
+        raise ValueError("give --prompt or --tokens, not both")
+    labels = None
+    if args.prompt is not None:
+        if not on_bytes:
+            raise ValueError(
+                f"this checkpoint was not trained on bytes (its vocabulary is "
+                f"{model.config.vocab_size} tokens): give --tokens instead"
+            )
+        data = args.prompt.encode("utf-8")
+        tokens, labels = list(data), byte_labels(data)
+    elif args.tokens is not None:
+        tokens = args.tokens
+        if max(tokens) >= model.config.vocab_size or min(tokens) < 0:
+            raise ValueError(
+                f"--tokens: ids must be in 0 … {model.config.vocab_size - 1}; got {tokens}"
+            )
+    elif on_bytes:
+        raise ValueError("give --prompt TEXT: the text to show")
+    else:
+        tokens = repeated_tokens(
+            model.config.vocab_size, model.config.block_size // 2, batch=1, seed=1
+        )[0].tolist()
+    kept = [] if args.no_snapshots else snapshots(args.checkpoint)
+    if kept:  # the snapshot of the last step is the final model itself: not loaded twice
+        final = json.loads((args.checkpoint / "state.json").read_text())["step"]
+        kept = [(step, path) for step, path in kept if step != final]
+    frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
+    page = view(
+        model,
+        tokens,
+        labels=labels,
+        snapshots=frames,
+        query=args.query,
+        title=f"qkv: {args.checkpoint}",
+    )
+    page.save(args.out)
+    print(f"view written to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ..training import DEFAULT_PRESET, train
+
+    preset = args.preset
+    if preset is None:
+        preset = saved_preset(args.out) if args.resume else DEFAULT_PRESET
+    result = train(
+        args.out,
+        preset=preset,
+        text=args.text,
+        steps=args.steps,
+        seed=args.seed,
+        resume=args.resume,
+        compile=args.compile,
+        progress=not args.quiet,
+    )
+    if result.interrupted:
+        return 130  # the shell's code for a run stopped by Ctrl-C
+    val = result.val_loss
+    print(
+        f"trained to step {result.step}: validation loss "
+        f"{'n/a' if val is None else f'{val:.4f} nats/{result.unit}'}; checkpoint in "
+        f"{result.out}"
+    )
+    return 0
+
+
+def saved_preset(out: Path) -> str:
+    try:
+        return json.loads((out / "config.json").read_text())["preset"]
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--out {str(out)!r} holds no checkpoint to resume (config.json is missing)"
+        ) from None
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from ..training import load_checkpoint
+
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty: the model continues a text")
+    model = load_checkpoint(args.checkpoint)
+    idx = torch.tensor([list(args.prompt.encode("utf-8"))])  # (1, T) bytes
+    out = model.generate(
+        idx,
+        args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=torch.Generator().manual_seed(args.seed),
+        use_cache=not args.no_cache,
+    )
+    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))

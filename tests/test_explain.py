@@ -1,0 +1,71 @@
+"""qkv.explain, the heatmap and the qkv command."""
+
+import json
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks, tutorial
+
+X = tutorial.sentence_embeddings()
+
+
+def test_trace_steps_are_the_real_computation():
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(3, 4, num_heads=2, causal=True)
+    t = qkv.explain(X, tokens=tutorial.SENTENCE, module=mha)
+    assert t.queries.shape == (2, 6, 2) and t.weights.shape == (2, 6, 6)
+    torch.testing.assert_close(t.scaled_scores, t.scores * 2**-0.5)
+    masked = t.scaled_scores.masked_fill(~t.mask, float("-inf"))
+    torch.testing.assert_close(t.weights, torch.softmax(masked, -1))
+    torch.testing.assert_close(t.context, t.weights @ t.values)
+    torch.testing.assert_close(t.output, mha(X).detach())
+    assert [name for name, _, _ in t.steps()] == [
+        "inputs",
+        "queries",
+        "keys",
+        "values",
+        "scores",
+        "scaled_scores",
+        "mask",
+        "weights",
+        "context",
+        "output",
+    ]
+
+
+def test_simplified_trace_has_no_weights_and_no_scaling():
+    t = qkv.explain(X, mask=masks.causal())
+    assert t.scale == 1.0 and torch.equal(t.queries[0], X)
+    # Causal row 1 ("journey") sees "Your" and itself, with unscaled dot products.
+    want = torch.softmax(torch.stack([X[1] @ X[0], X[1] @ X[1]]), -1)
+    torch.testing.assert_close(t.weights[0, 1, :2], want)
+    assert (t.weights[0].triu(1) == 0).all()
+
+
+def test_text_and_json():
+    t = qkv.explain(X, tokens=tutorial.SENTENCE)
+    text = t.to_text()
+    assert "weights — softmax of each row" in text and "journey" in text
+    assert "0.4419" in text  # seed 004's context vector of "journey"
+    data = json.loads(json.dumps(t.to_dict()))
+    assert data["tokens"] == list(tutorial.SENTENCE)
+    assert len(data["steps"]["weights"][0]) == 6
+
+
+def test_heatmap_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "w.png"
+    fig = qkv.explain(X, tokens=tutorial.SENTENCE, mask=masks.causal()).heatmap(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(tutorial.SENTENCE)
+    assert len(fig.axes) == 2  # the panel and its colour bar
+
+
+def test_explain_errors():
+    with pytest.raises(ValueError, match="x must be a \\(T, E\\) tensor"):
+        qkv.explain(X[None])
+    with pytest.raises(ValueError, match="tokens must have one label per row of x: T=6; got 2"):
+        qkv.explain(X, tokens=["a", "b"])
