@@ -12,11 +12,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from .. import __version__, masks
+from .. import masks
 from ..learn import tutorial
 from ..learn.explain import explain
 from ..nn.mha import MultiHeadAttention
@@ -46,7 +47,9 @@ def _ids(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkv", description="qkv: attention, step by step.")
-    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
+    parser.add_argument(  # pyproject.toml's version, as the installed package has it
+        "--version", action="version", version=f"qkv {metadata.version('qkv')}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser(
