@@ -117,8 +117,11 @@ class Browser:
     def center(self, selector: str) -> tuple[float, float]:
         box = self.eval(
             f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
-            "e.scrollIntoView({block: 'center'}); const r = "
-            "e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + "
+            "e.scrollIntoView({block: 'center'}); "
+            # the first box: an inline element wrapped over two lines has two, and the
+            # middle of their bounding rectangle can be outside both
+            "const r = e.getClientRects()[0] || e.getBoundingClientRect(); "
+            "return [r.x + r.width / 2, r.y + "
             "r.height / 2]; })()"
         )
         return box[0], box[1]

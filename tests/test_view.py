@@ -221,3 +221,89 @@ def test_the_induction_preset_forms_an_induction_head(tmp_path):
     scores = heads.head_scores(result.model, batch=32, seed=123)
     assert scores["induction"].max() >= 0.4, scores["induction"]
     assert result.val_loss < 3.0
+
+
+HOSTILE = [
+    "<!--<script>",  # the comment opener that once put the parser in double-escaped state
+    "</script><script>window.pwned = 1</script>",
+    "<img src=x onerror=window.pwned=2>",
+    '"><svg onload=window.pwned=3>',
+    "&amp;&lt;",
+    "שלום",  # Hebrew
+    "مرحبا",  # Arabic
+    "\u202eevil",  # RIGHT-TO-LEFT OVERRIDE: would reverse every later token
+    "a\u2028b\u2029c",  # the JavaScript line separators
+    "\x00\x07\x1b[31m",  # control characters
+    "x" * 500,  # very long
+]
+
+
+def test_labels_are_data_in_the_page():
+    # No label can reach the HTML parser as markup: every < > & inside the data block is a
+    # \u escape, and the policy allows only the page's own script and style, by their hashes.
+    labels = [HOSTILE[i % len(HOSTILE)] for i in range(24)]
+    page = view(small_gpt(), list(range(24)), labels=labels, title="</title><!--<script>").html()
+    data = page.split('<script type="application/json" id="qkv-data">')[1].split("</script>")[0]
+    assert "<" not in data and ">" not in data and "&" not in data
+    assert page_data(page)["tokens"] == labels
+    policy = page.split('content="')[1].split('"')[0]
+    assert "unsafe-inline" not in policy and policy.count("'sha256-") == 2
+    assert (
+        page.count("<script") == 2 and "<title>&lt;/title&gt;&lt;!--&lt;script&gt;</title>" in page
+    )
+
+
+def pictured(label):
+    """A label as the page shows it: control characters as their Control Pictures, at most
+    40 characters."""
+    label = "".join(
+        chr(0x2421) if c == "\x7f" else chr(0x2400 + ord(c)) if ord(c) < 32 else c for c in label
+    )
+    return label if len(label) <= 40 else label[:39] + "…"
+
+
+@needs_browser
+def test_hostile_labels_draw_inject_nothing_and_keep_their_pairs(tmp_path):
+    labels = [HOSTILE[i % len(HOSTILE)] for i in range(33)]
+    shown_as = [pictured(label) for label in labels]
+    path = tmp_path / "hostile.html"
+    view(small_gpt(), list(range(33)), labels=labels, title="<!--<script>\u202e").save(path)
+    # A window tall enough that nothing scrolls: a scroll under a resting cursor makes the
+    # browser send a mousemove of its own, over whatever is now beneath it.
+    with Browser(height=2400) as b:
+        b.open(path)  # waits for the page's own script to finish: it ran, and drew
+        assert b.eval("document.querySelectorAll('script').length") == 2
+        assert b.eval("document.querySelectorAll('img, svg, iframe').length") == 0
+        assert b.eval("window.pwned === undefined")
+        strip = b.eval("[...document.querySelectorAll('.qkv-tok')].map((s) => s.title)")
+        shown = b.eval("[...document.querySelectorAll('.qkv-tok')].map((s) => s.textContent)")
+        for i, (label, title, text) in enumerate(zip(shown_as, strip, shown)):
+            assert text == label, i
+            assert title == f"position {i}" if len(labels[i]) <= 40 else labels[i] in title, i
+        # Each token is an isolated run: an RTL label or an override does not move the
+        # tokens after it (their boxes stay in reading order, left to right).
+        xs = b.eval(
+            "[...document.querySelectorAll('.qkv-tok')].map((s) => "
+            "[Math.round(s.getClientRects()[0].top), s.getClientRects()[0].left])"
+        )
+        assert xs == sorted(xs), "a label reordered the token strip"
+        b.click("#qkv-cell-1-1")
+        for i in (5, 6, 7, 12):  # Hebrew, Arabic, the override, and one after it
+            b.hover(f'.qkv-tok[data-i="{i}"]')
+            bold = b.eval("document.querySelector('#qkv-info b').textContent")
+            assert bold == f"{shown_as[i]}@{i}", (i, bold)
+            pairs = b.eval(
+                "[...document.querySelectorAll('#qkv-info bdi')].slice(1).map((e) => "
+                "[e.textContent, e.nextSibling.textContent])"
+            )
+            for label, after in pairs:  # every label is followed by its own @position
+                position = int(after.split("@")[1].split()[0])
+                assert shown_as[position] == label, (label, after)
+        errors = [
+            e
+            for e in b.events
+            if e.get("method") in ("Runtime.exceptionThrown",)
+            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")
+        ]
+        assert errors == []
+        assert len(b.requests) == 1  # the page itself, nothing else

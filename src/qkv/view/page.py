@@ -17,6 +17,7 @@ Legend: L layers · H heads · T prompt length · K keys kept per row · S thumb
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 from collections.abc import Sequence
@@ -81,13 +82,16 @@ class View:
                 for f in self.frames
             ],
         }
-        payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
         assets = resources.files("qkv.view") / "assets"
+        css = (assets / "view.css").read_text(encoding="utf-8")
+        js = (assets / "view.js").read_text(encoding="utf-8")
         return _PAGE.format(
             title=html.escape(self.title),
-            css=(assets / "view.css").read_text(encoding="utf-8"),
-            data=payload,
-            js=(assets / "view.js").read_text(encoding="utf-8"),
+            css=css,
+            css_hash=_sha256(css),
+            data=script_json(data),
+            js=js,
+            js_hash=_sha256(js),
         )
 
     def save(self, path: str | Path) -> None:
@@ -102,14 +106,32 @@ class View:
         )
 
 
+# The page's own script and style are allowed by their hashes, nothing else: no inline
+# script or style a string in the data could smuggle in would run.
 _PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
+<html lang="en" dir="ltr"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; \
-script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+script-src '{js_hash}'; style-src '{css_hash}'; img-src data:">
 <title>{title}</title><style>{css}</style></head>
 <body><script type="application/json" id="qkv-data">{data}</script>
 <div id="qkv"></div><script>{js}</script></body></html>
 """
+
+
+def script_json(data: Any) -> str:
+    """JSON that no string inside can end or change: every ``<``, ``>`` and ``&`` (and the
+    two line separators JavaScript once read as line ends) written as a ``\\uXXXX`` escape,
+    so a label like ``<!--<script>`` or ``</script>`` stays text inside the data block — the
+    HTML parser never sees a tag, a comment or a script-data state change in it."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
+
+
+def _sha256(text: str) -> str:
+    """A Content-Security-Policy source for exactly this inline text."""
+    return "sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode()
 
 
 def _b64(a: np.ndarray) -> str:

@@ -17,7 +17,14 @@
     kids.forEach((k) => e.append(k));
     return e;
   };
-  const esc = (t) => String(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+  // Control characters (NUL, ESC, …) shown as their Control Pictures (␀, ␛), not dropped or
+  // obeyed by the browser.
+  const visible = (t) => String(t).replace(/[\x00-\x1f\x7f]/g,
+    (c) => String.fromCharCode(c === "\x7f" ? 0x2421 : 0x2400 + c.charCodeAt(0)));
+  const esc = (t) => visible(t).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+  // A label as shown: visible, and at most 40 characters (a long one ends in "…").
+  const shorten = (t) => { const v = visible(t); return v.length > 40 ? v.slice(0, 39) + "…" : v; };
+  const lab = (t) => esc(shorten(t));
   const fmt = (x, n) => (x === null || x === undefined ? "" : Number(x).toFixed(n === undefined ? 3 : n));
   // white -> dark blue, on a square-root scale so that small weights stay visible
   const shade = (v) => { const s = Math.sqrt(v); return [255 - 220 * s, 255 - 180 * s, 255 - 90 * s]; };
@@ -74,7 +81,10 @@
   root.append(el("div", { className: "qkv-muted", textContent: "hover a token: its row " +
     "(where it attends) shades the tokens blue; what attends to it is underlined orange" }), strip);
   const toks = D.tokens.map((t, i) => {
-    const s = el("span", { className: "qkv-tok", textContent: t, title: `position ${i}` });
+    // A long label is shortened in the strip; its whole text is the tooltip.
+    const label = visible(t), short = shorten(t);
+    const s = el("span", { className: "qkv-tok", textContent: short,
+      title: short === label ? `position ${i}` : `position ${i}: ${label}` });
     s.dataset.i = i;
     strip.append(s);
     return s;
@@ -166,8 +176,8 @@
     to.forEach(([k, w]) => { const c = shade(w); toks[k].style.background = `rgb(${c})`; });
     from.forEach(([q, w]) => toks[q].style.setProperty("--from", `rgba(240,140,0,${0.2 + 0.8 * w})`));
     const top = (pairs) => pairs.sort((a, b) => b[1] - a[1]).slice(0, 5)
-      .map(([i, w]) => `${esc(D.tokens[i])}@${i} ${fmt(w, 2)}`).join(", ") || "—";
-    info.innerHTML = `<b>${esc(D.tokens[state.hover])}@${state.hover}</b> attends to: ${top(to)}` +
+      .map(([i, w]) => `<bdi>${lab(D.tokens[i])}</bdi>@${i} ${fmt(w, 2)}`).join(", ") || "—";
+    info.innerHTML = `<b><bdi>${lab(D.tokens[state.hover])}</bdi>@${state.hover}</b> attends to: ${top(to)}` +
       `<br>attended by: ${top(from)}`;
   }
 
@@ -175,10 +185,10 @@
     steps.textContent = "";
     if (state.layer === null) return;
     const s = frames[state.frame].steps[state.layer][state.head], q = D.query;
-    const rows = s.keys.map((k, n) => `<tr><td>${esc(D.tokens[k])}@${k}</td><td>${fmt(s.qk[n])}</td>` +
+    const rows = s.keys.map((k, n) => `<tr><td><bdi>${lab(D.tokens[k])}</bdi>@${k}</td><td>${fmt(s.qk[n])}</td>` +
       `<td>${fmt(s.scaled[n])}</td>${s.modified ? `<td>${fmt(s.modified[n])}</td>` : ""}` +
       `<td>${s.allowed[n] ? "✓" : "masked"}</td><td>${fmt(s.weights[n])}</td></tr>`).join("");
-    steps.innerHTML = `<b>query ${esc(D.tokens[q])}@${q}, step by step</b> (d = ${s.d}; ` +
+    steps.innerHTML = `<b>query <bdi>${lab(D.tokens[q])}</bdi>@${q}, step by step</b> (d = ${s.d}; ` +
       `${s.masked} keys masked)<br>q = [${s.q.map((x) => fmt(x, 2)).join(", ")}${s.d > 8 ? ", …" : ""}]` +
       `<table><tr><th>key</th><th>q·k</th><th>× ${fmt(s.scale, 4)}</th>` +
       `${s.modified ? "<th>modified</th>" : ""}<th>mask</th><th>softmax</th></tr>${rows}</table>` +
