@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 from qkv.heads import head_scores, repeated_tokens, run
-from qkv.training import load_checkpoint, snapshots
+from qkv.training import load_checkpoint, read_state, snapshots
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 THRESHOLD = 0.4
 
 
 def main(out: Path) -> None:
-    state = json.loads((out / "state.json").read_text())
+    state = read_state(out)
     history = state["history"]
     evals = [h for h in history if "induction" in h]
     first = next((h for h in evals if h["induction"] >= THRESHOLD), None)
@@ -122,7 +122,7 @@ def _plot_head(out, model, layer, head) -> None:
     L = 16
     tokens = repeated_tokens(model.config.vocab_size, L, batch=1, seed=2)
     models = ([(f"step {kept[0][0]}", early)] if early is not None else []) + [
-        (f"step {json.loads((out / 'state.json').read_text())['step']}", model)
+        (f"step {read_state(out)['step']}", model)
     ]
     fig = Figure(figsize=(4.2 * len(models), 4.2), layout="constrained")
     axes = fig.subplots(1, len(models), squeeze=False)[0]

@@ -165,3 +165,79 @@ def test_python_dash_m(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 0 and "· █ █ ·" in r.stdout
+
+
+def _damaged(tmp_path, how):
+    """A two-step tiny run, then one kind of damage to its checkpoint."""
+    import json
+
+    from qkv.training import checkpoint_dir, train
+
+    out = tmp_path / how
+    train(out, preset="tiny", steps=2, progress=False)
+    files = checkpoint_dir(out)
+    weights = files / "model.safetensors"
+    if how == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "empty_weights":
+        weights.write_bytes(b"")
+    elif how == "missing_weights":
+        weights.unlink()
+    elif how == "config_disagrees":  # the weights of another shape
+        config = json.loads((files / "config.json").read_text())
+        config["model"]["n_embd"] = 64
+        (files / "config.json").write_text(json.dumps(config))
+    elif how == "config_missing_key":
+        config = json.loads((files / "config.json").read_text())
+        del config["model"]
+        (files / "config.json").write_text(json.dumps(config))
+    elif how == "config_not_json":
+        (files / "config.json").write_text("{ not json")
+    elif how == "state_not_json":
+        (files / "state.json").write_text("")
+    return out
+
+
+DAMAGE = [
+    ("truncated_weights", "model.safetensors is damaged or truncated"),
+    ("empty_weights", "model.safetensors is damaged or truncated"),
+    ("missing_weights", "model.safetensors is missing"),
+    ("config_disagrees", "does not fit the model its config.json describes"),
+    ("config_missing_key", "config.json is damaged: no valid model configuration"),
+    ("config_not_json", "config.json is damaged: not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("how, words", DAMAGE, ids=[d[0] for d in DAMAGE])
+@pytest.mark.parametrize("command", ["generate", "heads", "view", "resume"])
+def test_a_damaged_checkpoint_gets_one_line_in_every_command(tmp_path, capsys, how, words, command):
+    out = _damaged(tmp_path, how)
+    argv = {
+        "generate": ["generate", "--checkpoint", str(out), "--prompt", "a", "--tokens", "2"],
+        "heads": ["heads", "--checkpoint", str(out)],
+        "view": ["view", "--checkpoint", str(out), "--out", str(tmp_path / "v.html")],
+        "resume": ["train", "--preset", "tiny", "--out", str(out), "--resume", "--quiet"],
+    }[command]
+    if command == "resume" and how in ("config_missing_key", "config_disagrees"):
+        words = {  # --resume compares the configuration before it reads any weight
+            "config_missing_key": "config.json is damaged",
+            "config_disagrees": "the checkpoint was trained with another model",
+        }[how]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_refuses_a_prompt_outside_the_vocabulary(tmp_path, capsys):
+    from qkv.training import PRESETS, TrainConfig, train
+
+    tcfg = PRESETS["induction"][1]
+    out = tmp_path / "induction"
+    small = TrainConfig(**{**tcfg.__dict__, "steps": 2, "eval_interval": 2, "eval_windows": 4})
+    train(out, preset="induction", train_config=small, progress=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--checkpoint", str(out), "--prompt", "hello"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "outside this model's vocabulary of 64 tokens" in err

@@ -16,14 +16,16 @@ from qkv.training import (
     PRESETS,
     TrainConfig,
     bigram_loss,
+    checkpoint_dir,
     eval_windows,
     learning_rate,
     load_checkpoint,
     load_corpus,
+    read_state,
     train,
 )
 
-FILES = {"model.safetensors", "optimizer.safetensors", "config.json", "state.json", "loss.png"}
+FILES = {"model.safetensors", "optimizer.safetensors", "config.json", "state.json"}
 
 
 @pytest.fixture
@@ -81,11 +83,12 @@ def test_learning_rate_warms_up_then_decays_to_min():
 def test_tiny_preset_trains_and_writes_a_checkpoint(tmp_path):
     result = train(tmp_path / "run", preset="tiny", progress=False)
     assert result.step == 20 and not result.interrupted
-    assert set(os.listdir(tmp_path / "run")) >= FILES
+    assert set(os.listdir(checkpoint_dir(tmp_path / "run"))) == FILES
+    assert "loss.png" in os.listdir(tmp_path / "run")
     # From uniform guessing (ln 256 = 5.55 nats) the tiny model learns something in 20 steps.
     first = result.history[0]["loss"]
     assert abs(first - math.log(256)) < 0.3 and result.val_loss < first - 0.5
-    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    state = read_state(tmp_path / "run")
     assert state["step"] == 20 and state["steps"] == 20
     model = load_checkpoint(tmp_path / "run")
     assert all(
@@ -109,7 +112,7 @@ def test_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path):
     straight = train(tmp_path / "a", **kw)
     stopped = train(tmp_path / "b", on_step=stop_at(5), **kw)
     assert stopped.interrupted and stopped.step == 5
-    assert json.loads((tmp_path / "b" / "state.json").read_text())["step"] == 5
+    assert read_state(tmp_path / "b")["step"] == 5
     resumed = train(tmp_path / "b", resume=True, **kw)
     assert resumed.step == 12 and resumed.history == straight.history
     for (name, a), b in zip(
@@ -154,8 +157,8 @@ def test_bad_input_gets_one_clear_error_and_writes_nothing(tmp_path, text):
 
 def test_inconsistent_checkpoint_is_refused(tmp_path):
     train(tmp_path / "c", preset="tiny", steps=3, progress=False)
-    state = json.loads((tmp_path / "c" / "state.json").read_text())
-    (tmp_path / "c" / "state.json").write_text(json.dumps({**state, "step": 2}))
+    state = read_state(tmp_path / "c")
+    (checkpoint_dir(tmp_path / "c") / "state.json").write_text(json.dumps({**state, "step": 2}))
     with pytest.raises(ValueError, match="inconsistent"):
         train(tmp_path / "c", preset="tiny", resume=True, progress=False)
 
@@ -192,8 +195,10 @@ def test_cli_errors_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
     assert exit_.value.code == 2 and match in err and err.count("\n") == 1
 
 
-def test_ctrl_c_writes_a_checkpoint_and_exits_130(tmp_path):
-    out = tmp_path / "sigint"
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_writes_a_checkpoint_and_exits_130(tmp_path, stop):
+    # SIGTERM is what a scheduler, a logout or `docker stop` sends: it saves as Ctrl-C does.
+    out = tmp_path / "stopped"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -214,11 +219,108 @@ def test_ctrl_c_writes_a_checkpoint_and_exits_130(tmp_path):
         for line in proc.stderr:  # the first validation line: training is under way
             if line.startswith("step 10:"):
                 break
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130
-    state = json.loads((out / "state.json").read_text())
+    assert proc.returncode == 130 and "Traceback" not in err
+    state = read_state(out)
     assert 10 <= state["step"] < 100000
     assert load_checkpoint(out).config == PRESETS["tiny"][0]
+
+
+class Crash(Exception):
+    """A process dying at a chosen instant of a save."""
+
+
+STAGES = ("begin", "model", "optimizer", "json", "generation", "swapped", "cleaned")
+
+
+def test_a_crash_at_any_instant_of_any_save_leaves_a_checkpoint_that_resumes_exactly(
+    tmp_path, monkeypatch
+):
+    # A run of 6 steps saves at steps 2, 4 and 6: a crash at each of the 7 stages of each
+    # save (21 instants). Every time, what is left loads, and resuming it ends with exactly
+    # the weights of the run that was never stopped.
+    import qkv.training.loop as loop
+
+    want = train(tmp_path / "whole", preset="tiny", steps=6, save_every=2, progress=False)
+    real = loop.save_checkpoint
+    instants = 0
+    for instant in range(3 * len(STAGES)):
+        seen = [0]
+
+        def crashing(*args, instant=instant, seen=seen, **kw):
+            def fault(stage):
+                if seen[0] == instant:
+                    raise Crash(stage)
+                seen[0] += 1
+
+            return real(*args, fault=fault, **kw)
+
+        out = tmp_path / f"crash{instant}"
+        monkeypatch.setattr(loop, "save_checkpoint", crashing)
+        with pytest.raises(Crash):
+            train(out, preset="tiny", steps=6, save_every=2, progress=False)
+        monkeypatch.setattr(loop, "save_checkpoint", real)
+        instants += 1
+        if instant < STAGES.index("swapped"):  # the first save never swapped in: none yet
+            assert not (out / "latest").exists()
+            continue
+        step = read_state(out)["step"]
+        assert step in (2, 4, 6), instant
+        model = load_checkpoint(out)
+        assert sum(p.numel() for p in model.parameters()) > 0
+        got = train(out, preset="tiny", resume=True, progress=False)
+        assert got.step == 6
+        for a, b in zip(got.model.state_dict().values(), want.model.state_dict().values()):
+            assert torch.equal(a, b), instant
+    assert instants == 21
+
+
+def test_a_kill_9_mid_run_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
+    # The real thing: SIGKILL (an out-of-memory kill) at three instants of a run saving every
+    # step; each time the checkpoint loads and resumes to the uninterrupted run's weights.
+    want = train(tmp_path / "whole", preset="tiny", steps=60, save_every=1, progress=False)
+    for wait in (10, 20, 40):  # the evaluation lines seen before the kill
+        out = tmp_path / f"killed{wait}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "qkv",
+                "train",
+                "--preset",
+                "tiny",
+                "--steps",
+                "60",
+                "--save-every",
+                "1",
+                "--out",
+                str(out),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            for line in proc.stderr:  # the progress line counts steps
+                if line.startswith(f"step {wait}:"):
+                    break
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+        assert 1 <= read_state(out)["step"] <= 60
+        load_checkpoint(out)
+        got = train(out, preset="tiny", resume=True, progress=False)
+        for a, b in zip(got.model.state_dict().values(), want.model.state_dict().values()):
+            assert torch.equal(a, b), wait
+
+
+def test_resume_goes_on_to_the_run_s_own_total_and_says_when_it_changes(tmp_path, capsys):
+    train(tmp_path / "r", preset="tiny", steps=15, progress=False)
+    # A 15-step run of a 20-step preset: --resume alone has nothing left to do.
+    assert train(tmp_path / "r", preset="tiny", resume=True, progress=False).step == 15
+    result = train(tmp_path / "r", preset="tiny", resume=True, steps=18, progress=True)
+    assert result.step == 18 and read_state(tmp_path / "r")["steps"] == 18
+    assert "the run's total goes from 15 to 18 steps" in capsys.readouterr().err

@@ -128,7 +128,15 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--steps",
         type=positive,
-        help="the run's total steps (with --resume: carry the run on to N)",
+        help="the run's total steps (default: the preset's; with --resume the run's own, "
+        "and N extends it)",
+    )
+    tr.add_argument(
+        "--save-every",
+        type=positive,
+        metavar="N",
+        help="write a checkpoint every N steps (default: at each evaluation), and at the end; "
+        "Ctrl-C and SIGTERM also save, then stop",
     )
     tr.add_argument("--seed", type=int, default=0, help="seed of weights, batches, dropout (0)")
     tr.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
@@ -332,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return commands[args.command](args) or 0
     except (ValueError, TypeError, OSError) as err:
         parser.exit(2, f"qkv {args.command}: error: {err}\n")
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once (checkpoints are written whole)
+        parser.exit(130, f"qkv {args.command}: interrupted; the last checkpoint is whole\n")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..training import has_checkpoint, read_config, read_state
+
 
 def run_heads(args: argparse.Namespace) -> None:
     from ..heads import head_scores
@@ -43,10 +45,7 @@ def run_view(args: argparse.Namespace) -> None:
     from ..view import byte_labels, view
 
     model = load_checkpoint(args.checkpoint)
-    on_bytes = (
-        json.loads((args.checkpoint / "config.json").read_text())["train"].get("data", "text")
-        == "text"
-    )
+    on_bytes = read_config(args.checkpoint)["train"].get("data", "text") == "text"
     if args.prompt is not None and args.tokens is not None:
         raise ValueError("give --prompt or --tokens, not both")
     labels = None
@@ -72,7 +71,7 @@ def run_view(args: argparse.Namespace) -> None:
         )[0].tolist()
     kept = [] if args.no_snapshots else snapshots(args.checkpoint)
     if kept:  # the snapshot of the last step is the final model itself: not loaded twice
-        final = json.loads((args.checkpoint / "state.json").read_text())["step"]
+        final = read_state(args.checkpoint)["step"]
         kept = [(step, path) for step, path in kept if step != final]
     frames = [(f"step {step}", load_checkpoint(args.checkpoint, step)) for step, _ in kept]
     page = view(
@@ -102,6 +101,7 @@ def run_train(args: argparse.Namespace) -> int:
         resume=args.resume,
         compile=args.compile,
         progress=not args.quiet,
+        save_every=args.save_every,
     )
     if result.interrupted:
         return 130  # the shell's code for a run stopped by Ctrl-C
@@ -115,12 +115,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def saved_preset(out: Path) -> str:
-    try:
-        return json.loads((out / "config.json").read_text())["preset"]
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"--out {str(out)!r} holds no checkpoint to resume (config.json is missing)"
-        ) from None
+    if not has_checkpoint(out):
+        raise FileNotFoundError(f"--out {str(out)!r} holds no checkpoint to resume")
+    return str(read_config(out).get("preset"))
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -129,7 +126,16 @@ def run_generate(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("--prompt must not be empty: the model continues a text")
     model = load_checkpoint(args.checkpoint)
-    idx = torch.tensor([list(args.prompt.encode("utf-8"))])  # (1, T) bytes
+    prompt = list(args.prompt.encode("utf-8"))
+    vocab = model.config.vocab_size
+    if max(prompt) >= vocab:
+        outside = sorted({b for b in prompt if b >= vocab})
+        raise ValueError(
+            f"--prompt has bytes outside this model's vocabulary of {vocab} tokens "
+            f"({', '.join(map(str, outside[:5]))}{', …' if len(outside) > 5 else ''}): it was "
+            "trained on other tokens (the induction preset's are 0..63), not on text"
+        )
+    idx = torch.tensor([prompt])  # (1, T) bytes
     out = model.generate(
         idx,
         args.tokens,

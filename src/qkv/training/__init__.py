@@ -5,7 +5,17 @@ task), ``loop`` (the training loop), ``checkpoint`` (what a run writes and reads
 ``progress`` (what it shows while it runs).
 """
 
-from .checkpoint import load_checkpoint, save_checkpoint, save_snapshot, snapshots
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    has_checkpoint,
+    load_checkpoint,
+    read_config,
+    read_state,
+    save_checkpoint,
+    save_snapshot,
+    snapshots,
+)
 from .data import (
     Corpus,
     RepeatedSegments,
@@ -23,19 +33,24 @@ __all__ = [
     "DEFAULT_PRESET",
     "INDUCTION_VOCAB",
     "PRESETS",
+    "CheckpointError",
     "Corpus",
     "RepeatedSegments",
     "Result",
     "TrainConfig",
     "bigram_loss",
     "check_context",
+    "checkpoint_dir",
     "eval_windows",
     "evaluate",
+    "has_checkpoint",
     "induction_score",
     "learning_rate",
     "load_checkpoint",
     "load_corpus",
     "random_batch",
+    "read_config",
+    "read_state",
     "save_checkpoint",
     "save_snapshot",
     "snapshots",

@@ -1,6 +1,17 @@
 """Checkpoints and snapshots of a training run: what is written, how it is read back, and the
 checks that a resumed run is the same run.
 
+A checkpoint is written as a set: its four files go into a new *generation* directory
+(``out/gen-NNNNNN-K``), made complete and flushed to disk, and then swapped in with one
+rename — the symbolic link ``out/latest`` replaced by one pointing at it. Only then is the
+previous generation removed. A kill at any instant leaves ``latest`` pointing at a whole
+generation (the new one, or the one before); readers go through :func:`checkpoint_dir`. A
+checkpoint written before generations (its files directly in ``out``) is read as it is.
+
+Every way a checkpoint can be damaged or mismatched — a missing, empty or truncated file,
+JSON that does not parse, weights that do not fit the configuration — raises
+:class:`CheckpointError` with one line naming the file and the problem.
+
 Legend: L layers."""
 
 from __future__ import annotations
@@ -8,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +30,26 @@ from ..models import GPT, GPTConfig
 from .presets import TrainConfig
 
 _FILES = ("model.safetensors", "optimizer.safetensors", "config.json", "state.json")
+#: the link to the newest whole generation
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: one line naming the file and the problem."""
+
+
+def checkpoint_dir(out: str | Path) -> Path:
+    """Where the checkpoint files of a run directory are: the generation ``out/latest``
+    points at, or ``out`` itself for a checkpoint written before generations."""
+    out = Path(out)
+    link = out / LATEST
+    return out / os.readlink(link) if link.is_symlink() else out
+
+
+def has_checkpoint(out: str | Path) -> bool:
+    """Whether ``out`` holds a checkpoint (whole or not)."""
+    out = Path(out)
+    return (out / LATEST).is_symlink() or any((out / f).exists() for f in _FILES)
 
 
 def save_snapshot(out: Path, model: GPT, step: int) -> None:
@@ -52,6 +84,11 @@ def _config_json(
 def _check_same_run(saved: dict[str, Any], wanted: dict[str, Any]) -> None:
     """A resumed run must be the saved one: same model, corpus, seed and recipe (the total
     number of steps may change)."""
+    lacking = [k for k in ("preset", "model", "train", "data", "seed") if k not in saved]
+    if lacking or not isinstance(saved.get("data"), dict):
+        raise CheckpointError(
+            f"config.json is damaged: it lacks {', '.join(lacking) or 'the data section'}"
+        )
     drop_steps = lambda t: {k: v for k, v in t.items() if k != "steps"}  # noqa: E731
     checks = [
         ("preset", saved["preset"], wanted["preset"]),
@@ -72,19 +109,67 @@ def _check_same_run(saved: dict[str, Any], wanted: dict[str, Any]) -> None:
             )
 
 
+def read_config(out: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a run's checkpoint (preset, model, recipe, data, seed)."""
+    return _read_json(checkpoint_dir(out) / "config.json")
+
+
+def read_state(out: str | Path) -> dict[str, Any]:
+    """The ``state.json`` of a run's checkpoint (step, the run's total, history, …)."""
+    return _read_json(checkpoint_dir(out) / "state.json")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no checkpoint: {path} is missing") from None
-    except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+        raise CheckpointError(f"no checkpoint: {path} is missing") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is damaged: not valid JSON ({err})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path} is damaged: not a JSON object")
+    return found
+
+
+def _load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a safetensors file into a model, or raise one line saying what is wrong."""
+    from safetensors.torch import load_model
+
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint: {path} is missing")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except RuntimeError as err:  # torch's load_state_dict: weights of other shapes
+        lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+        raise CheckpointError(
+            f"{path} does not fit the model its config.json describes ({lines[-1]})"
+        ) from None
+    except Exception as err:  # safetensors' own error types: a damaged or truncated file
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path} is damaged or truncated ({first})") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not fit the model its config.json describes: "
+            f"{len(missing)} weight(s) missing (e.g. {sorted(missing)[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
+        )
 
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """Write a file beside itself, then rename it into place (a snapshot, the loss plot)."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
+
+
+def _flushed(path: Path) -> None:
+    """Force a file (or directory entry) to disk, so a rename after it publishes data that is
+    really there after a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -94,12 +179,26 @@ def save_checkpoint(
     batches: torch.Generator,
     config: dict[str, Any],
     state: dict[str, Any],
-) -> None:
-    """Write the checkpoint files of :mod:`qkv.training.loop`'s docstring into ``out``."""
+    *,
+    fault: Callable[[str], None] | None = None,
+) -> Path:
+    """Write a checkpoint (the files of :mod:`qkv.training.loop`'s docstring) as a new
+    generation of ``out`` and swap it in with one rename; returns its directory. ``fault``
+    (tests) is called with the name of each stage, so a test can stop a save anywhere."""
     from safetensors.torch import save_file, save_model
 
+    at = fault or (lambda stage: None)
+    out.mkdir(parents=True, exist_ok=True)
+    number = max([int(p.name.split("-")[2]) for p in out.glob("gen-*-*")] + [-1]) + 1
+    gen = out / f"gen-{state['step']:06d}-{number}"
+    for stale in out.glob(".gen-*.partial"):  # what a save killed half-way left
+        shutil.rmtree(stale, ignore_errors=True)
+    part = out / f".{gen.name}.partial"
+    part.mkdir()
+    at("begin")
     meta = {"step": str(state["step"])}
-    _replace(out / "model.safetensors", lambda p: save_model(model, str(p), metadata=meta))
+    save_model(model, str(part / "model.safetensors"), metadata=meta)
+    at("model")
     tensors = {"rng.torch": torch.get_rng_state(), "rng.batches": batches.get_state()}
     index = {id(p): i for i, p in enumerate(model.parameters())}
     for group in optimizer.param_groups:
@@ -108,27 +207,56 @@ def save_checkpoint(
                 tensors[f"adamw.{index[id(p)]}.{name}"] = (
                     value.reshape(-1) if value.ndim == 0 else value
                 )
-    _replace(out / "optimizer.safetensors", lambda p: save_file(tensors, str(p), metadata=meta))
-    _replace(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
-    _replace(out / "state.json", lambda p: p.write_text(json.dumps(state) + "\n"))
+    save_file(tensors, str(part / "optimizer.safetensors"), metadata=meta)
+    at("optimizer")
+    (part / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (part / "state.json").write_text(json.dumps(state) + "\n")
+    at("json")
+    for name in _FILES:
+        _flushed(part / name)
+    os.replace(part, gen)  # the generation, whole, under its name
+    _flushed(out)
+    at("generation")
+    link = out / f".{LATEST}.new"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(gen.name, link)
+    os.replace(link, out / LATEST)  # the one rename that swaps the checkpoint in
+    _flushed(out)
+    at("swapped")
+    for old in out.glob("gen-*-*"):  # the previous generations, now that this one is whole
+        if old != gen:
+            shutil.rmtree(old, ignore_errors=True)
+    for legacy in _FILES:  # a checkpoint from before generations, now superseded
+        (out / legacy).unlink(missing_ok=True)
+    at("cleaned")
     _plot(out, state["history"], "token" if config["train"]["data"] != "text" else "byte")
+    return gen
 
 
 def _load_training_state(
     out: Path, model: GPT, optimizer: torch.optim.Optimizer, batches: torch.Generator
 ) -> None:
     from safetensors import safe_open
-    from safetensors.torch import load_file, load_model
+    from safetensors.torch import load_file
 
-    step = str(_read_json(out / "state.json")["step"])
+    out = checkpoint_dir(out)
+    step = str(_read_json(out / "state.json").get("step"))
     for name in ("model.safetensors", "optimizer.safetensors"):
-        with safe_open(str(out / name), "pt") as f:
-            if (f.metadata() or {}).get("step") != step:
-                raise ValueError(
-                    f"{out / name} does not belong to step {step} of state.json: "
-                    "the checkpoint is inconsistent"
-                )
-    load_model(model, str(out / "model.safetensors"))
+        try:
+            with safe_open(str(out / name), "pt") as f:
+                found = (f.metadata() or {}).get("step")
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint: {out / name} is missing") from None
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"{out / name} is damaged or truncated ({first})") from None
+        if found != step:
+            raise CheckpointError(
+                f"{out / name} does not belong to step {step} of state.json: "
+                "the checkpoint is inconsistent"
+            )
+    _load_weights(model, out / "model.safetensors")
     tensors = load_file(str(out / "optimizer.safetensors"))
     torch.set_rng_state(tensors.pop("rng.torch"))
     batches.set_state(tensors.pop("rng.batches"))
@@ -142,14 +270,18 @@ def _load_training_state(
 def load_checkpoint(path: str | Path, step: int | None = None) -> GPT:
     """The trained :class:`qkv.models.GPT` of a checkpoint directory, in eval mode; with
     ``step``, the snapshot kept at that step instead."""
-    from safetensors.torch import load_model
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint: {str(path)!r} is not a directory")
-    config = _read_json(path / "config.json")
-    model = GPT(GPTConfig.from_dict(config["model"]))
-    weights = path / "model.safetensors"
+    files = checkpoint_dir(path)
+    config = _read_json(files / "config.json")
+    try:
+        model = GPT(GPTConfig.from_dict(config["model"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{files / 'config.json'} is damaged: no valid model configuration ({err})"
+        ) from None
+    weights = files / "model.safetensors"
     if step is not None:
         kept = dict(snapshots(path))
         if step not in kept:
@@ -157,9 +289,7 @@ def load_checkpoint(path: str | Path, step: int | None = None) -> GPT:
                 f"{path} kept no snapshot at step {step}; it has {sorted(kept) or 'none'}"
             )
         weights = kept[step]
-    if not weights.exists():
-        raise FileNotFoundError(f"no checkpoint: {weights} is missing")
-    load_model(model, str(weights))
+    _load_weights(model, weights)
     return model.eval()
 
 

@@ -9,9 +9,11 @@ intervals, and checkpoints that resume exactly. A checkpoint directory holds:
 - ``state.json``: the step reached, the run's total, and the loss history;
 - ``loss.png``: the loss curve (when matplotlib is installed).
 
-Every file is written beside itself and renamed into place, and ``state.json`` last, so a
-crash leaves the previous checkpoint whole. Ctrl-C (SIGINT) finishes the current step,
-writes a checkpoint and stops; a second Ctrl-C stops at once.
+The set is written as a new generation and swapped in with one rename
+(:mod:`qkv.training.checkpoint`), every ``save_every`` steps and at the end, so a crash at any
+instant leaves the previous checkpoint whole. Ctrl-C (SIGINT) or SIGTERM (a scheduler, a
+logout, ``docker stop``) finishes the current step, writes a checkpoint and stops; a second
+one stops at once (``KeyboardInterrupt``), the last checkpoint still whole.
 
 Legend: B batch · T sequence length (block_size)."""
 
@@ -30,17 +32,18 @@ import torch.nn.functional as F
 from ..heads import head_scores
 from ..models import GPT, GPTConfig
 from .checkpoint import (
-    _FILES,
     _check_same_run,
     _config_json,
     _load_training_state,
     _read_json,
+    checkpoint_dir,
+    has_checkpoint,
     save_checkpoint,
     save_snapshot,
 )
 from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
 from .presets import DEFAULT_PRESET, PRESETS, TrainConfig, learning_rate
-from .progress import _catch_sigint, _Progress
+from .progress import _catch_stops, _Progress
 
 
 @dataclass
@@ -123,6 +126,7 @@ def train(
     train_config: TrainConfig | None = None,
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
+    save_every: int | None = None,
 ) -> Result:
     """Train a GPT and keep its checkpoint in ``out``.
 
@@ -131,15 +135,17 @@ def train(
             unless ``resume``).
         preset: a name in :data:`PRESETS`.
         text: a UTF-8 file or folder; None for the standard library's sources.
-        steps: the run's total number of steps (default: the preset's). With ``resume``
-            this carries an earlier run on to ``steps``; the cosine decay is laid over the
-            new total.
+        steps: the run's total number of steps (default: the preset's; with ``resume``, the
+            run's own). With ``resume``, another total extends (or shortens) the run: the
+            cosine decay is laid over the new total, and the progress line says so.
         seed: seeds the weights, the batches and dropout.
         resume: continue the checkpoint in ``out`` exactly where it stopped.
         compile: run the model under ``torch.compile``.
         model_config, train_config: replace the preset's.
         progress: draw a progress line and evaluation lines on stderr.
         on_step: called as ``on_step(step, loss)`` after every step.
+        save_every: write a checkpoint every this many steps (default: at each evaluation,
+            ``eval_interval``), as well as at the end and on a stop.
 
     Raises:
         FileNotFoundError, ValueError: a missing path, an empty corpus, a context longer than
@@ -153,11 +159,19 @@ def train(
     mcfg, tcfg = model_config or mcfg, train_config or tcfg
     state: dict[str, Any] = {"step": 0, "history": [], "tokens": 0, "seconds": 0.0}
     wanted = _config_json(preset, mcfg, tcfg, text, seed)
+    extended = ""
     if resume:
-        saved = _read_json(out / "config.json")
-        state = _read_json(out / "state.json")
+        if not has_checkpoint(out):
+            raise FileNotFoundError(f"no checkpoint: {str(out)!r} holds none to resume")
+        saved = _read_json(checkpoint_dir(out) / "config.json")
+        state = _read_json(checkpoint_dir(out) / "state.json")
         _check_same_run(saved, wanted)
-    elif any((out / f).exists() for f in _FILES):
+        own = int(state.get("steps", saved["train"]["steps"]))  # the run's own total
+        if steps is None:
+            steps = own
+        elif steps != own:
+            extended = f"the run's total goes from {own} to {steps} steps"
+    elif has_checkpoint(out):
         raise ValueError(
             f"--out {str(out)!r} already holds a checkpoint: pass --resume to "
             "continue it, or choose another directory"
@@ -181,10 +195,16 @@ def train(
     runner = torch.compile(model) if compile else model
     out.mkdir(parents=True, exist_ok=True)
     config_json = {**wanted, "train": dataclasses.asdict(tcfg)}
+    state["steps"] = tcfg.steps  # the run's own total, which --resume goes on to
     bar = _Progress(tcfg.steps, state["step"], mcfg.block_size * tcfg.batch_size, progress)
+    if extended:
+        bar.note(f"resuming at step {state['step']}: {extended}")
+    every = tcfg.eval_interval if save_every is None else save_every
+    if every < 1:
+        raise ValueError(f"save_every must be >= 1; got {every}")
 
     stop = {"asked": False}
-    previous = _catch_sigint(stop)
+    previous = _catch_stops(stop)
     model.train()
     try:
         step = state["step"]
@@ -220,20 +240,25 @@ def train(
             state["step"] = step
             state["tokens"] += x.numel()
             bar.update(step, record["loss"])
+            if step % every == 0 and step < tcfg.steps and not stop["asked"]:
+                save_checkpoint(out, model, optimizer, batches, config_json, _saved(state, bar))
             if on_step is not None:
                 on_step(step, record["loss"])
+        save_checkpoint(out, model, optimizer, batches, config_json, _saved(state, bar))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-        state["seconds"] += bar.elapsed()
-        state["steps"] = tcfg.steps
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         bar.close()
-    save_checkpoint(out, model, optimizer, batches, config_json, state)
     if stop["asked"]:
         bar.note(
             f"interrupted: checkpoint at step {state['step']} in {out} (continue with --resume)"
         )
     return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out, data.unit)
+
+
+def _saved(state: dict[str, Any], bar: _Progress) -> dict[str, Any]:
+    """The state as a checkpoint records it: the wall time spent so far added up."""
+    return {**state, "seconds": state["seconds"] + bar.elapsed()}
 
 
 class _Text:

@@ -1,4 +1,4 @@
-"""What a training run shows while it runs: the progress line, and what Ctrl-C does."""
+"""What a training run shows while it runs: the progress line, and what Ctrl-C and SIGTERM do."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import time
 from typing import Any
 
 
-def _catch_sigint(stop: dict[str, bool]) -> Any:
-    """Make the first Ctrl-C ask the loop to stop after its step; a second one raises."""
+def _catch_stops(stop: dict[str, bool]) -> dict[int, Any]:
+    """Make the first Ctrl-C (SIGINT) or SIGTERM ask the loop to stop after its step (it then
+    writes a checkpoint); a second one raises KeyboardInterrupt at once. Returns the previous
+    handlers, to put back."""
     if not _main_thread():
-        return None
+        return {}
 
     def handler(signum: int, frame: Any) -> None:
         if stop["asked"]:
             raise KeyboardInterrupt
         stop["asked"] = True
 
-    return signal.signal(signal.SIGINT, handler)
+    return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _main_thread() -> bool:
