@@ -52,7 +52,23 @@ BAD = [
     (["bench", "--from-json", "missing.jsonl"], "qkv bench: error: [Errno 2] No such file"),
     (["train", "--steps", "-3"], "argument --steps: must be a whole number >= 1"),
     (["generate"], "the following arguments are required: --checkpoint"),
-    ([], "the following arguments are required: command"),
+    (
+        ["explain", "--simplified", "--heads", "2", "--no-png"],
+        "--heads has no effect with --simplified",
+    ),
+    (
+        ["explain", "--embeddings", "nan,1;2,3", "--no-png"],
+        "embeddings must be finite; row 0 holds nan",
+    ),
+    (
+        ["mask", "full", "--window", "3"],
+        "--window is for sliding_window masks only; full takes none",
+    ),
+    (["mask", "padding"], "padding needs --length"),
+    (
+        ["mask", "causal", "--size", "20000"],
+        "--size 20000 is too large for a picture (at most 1024)",
+    ),
 ]
 
 
@@ -241,3 +257,17 @@ def test_generate_refuses_a_prompt_outside_the_vocabulary(tmp_path, capsys):
         main(["generate", "--checkpoint", str(out), "--prompt", "hello"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "outside this model's vocabulary of 64 tokens" in err
+
+
+def test_a_bare_qkv_prints_help_and_version(capsys):
+    assert main([]) == 0
+    assert "usage: qkv" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("qkv ")
+
+
+def test_mask_document_takes_its_size_from_the_ids(capsys):
+    main(["mask", "document", "--ids", "0,0,1,1,1"])
+    out = capsys.readouterr().out
+    assert "T_q=5, T_k=5" in out and len(out.strip().splitlines()) == 6

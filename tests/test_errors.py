@@ -147,7 +147,9 @@ CASES = [
         (t(4, 8),) * 3,
         {"mask": torch.zeros(4, 4)},
         TypeError,
-        "mask must be bool (True = may attend) or a qkv mask; got dtype float32",
+        "mask must be bool (True = may attend) or a qkv mask; got dtype float32 (an additive "
+        "float mask, 0 / -inf as SDPA and Hugging Face take it, goes in as "
+        "score_mod=qkv.scores.bias(mask))",
     ),
     (
         "mask device",

@@ -128,3 +128,11 @@ def test_interop_errors():
     with pytest.raises(ValueError, match="needs num_heads dividing 6"):
         masks.from_torch(attn_mask=torch.zeros(6, 3, 3, dtype=torch.bool))
     assert masks.from_torch() is None
+
+
+def test_an_input_of_another_dtype_gets_a_clear_error_not_torch_s():
+    m = qkv.MultiHeadAttention(16, 16, 4)  # float32 weights
+    with pytest.raises(TypeError, match="x has dtype float64 but the module's weights are float32"):
+        m(torch.randn(2, 5, 16, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts for the module: allowed
+        assert m(torch.randn(2, 5, 16).bfloat16()).shape == (2, 5, 16)

@@ -274,3 +274,18 @@ def test_low_precision_applies_the_modification_in_float32():
         out = qkv.attention(q, k, v, mask=masks.causal(), score_mod=mod, backend=backend)
         assert out.dtype == torch.bfloat16
         assert np.abs(out.double().numpy() - want).max() < LOW_PRECISION[torch.bfloat16]
+
+
+def test_a_function_reading_float64_computes_in_the_call_s_dtype_on_every_backend():
+    # A float64 table read by a float32 call's score function: every backend computes the
+    # modified scores in float32 (it once failed with torch's raw dtype error on some).
+    q, k, v = (x.float() for x in make_qkv(1, 2, 2, 9, 11, 4, 4))
+    table = torch.randn(9, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    mod = scores.function(lambda s, b, h, qi, kv: s + table[qi - 2, kv], "table")
+    # (the oracle indexes with NumPy arrays: float64 reference stands in, itself held to the
+    # oracle by test_every_backend_matches_the_oracle)
+    want = qkv.attention(q.double(), k.double(), v.double(), score_mod=mod, backend="reference")
+    for backend in ("reference", "tiled", "auto"):
+        got = qkv.attention(q, k, v, score_mod=mod, backend=backend)
+        assert got.dtype == torch.float32, backend
+        np.testing.assert_allclose(got.double().numpy(), want.numpy(), atol=1e-5, err_msg=backend)

@@ -225,6 +225,12 @@ def check_dense_mask(mask: Any, p: Problem, *, like: Any, additive: bool = False
     if not (_is_bool(mask) or (additive and _is_float(mask))):
         raise TypeError(
             f"mask must be bool (True = may attend) or a qkv mask; got dtype {_dtype_name(mask)}"
+            + (
+                " (an additive float mask, 0 / -inf as SDPA and Hugging Face take it, goes in "
+                "as score_mod=qkv.scores.bias(mask))"
+                if _is_float(mask)
+                else ""
+            )
         )
     # (T_q, T_k) or the full rank of the layout: a (3, T_q, T_k) mask for 4-d inputs could
     # mean (B, …) or (H, …), so it is refused rather than broadcast one way silently.

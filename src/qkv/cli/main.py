@@ -63,11 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--heads",
         type=positive,
-        default=1,
-        help="number of heads (>1 uses MultiHeadAttention; d-out must divide)",
+        help="number of heads (default 1; >1 uses MultiHeadAttention; d-out must divide)",
     )
-    ex.add_argument("--d-out", type=positive, default=2, help="width of Q, K, V (default 2)")
-    ex.add_argument("--seed", type=int, default=789, help="torch seed for the weights (789)")
+    ex.add_argument("--d-out", type=positive, help="width of Q, K, V (default 2)")
+    ex.add_argument("--seed", type=int, help="torch seed for the weights (789)")
     ex.add_argument(
         "--simplified",
         action="store_true",
@@ -102,12 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     mk.add_argument(
         "kind", choices=["full", "causal", "sliding_window", "prefix_lm", "document", "padding"]
     )
-    mk.add_argument("--size", type=positive, default=8, help="number of queries T_q (8)")
+    mk.add_argument(
+        "--size",
+        type=positive,
+        help=f"number of queries T_q (default 8, or the number of --ids; at most {MAX_PICTURE})",
+    )
     mk.add_argument("--keys", type=positive, help="number of keys T_k (default: --size)")
-    mk.add_argument("--window", type=positive, default=3, help="for sliding_window (3)")
-    mk.add_argument("--prefix", type=int, default=2, help="for prefix_lm (2)")
+    mk.add_argument("--window", type=positive, help="for sliding_window (default 3)")
+    mk.add_argument("--prefix", type=int, help="for prefix_lm (default 2)")
     mk.add_argument("--ids", type=_ids, help="for document: one id per key, '0,0,1,1'")
-    mk.add_argument("--length", type=int, help="for padding: number of valid keys")
+    mk.add_argument("--length", type=int, help="for padding: number of valid keys (required)")
     tr = sub.add_parser(
         "train",
         help="train a GPT on bytes (qkv train --help)",
@@ -256,6 +259,13 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
         x = torch.tensor(rows, dtype=torch.float32)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: embeddings must hold numbers only") from None
+    bad = (~torch.isfinite(x)).nonzero()
+    if len(bad):
+        row, col = bad[0].tolist()
+        raise ValueError(
+            f"{where}: embeddings must be finite; row {row} holds {x[row, col].item()} "
+            f"at column {col}"
+        )
     tokens = tokens or [str(i) for i in range(x.shape[0])]
     if len(tokens) != x.shape[0]:
         raise ValueError(
@@ -268,6 +278,20 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
 def _explain(args: argparse.Namespace) -> None:
     if not args.no_png and not args.png.parent.is_dir():
         raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
+    if args.simplified:
+        unused = [
+            f
+            for f, v in (("--heads", args.heads), ("--d-out", args.d_out), ("--seed", args.seed))
+            if v is not None
+        ]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
+                "--simplified, which has no trainable weights: drop one or the other"
+            )
+    args.heads = 1 if args.heads is None else args.heads
+    args.d_out = 2 if args.d_out is None else args.d_out
+    args.seed = 789 if args.seed is None else args.seed
     tokens, x = _sequence(args)
     torch.manual_seed(args.seed)
     E = x.shape[1]
@@ -297,9 +321,31 @@ def _explain(args: argparse.Namespace) -> None:
             print(f"no heatmap: {err}", file=sys.stderr)
 
 
+#: the largest mask ``qkv mask`` draws (a picture of T_q × T_k characters)
+MAX_PICTURE = 1024
+
+#: the option of each mask kind, refused for the others
+_MASK_OPTION = {
+    "sliding_window": "window",
+    "prefix_lm": "prefix",
+    "document": "ids",
+    "padding": "length",
+}
+
+
 def _mask(args: argparse.Namespace) -> None:
-    T_q = args.size
-    T_k = args.keys or T_q
+    for kind, option in _MASK_OPTION.items():
+        if getattr(args, option) is not None and args.kind != kind:
+            raise ValueError(f"--{option} is for {kind} masks only; {args.kind} takes none")
+    if args.kind == "padding" and args.length is None:
+        raise ValueError("padding needs --length: the number of valid keys")
+    T_q = args.size or (len(args.ids) if args.ids else 8)
+    T_k = args.keys or (len(args.ids) if args.ids else T_q)
+    for name, n in (("--size", T_q), ("--keys", T_k)):
+        if n > MAX_PICTURE:
+            raise ValueError(f"{name} {n} is too large for a picture (at most {MAX_PICTURE})")
+    args.window = 3 if args.window is None else args.window
+    args.prefix = 2 if args.prefix is None else args.prefix
     make = {
         "full": lambda: masks.full(),
         "causal": lambda: masks.causal(),
@@ -308,7 +354,7 @@ def _mask(args: argparse.Namespace) -> None:
         "document": lambda: masks.document(
             args.ids if args.ids else [2 * j // T_k for j in range(T_k)]
         ),
-        "padding": lambda: masks.padding([T_k // 2 if args.length is None else args.length]),
+        "padding": lambda: masks.padding([args.length]),
     }
     mask = make[args.kind]()
     print(f"{mask!r}   T_q={T_q}, T_k={T_k}   (█ may attend · masked)")
@@ -318,6 +364,9 @@ def _mask(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # a bare `qkv`: what it can do, not an error
+        _parser().print_help()
+        return 0
     if argv[:1] == ["bench"]:  # its own options: see qkv.cli.bench
         from .bench import main as bench
 

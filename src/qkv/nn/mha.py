@@ -104,9 +104,9 @@ class MultiHeadAttention(AttentionModule):
         x or context, rotated by RoPE and appended to the cache when given. ``positions``
         (T_q,) are the absolute positions of x's tokens when they are not 0, 1, … (a shard
         of a context-parallel sequence); by default they follow the cache."""
-        check_input("x", x, self.d_in)
+        check_input("x", x, self.d_in, self.W_query.weight)
         if context is not None:
-            check_input("context", context, self.d_kv)
+            check_input("context", context, self.d_kv, self.W_key.weight)
             if context.ndim != x.ndim or (x.ndim == 3 and context.shape[0] != x.shape[0]):
                 raise ValueError(
                     f"context must have the layout and batch of x {tuple(x.shape)}; "

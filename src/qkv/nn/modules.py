@@ -22,13 +22,27 @@ from ..functional import MaskLike, attention
 from ..masks import Mask, causal
 
 
-def check_input(name: str, x: torch.Tensor, d_in: int) -> None:
-    """A module input must be (T, E) or (B, T, E) with the module's E."""
+def check_input(name: str, x: torch.Tensor, d_in: int, weight: torch.Tensor | None = None) -> None:
+    """A module input must be (T, E) or (B, T, E) with the module's E, and (outside
+    autocast, which casts for the module) of the dtype and device of its ``weight``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if x.ndim not in (2, 3) or x.shape[-1] != d_in:
         raise ValueError(
             f"{name} must have shape (T, E) or (B, T, E) with E={d_in}; got {tuple(x.shape)}"
+        )
+    if weight is None or torch.is_autocast_enabled(x.device.type):
+        return
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"{name} has dtype {str(x.dtype).replace('torch.', '')} but the module's weights "
+            f"are {str(weight.dtype).replace('torch.', '')}: cast {name} (x.to(...)) or the "
+            "module (module.to(...), .double(), .bfloat16())"
+        )
+    if x.device != weight.device:
+        raise ValueError(
+            f"{name} is on {x.device} but the module's weights are on {weight.device}: "
+            "move one to the other"
         )
 
 
@@ -115,7 +129,7 @@ class SelfAttention(AttentionModule):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def project(self, x):
-        check_input("x", x, self.d_in)
+        check_input("x", x, self.d_in, self.W_query.weight)
         return tuple(split_heads(W(x), 1) for W in (self.W_query, self.W_key, self.W_value))
 
     def merge(self, context, like):
@@ -167,9 +181,9 @@ class CrossAttention(nn.Module):
         """x_q: (T_q, d_in) or (B, T_q, d_in); x_k, x_v: (T_k, d_kv) or (B, T_k, d_kv), in
         the layout of x_q. Returns (…, T_q, d_out)."""
         x_v = x_k if x_v is None else x_v
-        check_input("x_q", x_q, self.d_in)
-        check_input("x_k", x_k, self.d_kv)
-        check_input("x_v", x_v, self.d_kv)
+        check_input("x_q", x_q, self.d_in, self.W_query.weight)
+        check_input("x_k", x_k, self.d_kv, self.W_key.weight)
+        check_input("x_v", x_v, self.d_kv, self.W_value.weight)
         return attention(self.W_query(x_q), self.W_key(x_k), self.W_value(x_v), mask=mask)
 
 

@@ -163,6 +163,10 @@ class _Function(ScoreMod):
                 f"{fmt_shape(score.shape)}; got "
                 f"{fmt_shape(shape)}"
             )
+        if isinstance(out, torch.Tensor) and isinstance(score, torch.Tensor):
+            # Computed in the call's dtype on every backend: a float64 tensor the function
+            # reads does not promote a float32 call's scores (the kernels add in place).
+            out = out.to(score.dtype)
         return out
 
     def tensors(self):
