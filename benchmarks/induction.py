@@ -11,7 +11,6 @@ segment, at the first snapshot and at the end) and docs/viewer.png (`qkv view` o
 headless Chromium, the best head clicked and a token of the second copy hovered).
 """
 
-import json
 import sys
 from pathlib import Path
 
