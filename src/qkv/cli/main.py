@@ -259,9 +259,9 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
         x = torch.tensor(rows, dtype=torch.float32)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: embeddings must hold numbers only") from None
-    bad = (~torch.isfinite(x)).nonzero()
-    if len(bad):
-        row, col = bad[0].tolist()
+    not_finite = (~torch.isfinite(x)).nonzero()
+    if len(not_finite):
+        row, col = not_finite[0].tolist()
         raise ValueError(
             f"{where}: embeddings must be finite; row {row} holds {x[row, col].item()} "
             f"at column {col}"
