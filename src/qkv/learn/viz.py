@@ -51,25 +51,68 @@ def heatmap(
     fig.suptitle(title)
     axes = fig.subplots(1, H, squeeze=False)[0]
     cmap = colormaps["viridis"].with_extremes(bad="0.85")  # masked cells: light grey
+    lo, hi = fitted_range(w.numpy()[:, allowed])
     for h, ax in enumerate(axes):
         shown = np.ma.masked_array(w[h].numpy(), mask=~allowed)
-        image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0)
-        ax.set_xticks(range(T_k), labels=list(keys), rotation=45, ha="right")
-        ax.set_yticks(range(T_q), labels=list(queries))
+        image = ax.imshow(shown, cmap=cmap, vmin=lo, vmax=hi)
+        ax.set_xticks(range(T_k), labels=[shorten(t) for t in keys], rotation=45, ha="right")
+        ax.set_yticks(range(T_q), labels=[shorten(t) for t in queries])
         ax.set_xlabel("key (attended to)")
         ax.set_ylabel("query (attending)")
         if H > 1:
             ax.set_title(f"head {h}")
         if T_q * T_k <= 400:  # write each weight in its cell while they stay legible
-            _label_cells(ax, w[h].numpy(), allowed)
-    fig.colorbar(image, ax=list(axes), label="attention weight", shrink=0.8)
+            _label_cells(ax, w[h].numpy(), allowed, lo, hi)
+    fig.colorbar(
+        image,
+        ax=list(axes),
+        label=f"attention weight (colours fitted to {lo:.3g}–{hi:.3g})",
+        shrink=0.8,
+    )
+    long = [(i, t) for i, t in enumerate(list(dict.fromkeys([*queries, *keys]))) if shorten(t) != t]
+    if long:  # the whole text of every label shortened on the axes
+        fig.text(
+            0.01,
+            0.0,
+            "labels shortened: "
+            + "; ".join(f"{shorten(t)} = {t!r}" for _, t in long[:8])
+            + (f"; … {len(long) - 8} more" if len(long) > 8 else ""),
+            fontsize=7,
+            ha="left",
+            va="bottom",
+            wrap=True,
+        )
     if path is not None:
         fig.savefig(path, dpi=150)
     return fig
 
 
-def _label_cells(ax: Any, values: np.ndarray, where: np.ndarray) -> None:
-    """Write each value in [0, 1] in its cell (where ``where`` is True), legible on viridis."""
+#: the longest label drawn on an axis; longer ones end in "…"
+LABEL_CHARS = 16
+
+
+def shorten(label: str) -> str:
+    """A label as an axis shows it: at most :data:`LABEL_CHARS` characters."""
+    label = str(label)
+    return label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "…"
+
+
+def fitted_range(values: np.ndarray) -> tuple[float, float]:
+    """The colour scale of a heatmap: the values' own range (so near-uniform weights are
+    not one flat colour), widened a little around a single value."""
+    if values.size == 0:
+        return 0.0, 1.0
+    lo, hi = float(values.min()), float(values.max())
+    if hi - lo < 1e-6:
+        lo, hi = lo - 0.05, hi + 0.05
+    return lo, hi
+
+
+def _label_cells(
+    ax: Any, values: np.ndarray, where: np.ndarray, lo: float = 0.0, hi: float = 1.0
+) -> None:
+    """Write each value in its cell (where ``where`` is True), legible on viridis scaled
+    from ``lo`` to ``hi``."""
     for i, j in zip(*np.nonzero(where)):
         value = float(values[i, j])
         ax.text(
@@ -79,7 +122,7 @@ def _label_cells(ax: Any, values: np.ndarray, where: np.ndarray) -> None:
             ha="center",
             va="center",
             fontsize=7,
-            color="black" if value > 0.6 else "white",
+            color="black" if (value - lo) / (hi - lo) > 0.6 else "white",
         )
 
 
