@@ -47,7 +47,7 @@ def test_stdlib_corpus_splits_by_file_the_same_way_every_time():
 
 def test_text_file_folder_and_bad_paths(tmp_path, text):
     folder = load_corpus(text)
-    assert folder.files == (2, 1)
+    assert folder.files == (3, 1)  # a tenth of the bytes: the first file in hash order, cut
     single = load_corpus(text / "f0.py")
     assert len(single.train) + len(single.val) == (text / "f0.py").stat().st_size
     (tmp_path / "empty.txt").write_text("")
@@ -324,3 +324,25 @@ def test_resume_goes_on_to_the_run_s_own_total_and_says_when_it_changes(tmp_path
     result = train(tmp_path / "r", preset="tiny", resume=True, steps=18, progress=True)
     assert result.step == 18 and read_state(tmp_path / "r")["steps"] == 18
     assert "the run's total goes from 15 to 18 steps" in capsys.readouterr().err
+
+
+def test_a_folder_splits_by_bytes_whatever_its_files_and_says_what_it_read(tmp_path, capsys):
+    # A 65 KB file beside a 41-byte one once trained on the 41 bytes (the big file held out
+    # whole): validation now holds its share of the bytes, the big file cut at the line.
+    root = tmp_path / "notes"
+    root.mkdir()
+    (root / "big.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 1500)
+    (root / "small.txt").write_text("a short note that is forty-one bytes long")
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (root / "empty.txt").write_text("")
+    corpus = load_corpus(root)
+    total = len(corpus.train) + len(corpus.val)
+    assert total == sum(
+        p.stat().st_size + 1 for p in root.iterdir() if p.name in ("big.txt", "small.txt")
+    )
+    assert abs(len(corpus.val) / total - 0.1) < 0.001 and len(corpus.train) > 50_000
+    assert corpus.skipped == (("empty.txt", "empty"), ("latin1.txt", "not UTF-8 at byte 3"))
+    assert load_corpus(root).val.equal(corpus.val)  # deterministic
+    assert "skipped 2: empty.txt (empty), latin1.txt (not UTF-8 at byte 3)" in corpus.describe()
+    train(tmp_path / "run", preset="tiny", steps=1, text=root)
+    assert f"read {root.resolve()}: " in capsys.readouterr().err

@@ -3,10 +3,12 @@ tokenizer or a download.
 
 By default the corpus is the source files of the running interpreter's Python standard
 library (found with ``sysconfig``). ``load_corpus(path)`` takes any UTF-8 file or folder
-instead. Files are split into train and validation deterministically: the validation files
-are those whose path hashes (CRC-32 of the path relative to the root) lowest, about
-``val_fraction`` of them, so a given corpus always splits the same way. A single file is
-split by position instead: its last ``val_fraction`` is validation.
+instead. The split is by bytes and deterministic: files are taken in the order of a hash of
+their path (CRC-32 of the path relative to the root), whole files go to validation until it
+holds ``val_fraction`` of the bytes, and the file that crosses that line is cut there (its
+tail to validation) — so validation holds its share of the bytes whatever the files' names
+and sizes, and a given corpus always splits the same way. A single file is the same case:
+its last ``val_fraction`` is validation.
 
 Legend: B batch · T sequence length (block_size).
 """
@@ -31,13 +33,27 @@ class Corpus:
     Attributes:
         train, val: uint8 tensors of bytes (each file followed by a newline).
         source: what the bytes are, in words (recorded in checkpoints).
-        files: (train files, validation files); (1, 1) for a single file split by position.
+        files: (files in train, files in validation); a file cut between them counts in both.
+        skipped: (path, why) of each file of a folder that was not read (not UTF-8, empty).
     """
 
     train: torch.Tensor
     val: torch.Tensor
     source: str
     files: tuple[int, int]
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        """What was read, in one line: files, bytes per split, skipped files and why."""
+        skipped = ""
+        if self.skipped:
+            shown = ", ".join(f"{p} ({why})" for p, why in self.skipped[:3])
+            more = f", … {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
+            skipped = f"; skipped {len(self.skipped)}: {shown}{more}"
+        return (
+            f"read {self.source}: {len(self.train):,} bytes to train on and {len(self.val):,} "
+            f"held out ({self.files[0]} + {self.files[1]} files){skipped}"
+        )
 
 
 def stdlib_root() -> Path:
@@ -53,41 +69,61 @@ def _stdlib_files(root: Path) -> list[Path]:
     ]
 
 
-def _text_files(root: Path) -> list[Path]:
-    """Every file under root that is not hidden and reads as UTF-8."""
-    out = []
-    for p in root.rglob("*"):
+def _text_files(root: Path) -> tuple[list[Path], list[tuple[str, str]]]:
+    """Every file under root that is not hidden and reads as UTF-8; and the others, why."""
+    out, skipped = [], []
+    for p in sorted(root.rglob("*")):
         if not p.is_file() or any(part.startswith(".") for part in p.relative_to(root).parts):
             continue
+        where = p.relative_to(root).as_posix()
         try:
             p.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
+        except UnicodeDecodeError as err:
+            skipped.append((where, f"not UTF-8 at byte {err.start}"))
+            continue
+        except OSError as err:
+            skipped.append((where, f"unreadable: {err.strerror}"))
             continue
         out.append(p)
-    return out
+    return out, skipped
 
 
-def _join(paths: list[Path]) -> torch.Tensor:
-    data = b"".join(p.read_bytes() + SEPARATOR for p in paths)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _bytes(parts: list[bytes]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
 
 
-def _split_files(root: Path, paths: list[Path], val_fraction: float, source: str) -> Corpus:
-    if len(paths) == 1:
-        return _split_file(paths[0], val_fraction, source)
-    by_hash = sorted(
+def _split_files(
+    root: Path, paths: list[Path], val_fraction: float, source: str, skipped: list
+) -> Corpus:
+    """Split by bytes (the module's docstring): whole files to validation in hash order until
+    it holds ``val_fraction`` of the bytes, the file crossing the line cut there."""
+    single = len(paths) == 1
+    order = sorted(
         paths, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()), p.as_posix())
     )
-    n_val = max(1, round(len(paths) * val_fraction))
-    val, train = sorted(by_hash[:n_val]), sorted(by_hash[n_val:])
-    return Corpus(_join(train), _join(val), source, (len(train), len(val)))
-
-
-def _split_file(path: Path, val_fraction: float, source: str) -> Corpus:
-    data = path.read_bytes()
-    cut = len(data) - max(1, int(len(data) * val_fraction))
-    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return Corpus(whole[:cut].clone(), whole[cut:].clone(), source, (1, 1))
+    texts = {p: p.read_bytes() + (b"" if single else SEPARATOR) for p in order}
+    total = sum(len(t) for t in texts.values())
+    target = max(1, int(total * val_fraction))
+    train: dict[Path, bytes] = {}
+    val: dict[Path, bytes] = {}
+    held = 0
+    for p in order:
+        data, need = texts[p], target - held
+        if need <= 0:
+            train[p] = data
+        elif len(data) <= need and not single:
+            val[p], held = data, held + len(data)
+        else:  # the file that crosses the line: its head to train, its tail held out
+            cut = len(data) - need
+            train[p], val[p], held = data[:cut], data[cut:], target
+    train = {p: t for p, t in train.items() if t}
+    return Corpus(
+        _bytes([train[p] for p in sorted(train)]),
+        _bytes([val[p] for p in sorted(val)]),
+        source,
+        (len(train), len(val)),
+        tuple(sorted(skipped)),
+    )
 
 
 def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) -> Corpus:
@@ -96,7 +132,7 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
     Args:
         text: a UTF-8 file or a folder of them (hidden files and files that are not UTF-8
             are skipped); None for the Python standard library's sources.
-        val_fraction: the share of files (or of the single file's bytes) held out.
+        val_fraction: the share of the bytes held out for validation.
 
     Raises:
         FileNotFoundError: ``text`` does not exist.
@@ -106,11 +142,12 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
     Example:
         >>> from qkv.training import load_corpus
         >>> corpus = load_corpus()                    # the standard library's sources
-        >>> round(corpus.files[1] / sum(corpus.files), 2), corpus.train.dtype  # files held out
-        (0.1, torch.uint8)
+        >>> round(len(corpus.val) / (len(corpus.train) + len(corpus.val)), 2)  # bytes held out
+        0.1
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+    skipped: list[tuple[str, str]] = []
     if text is None:
         root = stdlib_root()
         paths = _stdlib_files(root)
@@ -129,13 +166,14 @@ def load_corpus(text: str | Path | None = None, *, val_fraction: float = 0.1) ->
                 ) from None
             paths, root = [root], root.parent
         else:
-            paths = _text_files(root)
+            paths, skipped = _text_files(root)
+    skipped += [(p.relative_to(root).as_posix(), "empty") for p in paths if not p.stat().st_size]
     paths = [p for p in paths if p.stat().st_size > 0]
     if not paths:
         raise ValueError(f"the corpus {source} holds no text to train on")
     if len(paths) == 1 and paths[0].stat().st_size < 2:
         raise ValueError(f"the corpus {source} is too small to split (1 byte)")
-    return _split_files(root, sorted(paths), val_fraction, source)
+    return _split_files(root, sorted(paths), val_fraction, source, skipped)
 
 
 def check_context(corpus: Corpus, block_size: int) -> None:
@@ -144,8 +182,8 @@ def check_context(corpus: Corpus, block_size: int) -> None:
         if len(data) < block_size + 1:
             raise ValueError(
                 f"the context (block_size={block_size}) is longer than the "
-                f"{name} data ({len(data)} bytes) of {corpus.source}: use a "
-                "smaller --block-size or more text"
+                f"{name} data ({len(data)} bytes) of {corpus.source}: give more text, "
+                "or a preset with a smaller context (--preset tiny: 32 bytes)"
             )
 
 

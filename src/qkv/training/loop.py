@@ -197,6 +197,9 @@ def train(
     config_json = {**wanted, "train": dataclasses.asdict(tcfg)}
     state["steps"] = tcfg.steps  # the run's own total, which --resume goes on to
     bar = _Progress(tcfg.steps, state["step"], mcfg.block_size * tcfg.batch_size, progress)
+    corpus = getattr(data, "corpus", None)
+    if corpus is not None:  # what the run reads: files, bytes, and what it skipped
+        bar.note(corpus.describe())
     if extended:
         bar.note(f"resuming at step {state['step']}: {extended}")
     every = tcfg.eval_interval if save_every is None else save_every
