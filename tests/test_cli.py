@@ -271,3 +271,19 @@ def test_mask_document_takes_its_size_from_the_ids(capsys):
     main(["mask", "document", "--ids", "0,0,1,1,1"])
     out = capsys.readouterr().out
     assert "T_q=5, T_k=5" in out and len(out.strip().splitlines()) == 6
+
+
+def test_a_truncated_snapshot_gets_one_line_in_view(tmp_path, capsys):
+    from qkv.training import PRESETS, TrainConfig, snapshots, train
+
+    tcfg = PRESETS["induction"][1]
+    out = tmp_path / "induction"
+    small = TrainConfig(**{**tcfg.__dict__, "steps": 4, "eval_interval": 2, "eval_windows": 4})
+    train(out, preset="induction", train_config=small, progress=False)
+    first = snapshots(out)[0][1]
+    first.write_bytes(first.read_bytes()[:100])
+    with pytest.raises(SystemExit) as stop:
+        main(["view", "--checkpoint", str(out), "--out", str(tmp_path / "v.html")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"{first.name} is damaged or truncated" in err
