@@ -7,9 +7,10 @@ T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 from importlib import metadata as _metadata
 
 from . import distributed, heads, masks, models, numpy, scores
-from .functional import Dispatch, attention, attention_weights, dispatch, merge_attention
+from .functional import Dispatch, attention, dispatch
 from .learn import tutorial
 from .learn.explain import Trace, explain
+from .lse import attention_weights, merge_attention
 from .nn import (
     CausalAttention,
     CrossAttention,

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .core.record import listening
-from .functional import attention_weights, problem, row_scores, torch_inputs
+from .functional import problem, torch_inputs
+from .lse import attention_weights, row_scores
 
 SCORES = ("previous_token", "duplicate_token", "induction", "first_token")
 

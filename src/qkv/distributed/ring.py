@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from ..core.call import tiled_call
-from ..functional import merge_attention
 from ..kernels import tiled
 from ..kernels.reference import accumulation_dtype
+from ..lse import merge_attention
 from ..masks import EMPTY
 from .layout import Layout
 
