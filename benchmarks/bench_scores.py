@@ -3,13 +3,16 @@
     python benchmarks/bench_scores.py            # modification cost on the tiled kernel
     python benchmarks/bench_scores.py memory     # peak memory of the same calls (subprocesses)
     python benchmarks/bench_scores.py compile    # compiled vs eager MultiHeadAttention step
+    python benchmarks/bench_scores.py sinks      # attention sinks' cost on the tiled kernel
 
 Modifications: sliding_window(256) at T = 16K, float32, B = 1, H = 8, D = 64, forward, on
 the tiled kernel: ALiBi + soft-capping against the same call without them, medians of
 interleaved rounds (order alternating), ratio in the same run. Memory: each call in a fresh
 process, peak resident memory above the process's baseline (inputs built). Compile: one
 training step (forward, backward, AdamW) of a causal MultiHeadAttention with RoPE at
-T = 1024, eager against torch.compile(fullgraph=True), after warm-up.
+T = 1024, eager against torch.compile(fullgraph=True), after warm-up. Sinks: the same
+window, forward and forward + backward (gradients to q, k, v and the sinks), float32 and
+bfloat16, with per-head sinks against the same call without, interleaved rounds.
 """
 
 import json
@@ -137,6 +140,46 @@ def compiled_step(rounds: int = 30) -> None:
     )
 
 
+def sinks(rounds: int = 11) -> None:
+    print(
+        f"| sliding_window(256), T={T}, H={H}, D={D}, tiled | without | with sinks | "
+        "with ÷ without (IQR) |"
+    )
+    print("|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (x.to(dtype) for x in _inputs())
+        logits = torch.randn(H)
+        for grad in (False, True):
+
+            def run(with_sinks, grad=grad, q=q, k=k, v=v):
+                xs = [x.detach().requires_grad_(grad) for x in (q, k, v, logits)]
+                out = qkv.attention(
+                    *xs[:3],
+                    mask=masks.sliding_window(256),
+                    sinks=xs[3] if with_sinks else None,
+                    backend="tiled",
+                )
+                if grad:
+                    out.float().square().mean().backward()
+
+            times: dict[bool, list[float]] = {False: [], True: []}
+            run(False), run(True)  # warm-up
+            for r in range(rounds):
+                for case in (False, True) if r % 2 == 0 else (True, False):
+                    t0 = time.perf_counter()
+                    run(case)
+                    times[case].append(time.perf_counter() - t0)
+            ratio = [w / o for w, o in zip(times[True], times[False])]
+            q1, _, q3 = statistics.quantiles(ratio, n=4)
+            what = f"{str(dtype).removeprefix('torch.')}, {'fwd+bwd' if grad else 'forward'}"
+            print(
+                f"| {what} | {statistics.median(times[False]) * 1e3:.0f} ms | "
+                f"{statistics.median(times[True]) * 1e3:.0f} ms | "
+                f"{statistics.median(ratio):.3f} ({q1:.3f}–{q3:.3f}) |",
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["_peak"]:
@@ -145,5 +188,7 @@ if __name__ == "__main__":
         memory()
     elif args == ["compile"]:
         compiled_step()
+    elif args == ["sinks"]:
+        sinks()
     else:
         modifications()

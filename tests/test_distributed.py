@@ -95,6 +95,9 @@ def worker(rank, world, port):
                     check_case(rank, world, mask_name, layout_kind, schedule)
         for positions, schedule in (("learned", "allgather"), ("rope", "ring")):
             check_gpt(rank, world, positions, schedule)
+        for mask_name in ("causal", "padding (a row with no key)", "document&causal"):
+            for schedule in ("allgather", "ring"):
+                check_sinks(rank, world, mask_name, schedule)
         check_errors(rank, world)
     finally:
         dist.destroy_process_group()
@@ -163,6 +166,35 @@ def test_layout_and_call_errors():
         qd.Layout.balanced(4, 2, torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="T=4 positions along dim 1"):
         qd.Layout.contiguous(4, 2).shard(torch.zeros(1, 5), 1, rank=0)
+
+
+def check_sinks(rank, world, mask_name, schedule):
+    """Sinks split across ranks: outputs, q/k/v gradients and the sinks' gradient summed
+    over ranks equal one process's."""
+    mask = mask_named(mask_name)
+    layout = qd.Layout.balanced(T, world, mask, block_k=4)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, T, 5, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    w = torch.randn(2, 4, T, 5, generator=g, dtype=torch.float64)
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    full = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    want = qkv.attention(*full[:3], mask=mask, sinks=full[3])
+    (want * w).sum().backward()
+    local = [layout.shard(x, 2, rank).requires_grad_() for x in (q, k, v)]
+    mine = sinks.clone().requires_grad_()
+    out = qd.attention(
+        *local, layout=layout, mask=mask, schedule=schedule, ring_piece=5, sinks=mine
+    )
+    (out * layout.shard(w, 2, rank)).sum().backward()
+    what = f"sinks: rank {rank}/{world}, {mask_name}, {schedule}"
+    torch.testing.assert_close(out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0)
+    for name, x, ref in zip("qkv", local, full):
+        torch.testing.assert_close(
+            x.grad, layout.shard(ref.grad, 2, rank), atol=1e-10, rtol=0, msg=f"d{name}: {what}"
+        )
+    dsinks = mine.grad.clone()
+    dist.all_reduce(dsinks)  # a replicated parameter: its gradient summed over ranks
+    torch.testing.assert_close(dsinks, full[3].grad, atol=1e-10, rtol=0, msg=what)
 
 
 def check_gpt(rank, world, positions, schedule):

@@ -21,6 +21,7 @@ from .core.call import lowered, prepare, torch_inputs
 from .core.dispatch import Dispatch, plain
 from .core.record import listeners
 from .kernels import Lowered, Result, flex, reference, sdpa, tiled
+from .kernels.contract import with_sinks
 from .masks import MaskLike
 from .scores import ScoreMod
 from .tuning import tuning
@@ -44,6 +45,7 @@ def dispatch(
     return_lse: bool = False,
     backend: Backend = "auto",
     score_mod: ScoreMod | Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Dispatch:
     """Which kernel :func:`attention` would run on these arguments, and why.
 
@@ -74,9 +76,10 @@ def dispatch(
         return_lse=return_lse,
         backend=backend,
         score_mod=score_mod,
+        sinks=sinks,
     )
     choice = prep.choice
-    if (
+    if sinks is None and (
         _plain_applies(
             query,
             key,
@@ -121,6 +124,7 @@ def attention(
     return_lse: Literal[False] = False,
     backend: Backend = "auto",
     score_mod: ScoreMod | Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -139,6 +143,7 @@ def attention(
     return_lse: bool = False,
     backend: Backend = "auto",
     score_mod: ScoreMod | Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
@@ -156,6 +161,7 @@ def attention(
     return_lse: bool = False,
     backend: Backend = "auto",
     score_mod: ScoreMod | Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale, masked) V``.
 
@@ -182,10 +188,18 @@ def attention(
         score_mod: a :mod:`qkv.scores` modification (or a callable ``fn(score, b, h,
             q_idx, kv_idx)``), applied to the scaled scores before the mask; the weights and
             the log-sum-exp are those of the modified scores.
+        sinks: attention sinks, a floating (H,) tensor: one logit per query head, a key with
+            no value in every row's softmax (gpt-oss's learned sinks); or (B|1, H|1, T_q|1),
+            one per row (sinks computed from the input). The weights then sum
+            to less than 1 (``out`` shrinks by ``exp(lse₀ − lse)``), the log-sum-exp includes
+            them, a fully masked row gives out 0 with lse = the sink, and gradients reach
+            them (they must be differentiable: pass a parameter). In the units of the
+            scaled, modified scores.
 
     Returns:
         ``out`` of shape (…, T_q, D_v), or ``(out, weights?, lse?)`` in that order when
-        either is asked for. Fully masked rows give out 0, weights 0 and lse -inf.
+        either is asked for. Fully masked rows give out 0, weights 0 and lse -inf (the
+        sink's logit with sinks).
 
     Raises:
         ValueError, TypeError: bad input, naming the argument and its expected and actual
@@ -198,7 +212,7 @@ def attention(
         torch.Size([2, 4, 5, 3])
     """
     listening = listeners()
-    if not listening:
+    if not listening and sinks is None:
         scale_ = _plain_applies(
             query,
             key,
@@ -230,17 +244,21 @@ def attention(
         return_lse=return_lse or lse_for_listeners,
         backend=backend,
         score_mod=score_mod,
+        sinks=sinks,
     )
     p, choice = prep.p, prep.choice
     q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
     if p.T_k == 0:  # no keys at all: every row is fully masked
-        result = Result(
-            q.new_zeros(p.B, p.H, p.T_q, p.D_v),
-            torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device),
-            q.new_zeros(p.B, p.H, p.T_q, 0),
+        result = with_sinks(
+            Result(
+                q.new_zeros(p.B, p.H, p.T_q, p.D_v),
+                torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device),
+                q.new_zeros(p.B, p.H, p.T_q, 0),
+            ),
+            sinks,
         )
     elif choice.compiled is not None:  # while tracing: the tiled kernel as one opaque op
-        result = Result(*compiled.tiled_op(q, k, v, choice.compiled, p))
+        result = with_sinks(Result(*compiled.tiled_op(q, k, v, choice.compiled, p)), sinks)
     else:
         call = lowered(
             prep,

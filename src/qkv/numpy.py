@@ -96,6 +96,7 @@ def attention(
     return_weights: bool = False,
     return_lse: bool = False,
     score_mod: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Scaled dot-product attention in float64: the oracle.
 
@@ -111,10 +112,13 @@ def attention(
         return_lse: also return the (…, T_q) log-sum-exp of the scaled, masked scores.
         score_mod: a :mod:`qkv.scores` modification, applied to the scaled scores before
             the mask; a callable ``fn(score, b, h, q_idx, kv_idx)`` gets NumPy arrays here.
+        sinks: attention-sink logits, (H,) or per row (B|1, H|1, T_q|1): each row's
+            softmax gets one more column with that logit and no value, dropped from the
+            weights returned.
 
     Returns:
         ``out`` of shape (…, T_q, D_v), or a tuple ``(out, weights?, lse?)`` in that order.
-        Fully masked rows give out 0, weights 0 and lse -inf.
+        Fully masked rows give out 0, weights 0 and lse -inf (with sinks: the sink).
 
     Raises:
         ValueError, TypeError: bad input, with the expected and actual shapes.
@@ -130,7 +134,14 @@ def attention(
     allowed = _allowed(mask, p)
     if allowed is not None:
         scores = np.where(allowed, scores, -np.inf)
-    weights = softmax(scores)  # (B, H, T_q, T_k)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)
+        rows = sink[None, :, None] if sink.ndim == 1 else sink  # (H,) or (B|1, H|1, T_q|1)
+        column = np.broadcast_to(rows[..., None], (*scores.shape[:3], 1))
+        scores = np.concatenate([scores, column], axis=-1)  # the sink: one more key
+        weights = softmax(scores)[..., :-1]  # (B, H, T_q, T_k), the sink's share dropped
+    else:
+        weights = softmax(scores)  # (B, H, T_q, T_k)
     out = weights @ v  # (B, H, T_q, D_v)
     extras = ([weights] if return_weights else []) + ([logsumexp(scores)] if return_lse else [])
     if not extras:

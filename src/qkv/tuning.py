@@ -46,7 +46,7 @@ class Tuning:
         long_scores: from this many scores on, the tiled kernel runs any qkv mask (a dense
             mask would cost more than tiling saves).
         native_scores: from this many scores on, bfloat16 runs the native kernel where the
-            machine runs it faster than float32 (dispatch rule 4).
+            machine runs it faster than float32 (dispatch rule "native bfloat16").
         block_q: queries per block of the tiled kernel's plan.
         block_k: keys per block: a mask is classified EMPTY/PARTIAL/FULL at this size.
         chunk_k: the most keys one matmul of the loop covers.

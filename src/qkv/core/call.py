@@ -48,6 +48,7 @@ class Prepared:
     mod: ScoreMod | None
     choice: Dispatch
     tuning: Tuning
+    sinks: torch.Tensor | None = None
 
 
 def prepare(
@@ -64,6 +65,7 @@ def prepare(
     return_weights: bool = False,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Any = None,
 ) -> Prepared:
     """Validate one call (the torch side of it, then the shared checks) and choose its
     kernel and code: by the eager rules, or, while ``torch.compile`` traces, by those that
@@ -83,6 +85,7 @@ def prepare(
     )
     if mod is not None:
         mod.validate(p.B, p.H, p.T_q, p.T_k)
+    check_sinks(sinks, p, query)
     if tracing and backend == "flex":
         raise ValueError(
             "backend='flex' plans its BlockMask from the mask's values, "
@@ -107,8 +110,30 @@ def prepare(
         tracing,
         knobs,
         compiled.recipe(mask, mod, p, query.device) if tracing else None,
+        sinks,
     )
-    return Prepared(p, mask, mod, choose(ask, backend), knobs)
+    return Prepared(p, mask, mod, choose(ask, backend), knobs, sinks)
+
+
+def check_sinks(sinks: Any, p: Problem, query: torch.Tensor) -> None:
+    """Sinks are a floating tensor on the query's device: (H,), one logit per query head,
+    or (B|1, H|1, T_q|1), one per row."""
+    if sinks is None:
+        return
+    want = f"(H,) = ({p.H},) or (B|1, H|1, T_q|1) = ({p.B}|1, {p.H}|1, {p.T_q}|1)"
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        got = type(sinks).__name__ + (
+            f" of {sinks.dtype}" if isinstance(sinks, torch.Tensor) else ""
+        )
+        raise TypeError(f"sinks must be a floating torch.Tensor of shape {want}; got {got}")
+    shape = tuple(sinks.shape)
+    fits = shape == (p.H,) or (
+        len(shape) == 3 and all(n in (1, full) for n, full in zip(shape, (p.B, p.H, p.T_q)))
+    )
+    if not fits:
+        raise ValueError(f"sinks must have shape {want}; got {shape}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
 
 
 def lowered(
@@ -134,6 +159,7 @@ def lowered(
         dropout_p=dropout_p,
         generator=generator,
         need_lse=need_lse,
+        sinks=prep.sinks,
     )
 
 

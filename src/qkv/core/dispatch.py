@@ -12,29 +12,31 @@ For ``backend="auto"``:
    the log-sum-exp → ``reference`` (the only kernel that materialises them);
 2. ``user function while tracing``: a score function qkv cannot rebuild inside the compiled
    tiled op → ``reference``, traced into the graph;
-3. ``log-sum-exp`` → ``tiled`` (it returns it without materialising T_q × T_k; ``flex`` on
+3. ``sinks`` → ``tiled`` (it applies attention sinks from its log-sum-exp, exactly;
+   ``flex`` on CUDA; ``reference`` with dropout or while tracing);
+4. ``log-sum-exp`` → ``tiled`` (it returns it without materialising T_q × T_k; ``flex`` on
    CUDA);
-4. ``modification sdpa cannot take`` (not additive, or reading a tensor that needs a
+5. ``modification sdpa cannot take`` (not additive, or reading a tensor that needs a
    gradient; any modification while tracing) → ``tiled``, ``flex`` on CUDA, or
    ``reference`` with dropout; an additive one continues below as a float mask;
-5. ``native bfloat16`` (eager): bfloat16 on a CPU that runs qkv's native kernel, no dropout
+6. ``native bfloat16`` (eager): bfloat16 on a CPU that runs qkv's native kernel, no dropout
    or modification, a qkv mask or none, at least :attr:`qkv.Tuning.native_scores` scores →
    ``tiled`` (measured from T = 1024: forward 1.26–1.38×, forward + backward 1.07–1.16×
    faster than SDPA, which computes bfloat16 at float32's speed on the CPU);
-6. ``no mask`` → ``sdpa`` without a mask;
-7. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here (eager; while
+7. ``no mask`` → ``sdpa`` without a mask;
+8. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here (eager; while
    tracing: causal for one query at the end of the keys) → ``sdpa`` without a mask;
-8. ``non-finite key`` (eager): a key holding NaN/inf under a mask or modification → ``tiled``
+9. ``non-finite key`` (eager): a key holding NaN/inf under a mask or modification → ``tiled``
    (sdpa would spread it into rows that mask it), or ``reference`` with dropout;
-9. ``dropout`` → ``sdpa`` with the mask, drawing from torch's global generator (while
+10. ``dropout`` → ``sdpa`` with the mask, drawing from torch's global generator (while
    tracing, where a key's finiteness cannot be read: ``reference``);
-10. ``causal square`` → ``sdpa`` with ``is_causal`` (T_q == T_k, no offset);
-11. ``small`` (eager): T_q·T_k < :attr:`qkv.Tuning.small_scores` → ``sdpa``, the mask lowered
+11. ``causal square`` → ``sdpa`` with ``is_causal`` (T_q == T_k, no offset);
+12. ``small`` (eager): T_q·T_k < :attr:`qkv.Tuning.small_scores` → ``sdpa``, the mask lowered
     densely (planning blocks would cost more than skipping them saves);
-12. ``sparse or long`` (eager): a qkv mask leaving less than
+13. ``sparse or long`` (eager): a qkv mask leaving less than
     :attr:`qkv.Tuning.sparse_density` of the scores, or T_q·T_k >=
     :attr:`qkv.Tuning.long_scores` → ``tiled`` (``flex`` on CUDA for a qkv mask);
-13. ``otherwise`` → ``sdpa`` with the mask lowered densely; while tracing → ``tiled`` as one
+14. ``otherwise`` → ``sdpa`` with the mask lowered densely; while tracing → ``tiled`` as one
     opaque op.
 
 Where the tiled kernel runs, :func:`tiled_path` names its code: the PyTorch loop, torch's

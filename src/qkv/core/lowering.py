@@ -41,9 +41,11 @@ def lower(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     need_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> Lowered:
     """The call as the kernel ``choice`` names receives it: q, k, v in (B, H|H_kv, T, D)
-    layout, and the mask and modification in that kernel's forms only."""
+    layout, and the mask and modification in that kernel's forms only; the sinks as given
+    (every kernel applies them)."""
     base = Lowered(
         q,
         k,
@@ -55,6 +57,7 @@ def lower(
         dropout_p=dropout_p,
         generator=generator,
         need_lse=need_lse,
+        sinks=sinks,
     )
     if choice.backend == "sdpa":
         if mod is not None:  # additive: its term and the mask as one float mask

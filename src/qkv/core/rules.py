@@ -68,6 +68,8 @@ class Ask:
     tuning: Tuning
     #: While tracing, the recipe the compiled tiled op would receive (None: none can be made)
     recipe: tuple[Any, ...] | None = None
+    #: attention sinks, (H,) logits, or None
+    sinks: torch.Tensor | None = None
 
     @property
     def scores(self) -> int:
@@ -237,6 +239,28 @@ def _rule_user_function(a: Ask) -> Dispatch | None:
         return None
     return _reference(
         a, "a user score function runs traced on the reference kernel", "user function"
+    )
+
+
+def _rule_sinks(a: Ask) -> Dispatch | None:
+    if a.sinks is None:
+        return None
+    if a.dropout_p > 0 or a.tracing:
+        why = "with dropout (the tiled kernel has none)" if a.dropout_p > 0 else "while compiling"
+        return _reference(
+            a, f"attention sinks {why}: the reference kernel applies them exactly", "sinks"
+        )
+    if a.gpu:
+        return Dispatch(
+            "flex",
+            "attention sinks, on CUDA: FlexAttention's log-sum-exp gives them exactly",
+            rule="sinks",
+        )
+    return _tiled(
+        a,
+        "attention sinks: the tiled kernel applies them from its log-sum-exp, exactly and "
+        "without materialising T_q × T_k",
+        "sinks",
     )
 
 
@@ -433,6 +457,7 @@ def _rule_otherwise(a: Ask) -> Dispatch | None:
 RULES: tuple[Rule, ...] = (
     Rule("materialised", "always", _rule_materialised),
     Rule("user function", "tracing", _rule_user_function),
+    Rule("sinks", "always", _rule_sinks),
     Rule("log-sum-exp", "always", _rule_lse),
     Rule("modification sdpa cannot take", "always", _rule_modification),
     Rule("native bfloat16", "eager", _rule_native),

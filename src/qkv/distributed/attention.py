@@ -39,6 +39,7 @@ def attention(
     group: dist.ProcessGroup | None = None,
     check: bool = True,
     ring_piece: int = 2048,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence, each rank passing and receiving its own positions.
 
@@ -58,6 +59,9 @@ def attention(
         ring_piece: the most positions of keys and values one ring step carries: the ring
             streams each shard in pieces this long, so a rank holds about two pieces in
             flight rather than whole shards (smaller: less memory, more steps).
+        sinks: per-head attention sinks (H,), as in :func:`qkv.attention`, applied once per
+            query after all keys (the same on every rank: their gradient on each rank is
+            that rank's queries' share, summed as a replicated parameter's is).
 
     Returns:
         (B, H, T_r, D_v): the output at this rank's positions, equal to one process attending
@@ -71,6 +75,11 @@ def attention(
     problem = local_problem(query, key, value, layout, mask, schedule, rank, world, ring_piece)
     if check:  # before anything can raise on one rank only and leave the others waiting
         check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece)
+    if problem is None and sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        problem = (
+            f"context parallelism takes per-head sinks (H,) = ({query.shape[1]},); "
+            f"got {tuple(sinks.shape)}"
+        )
     if problem is not None:
         raise ValueError(problem)
     # Keys and values travel together: one collective (or one ring pass) for both, so every
@@ -78,7 +87,16 @@ def attention(
     if schedule == "allgather":
         kv = torch.cat([key, value], dim=-1)  # (B, H_kv, T_r, D + D_v)
         outs = _allgather(
-            query, kv, layout, mask, rank, group, key.shape[-1], scale=scale, dropout_p=dropout_p
+            query,
+            kv,
+            layout,
+            mask,
+            rank,
+            group,
+            key.shape[-1],
+            scale=scale,
+            dropout_p=dropout_p,
+            sinks=sinks,
         )
     else:
         outs = ring(
@@ -93,6 +111,7 @@ def attention(
             scale=scale,
             dropout_p=dropout_p,
             piece=ring_piece,
+            sinks=sinks,
         )
     if not outs:  # this rank holds no position
         return query.new_zeros(*query.shape[:3], value.shape[-1])

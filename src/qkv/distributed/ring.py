@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..core.call import tiled_call
 from ..kernels import tiled
+from ..kernels.contract import sink_factor, sink_rows
 from ..kernels.reference import accumulation_dtype
 from ..lse import merge_attention
 from ..masks import EMPTY
@@ -38,14 +39,16 @@ def runs_of(layout: Layout, rank: int, longest: int | None = None):
 
 
 def ring(
-    query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece
+    query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece, sinks=None
 ) -> list[torch.Tensor]:
     if dropout_p > 0:
         raise ValueError(
             "the ring schedule has no dropout (its pairs run the tiled kernel); "
             "use schedule='allgather'"
         )
-    out = _RingAttention.apply(query, key, value, layout, mask, scale, rank, world, group, piece)
+    out = _RingAttention.apply(
+        query, key, value, layout, mask, scale, rank, world, group, piece, sinks
+    )
     return [out] if out.shape[2] else []
 
 
@@ -73,10 +76,12 @@ class _RingAttention(torch.autograd.Function):
     piece: the piece travels the ring again with a dK/dV accumulator; every rank adds the
     gradients of its queries against it (the tiled kernel's backward against the merged
     output and log-sum-exp, FlashAttention-2 style), and one last pass brings the
-    accumulator home."""
+    accumulator home. Sinks are applied to the merged result, so the saved output and
+    log-sum-exp include them and the backward is unchanged (a sink has no value); their
+    gradient is this rank's rows' share."""
 
     @staticmethod
-    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece):
+    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece, sinks):
         runs = list(runs_of(layout, rank, piece))  # query runs, no longer than a piece
         D, D_v = key.shape[-1], value.shape[-1]
         acc = accumulation_dtype(query.dtype)
@@ -101,13 +106,16 @@ class _RingAttention(torch.autograd.Function):
                 _trim()
         out = torch.cat(outs, dim=2) if outs else query.new_zeros(*query.shape[:3], D_v)
         lse = torch.cat(lses, dim=2) if lses else query.new_zeros(*query.shape[:3])
-        ctx.save_for_backward(query, key, value, out, lse)
+        if sinks is not None:
+            factor, lse = sink_factor(lse, sinks)
+            out = (out.to(factor.dtype) * factor[..., None]).to(out.dtype)
+        ctx.save_for_backward(query, key, value, out, lse, sinks)
         ctx.args = (layout, mask, scale, rank, world, group, piece)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, out, lse, sinks = ctx.saved_tensors
         layout, mask, scale, rank, world, group, piece = ctx.args
         runs = list(runs_of(layout, rank, piece))
         D = key.shape[-1]
@@ -160,7 +168,12 @@ class _RingAttention(torch.autograd.Function):
             if world > 1:
                 dcurrent = _pass_on(dcurrent, hi - lo, rank, world, group)
             dkey[:, :, lo:hi], dvalue[:, :, lo:hi] = dcurrent[..., :D], dcurrent[..., D:]
-        return dquery, dkey, dvalue, None, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[10]:  # Σ_rows −exp(sink − lse)·delta
+            weight = torch.exp(sink_rows(sinks, lse.dtype) - lse)
+            weight = weight.masked_fill(lse == float("-inf"), 0.0)
+            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+        return dquery, dkey, dvalue, None, None, None, None, None, None, None, dsinks
 
 
 @functools.cache

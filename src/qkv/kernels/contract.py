@@ -84,14 +84,57 @@ class Lowered:
     #: flex: FlexAttention's BlockMask and score_mod
     block_mask: Any = None
     score_mod: Callable[..., Any] | None = None
+    #: attention sinks: a logit per query head (H,) or per row (B|1, H|1, T_q|1), a key
+    #: with no value in every row's softmax (every kernel applies them; :func:`with_sinks`)
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class Result:
     """What a kernel returns: out (B, H, T_q, D_v) in q's dtype; the (B, H, T_q) log-sum-exp
     (accumulation dtype) and the (B, H, T_q, T_k) weights where the kernel gives them, else
-    None. Fully masked rows: out 0, weights 0, lse -inf."""
+    None. Fully masked rows: out 0, weights 0, lse -inf (with sinks: the sink's logit)."""
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+
+
+def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What attention sinks do to a row, from its log-sum-exp alone.
+
+    A sink is a key with logit ``sinks[h]`` and no value: it joins each row's softmax
+    denominator and adds nothing to the output. So, exactly, ``lse' = logaddexp(lse, sink)``
+    and every weight (hence the output) is multiplied by ``exp(lse - lse')``; a fully masked
+    row (lse -inf) keeps out 0 and gets lse' = sink.
+
+    Args:
+        lse: (B, H, T_q) log-sum-exp without the sinks.
+        sinks: (H,) or (B|1, H|1, T_q|1) logits, in the units of the scaled (and
+            modified) scores.
+
+    Returns:
+        ``(factor, lse')``, both (B, H, T_q) in lse's dtype.
+    """
+    total = torch.logaddexp(lse, sink_rows(sinks, lse.dtype))
+    return torch.exp(lse - total), total
+
+
+def sink_rows(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sinks as a tensor broadcastable to (B, H, T_q): (H,) becomes (1, H, 1)."""
+    return sinks.to(dtype).view(1, -1, 1) if sinks.ndim == 1 else sinks.to(dtype)
+
+
+def with_sinks(result: Result, sinks: torch.Tensor | None) -> Result:
+    """A kernel's result with the sinks applied (:func:`sink_factor`), differentiably: the
+    form for kernels whose log-sum-exp autograd can carry (reference, flex)."""
+    if sinks is None:
+        return result
+    assert result.lse is not None, "sinks need the kernel's log-sum-exp"
+    factor, lse = sink_factor(result.lse, sinks)
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return (x.to(factor.dtype) * factor[..., None]).to(x.dtype)
+
+    weights = None if result.weights is None else scaled(result.weights)
+    return Result(scaled(result.out), lse, weights)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .contract import Lowered, Result
+from .contract import Lowered, Result, with_sinks
 
 #: FlexAttention's block (queries and keys); the block map is classified at this size.
 BLOCK = 128
@@ -55,11 +55,16 @@ def run(call: Lowered) -> Result:
             "has no backward pass on CPU. Use backend='tiled' (or 'auto') to "
             "train there, or run under torch.no_grad()"
         )
-    if cpu and call.need_lse:
+    need_lse = call.need_lse or call.sinks is not None
+    if cpu and need_lse:
+        what = (
+            "attention sinks (made from the log-sum-exp)"
+            if call.sinks is not None
+            else "the log-sum-exp"
+        )
         raise ValueError(
-            "backend='flex' cannot give the log-sum-exp on CPU (torch's "
-            "compiled FlexAttention does not return it there); use "
-            "backend='tiled'"
+            f"backend='flex' cannot give {what} on CPU: torch's "
+            "compiled FlexAttention does not return it there; use backend='tiled'"
         )
     if _COMPILED is None:
         _COMPILED = torch.compile(flex_attention, dynamic=False)
@@ -72,9 +77,9 @@ def run(call: Lowered) -> Result:
         block_mask=call.block_mask,
         scale=call.scale,
         enable_gqa=k.shape[1] != q.shape[1],
-        return_lse=call.need_lse,
+        return_lse=need_lse,
     )
-    return Result(result[0], result[1]) if call.need_lse else Result(result)
+    return with_sinks(Result(result[0], result[1]) if need_lse else Result(result), call.sinks)
 
 
 def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .contract import Lowered, Result
+from .contract import Lowered, Result, with_sinks
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,7 +106,8 @@ def reference(
 
 
 def run(call: Lowered) -> Result:
-    """The contract's entry: :func:`reference` on the call's dense mask and modification."""
+    """The contract's entry: :func:`reference` on the call's dense mask and modification,
+    then the call's sinks."""
     out, weights, lse = reference(
         call.q,
         call.k,
@@ -117,4 +118,4 @@ def run(call: Lowered) -> Result:
         generator=call.generator,
         modify=call.modify,
     )
-    return Result(out, lse, weights)
+    return with_sinks(Result(out, lse, weights), call.sinks)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .contract import Lowered, Result
+from .contract import Lowered, Result, sink_rows
 
 
 def sdpa(
@@ -53,14 +53,39 @@ def sdpa(
 
 def run(call: Lowered) -> Result:
     """The contract's entry: the call's float mask if it has one, else its bool mask or
-    ``is_causal``."""
-    out = sdpa(
-        call.q,
-        call.k,
-        call.v,
-        mask=call.bias if call.bias is not None else call.dense,
-        is_causal=call.is_causal,
-        scale=call.scale,
-        dropout_p=call.dropout_p,
-    )
+    ``is_causal``; with sinks, :func:`with_sink_key`."""
+    q, k, v = call.q, call.k, call.v
+    mask = call.bias if call.bias is not None else call.dense
+    is_causal = call.is_causal
+    if call.sinks is not None:
+        k, v, mask = with_sink_key(call)
+        is_causal = False
+    out = sdpa(q, k, v, mask=mask, is_causal=is_causal, scale=call.scale, dropout_p=call.dropout_p)
     return Result(out)
+
+
+def with_sink_key(call: Lowered) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sinks as torch's kernel can take them: one more key, zero in k and v, whose score is
+    the sink's logit, given by a float mask column (SDPA adds the mask to the scaled
+    scores, so ``0 · scale + sink``). Exact, gradients reach the sinks through the mask;
+    the mask is (B, H, T_q, T_k + 1) floats, as any float mask of this kernel is."""
+    q, k, v, sinks = call.q, call.k, call.v, call.sinks
+    assert sinks is not None
+    B, H, T_q, _ = q.shape
+    T_k = k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if call.bias is not None:
+        scores = call.bias.to(acc)
+    elif call.dense is not None or call.is_causal:
+        allowed = call.dense
+        if allowed is None:  # is_causal: top-left, T_q == T_k
+            allowed = torch.ones(T_q, T_k, dtype=torch.bool, device=q.device).tril()
+        scores = torch.zeros((), dtype=acc, device=q.device).masked_fill(~allowed, float("-inf"))
+    else:
+        scores = torch.zeros((), dtype=acc, device=q.device)
+    scores = scores.expand(B, H, T_q, T_k)
+    sink = sink_rows(sinks, acc)[..., None].expand(B, H, T_q, 1)
+    mask = torch.cat([scores, sink], dim=-1).to(q.dtype)
+    zero_k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
+    zero_v = v.new_zeros(B, v.shape[1], 1, v.shape[3])
+    return torch.cat([k, zero_k], dim=2), torch.cat([v, zero_v], dim=2), mask

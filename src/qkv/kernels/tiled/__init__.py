@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ..contract import Lowered, Result
+from ..contract import Lowered, Result, sink_factor, sink_rows
 from . import flash
 from .loop import loop_backward, loop_forward
 
@@ -51,27 +51,44 @@ def backward(
 
 
 class _TiledAttention(torch.autograd.Function):
+    """The tiled kernel under autograd. Sinks are applied to the forward's result (a sink
+    is a key with no value), so the saved out and lse already include them and the
+    backward is the plain one on those: P = exp(S - lse) is the sink-aware softmax and the
+    sink, having no value, adds no term. The sinks' own gradient is
+    ``Σ_rows exp(sink - lse) · (dlse - rowsum(dout ∘ out))``."""
+
     @staticmethod
-    def forward(ctx, call, q, k, v, *mod_tensors):
+    def forward(ctx, call, sinks, q, k, v, *mod_tensors):
         out, lse = forward(call)
+        if sinks is not None:
+            factor, lse = sink_factor(lse, sinks)
+            out = out * factor[..., None].to(out.dtype)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *mod_tensors)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *mod_tensors)
         ctx.call = call
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *mod_tensors = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *mod_tensors = ctx.saved_tensors
         call = dataclasses.replace(ctx.call, q=q, k=k, v=v, mod_tensors=tuple(mod_tensors))
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # nothing reaches the log-sum-exp: the cheaper backward applies
-        grads = backward(call, out, lse, dout, dlse, need_mod=any(ctx.needs_input_grad[4:]))
-        return (None, *grads)
+        grads = backward(call, out, lse, dout, dlse, need_mod=any(ctx.needs_input_grad[5:]))
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[1]:
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, T_q)
+            d_lse = delta.neg() if dlse is None else dlse.to(lse.dtype) - delta
+            weight = torch.exp(sink_rows(sinks, lse.dtype) - lse)  # the sink's weight
+            weight = weight.masked_fill(lse == float("-inf"), 0.0)  # a row and sink both -inf
+            rows = sink_rows(sinks, lse.dtype).shape
+            dsinks = (weight * d_lse).sum_to_size(rows).reshape(sinks.shape).to(sinks.dtype)
+        return (None, dsinks, *grads)
 
 
 def run(call: Lowered) -> Result:
-    """The contract's entry: block-sparse attention with its own backward. out in q's
-    dtype and lse in the accumulation dtype; gradients flow through both to q, k, v and the
-    tensors the score modification reads."""
-    out, lse = _TiledAttention.apply(call, call.q, call.k, call.v, *call.mod_tensors)
+    """The contract's entry: block-sparse attention with its own backward, the call's
+    sinks applied. out in q's dtype and lse in the accumulation dtype; gradients flow
+    through both to q, k, v, the sinks and the tensors the score modification reads."""
+    out, lse = _TiledAttention.apply(call, call.sinks, call.q, call.k, call.v, *call.mod_tensors)
     return Result(out, lse)
