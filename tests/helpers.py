@@ -38,6 +38,8 @@ def mask_zoo(B, T_k, T_q=None, seed=0):
         "window|prefix": masks.sliding_window(2) | masks.prefix_lm(1),
         "~causal": ~masks.causal(),
         "predicate": masks.predicate(lambda b, h, q, kv: (q + kv + h) % 3 != 0, "mod3"),
+        # Each query its own keys (-1: an unused slot), rows at the queries' positions.
+        "key_indices": masks.key_indices(rng.integers(-1, T_k, size=(B, T_q, 3)), first=T_k - T_q),
         "dense": torch.from_numpy(rng.random((B, 1, 1, T_k)) < 0.7),
         # Rows too, so kernels must offset the mask per query block.
         "dense_rows": torch.from_numpy(rng.random((B, 1, T_q, T_k)) < 0.6),

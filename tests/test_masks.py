@@ -1,6 +1,7 @@
 """Masks: exact dense lowering, algebra laws, alignment, pictures and bad arguments."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -321,3 +322,37 @@ def test_document_blocks_read_exactly_their_own_ids():
 def test_long_arrays_are_summarised_in_reprs():
     assert repr(masks.document(list(range(8)))) == "document([0, 1, 2, 3, 4, 5, 6, 7])"
     assert repr(masks.document(list(range(9)))) == "document([0, 1, 2, ..., 6, 7, 8])"
+
+
+def test_key_indices_attend_exactly_the_keys_listed():
+    """Each query its own keys, rows at ``first`` on, -1 unused; tiles with no listed key
+    are EMPTY (the block map is exact, so the tiled kernel visits only those)."""
+    rng = np.random.default_rng(0)
+    B, T_rows, T_k, first = 2, 9, 23, 5
+    idx = rng.integers(-1, T_k, size=(B, T_rows, 4))
+    m = masks.key_indices(idx, first=first)
+    want = np.zeros((B, 1, 14, T_k), dtype=bool)  # queries at positions 0..13
+    for b, r, j in np.ndindex(B, T_rows, 4):
+        if idx[b, r, j] >= 0:
+            want[b, 0, first + r, idx[b, r, j]] = True
+    got = m.to_numpy(B, 1, 14, T_k, q_offset=0)
+    np.testing.assert_array_equal(got, want)
+    assert torch.equal(m.dense(B, 1, 14, T_k, q_offset=0), torch.from_numpy(want))
+    codes = m.blocks(B, 1, 14, T_k, block_q=4, block_k=4, q_offset=0)
+    for i, j in np.ndindex(codes.shape):
+        tile = want[:, :, i * 4 : (i + 1) * 4, j * 4 : (j + 1) * 4]
+        assert (codes[i, j] == masks.EMPTY) == (not tile.any())
+    assert repr(m) == "key_indices((2, 9, 4), first=5)"
+
+
+@pytest.mark.parametrize(
+    "indices, B, T_k, exc, words",
+    [
+        (np.zeros((2, 3, 1), int), 3, 8, ValueError, "shape (B, T_rows, k) with B = 3"),
+        (np.full((1, 3, 1), 8), 1, 8, ValueError, "must be < T_k=8; got 8"),
+        (np.zeros((3, 1)), 1, 8, TypeError, "integers of 3 dims"),
+    ],
+)
+def test_bad_key_indices(indices, B, T_k, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        masks.key_indices(indices).dense(B, 1, 3, T_k)

@@ -29,7 +29,7 @@ import torch
 
 from .algebra import Mask, Predicate, predicate
 from .interop import from_torch
-from .library import causal, document, full, padding, prefix_lm, sliding_window
+from .library import causal, document, full, key_indices, padding, prefix_lm, sliding_window
 from .tiles import EMPTY, FULL, PARTIAL
 
 #: What an attention call takes as ``mask=``: a qkv mask, a bool tensor or array (True = may
@@ -47,6 +47,7 @@ __all__ = [
     "document",
     "from_torch",
     "full",
+    "key_indices",
     "padding",
     "predicate",
     "prefix_lm",

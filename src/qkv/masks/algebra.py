@@ -26,8 +26,9 @@ class Mask:
     #: then depends only on its offset from the diagonal, and kernels may reuse it.
     shift_invariant = False
     #: What the mask is, by structure: "full", "causal", "sliding_window", "padding",
-    #: "document", "prefix_lm", "predicate", "and", "or", "not" or "shifted". The dispatch
-    #: reads it where a kernel has a mask built in (SDPA's ``is_causal``).
+    #: "document", "prefix_lm", "key_indices", "predicate", "and", "or", "not" or
+    #: "shifted". The dispatch reads it where a kernel has a mask built in (SDPA's
+    #: ``is_causal``).
     kind = "predicate"
 
     def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:

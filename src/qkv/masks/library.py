@@ -208,6 +208,82 @@ class _PrefixLM(Mask):
         return f"prefix_lm({self.prefix})"
 
 
+class _KeyIndices(Mask):
+    """Each query's own list of keys (token-level sparse attention)."""
+
+    kind = "key_indices"
+
+    def __init__(self, indices: Any, first: int) -> None:
+        self.indices = _ints("indices", indices, (3,))
+        self.first = _int_arg("first", first, -_FAR)  # any position, as q_offset may be
+        rows = self.indices.shape[1]
+        # Every (batch, query, key) pair listed, as one sorted code: membership of a pair
+        # is then one binary search, on any shape of index arrays (never tile × k).
+        b, r = np.ogrid[: self.indices.shape[0], :rows]
+        b, r = b[..., None], r[..., None]  # (B, 1, 1) and (1, T_rows, 1)
+        listed = self.indices >= 0
+        self.width = int(self.indices.max(initial=-1)) + 1  # keys 0..width-1 can be listed
+        codes = ((b * rows + r) * self.width + self.indices)[listed]
+        self.codes = np.unique(codes)
+        self.pairs = (  # (query position, key) of every pair, for the block map
+            (self.first + np.broadcast_to(r, self.indices.shape))[listed],
+            self.indices[listed],
+        )
+
+    def validate(self, B, H, T_q, T_k):
+        if self.indices.shape[0] != B:
+            raise ValueError(
+                f"key indices must have shape (B, T_rows, k) with B = {B}; "
+                f"got {fmt_shape(self.indices.shape)}"
+            )
+        if self.width > T_k:
+            raise ValueError(f"key indices must be < T_k={T_k}; got {self.width - 1}")
+
+    @property
+    def batch(self) -> int:
+        return self.indices.shape[0]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        rows, width = self.indices.shape[1], max(self.width, 1)
+        row = q_idx - self.first
+        inside = (row >= 0) & (row < rows) & (kv_idx >= 0) & (kv_idx < width)
+        code = (b * rows + row) * width + kv_idx
+        codes = _like(self.codes, code)
+        if isinstance(code, torch.Tensor):
+            at = torch.searchsorted(codes, code.contiguous()).clamp(max=max(len(codes) - 1, 0))
+        else:
+            at = np.minimum(np.searchsorted(codes, code), max(len(codes) - 1, 0))
+        found = codes[at] == code if len(codes) else code < 0
+        return inside & found
+
+    def _grid_of_blocks(self, t) -> np.ndarray:
+        """Which (query block, key block) tiles hold a listed pair."""
+        q, k = self.pairs
+        qb = np.searchsorted(t.qa, q, "right") - 1
+        kb = np.searchsorted(t.ka, k, "right") - 1
+        keep = (
+            (qb >= 0) & (q <= t.qb[np.maximum(qb, 0)]) & (kb >= 0) & (k <= t.kb[np.maximum(kb, 0)])
+        )
+        grid = np.zeros((len(t.qa), len(t.ka)), dtype=bool)
+        grid[qb[keep], kb[keep]] = True
+        return grid
+
+    def _classify(self, t):
+        return _codes(False, ~self._grid_of_blocks(t)[t.rows, t.cols])
+
+    def _reach(self, t):
+        grid = self._grid_of_blocks(t)
+        any_ = grid.any(1)
+        lo = np.where(any_, t.ka[grid.argmax(1)], 0)
+        hi = np.where(any_, t.kb[len(t.ka) - 1 - grid[:, ::-1].argmax(1)] + 1, 0)
+        return lo, hi
+
+    def __repr__(self) -> str:
+        B, rows, k = self.indices.shape
+        at = f", first={self.first}" if self.first else ""
+        return f"key_indices(({B}, {rows}, {k}){at})"
+
+
 def _spans(ids: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Min and max of each row of ids (B, n) over positions first..last (clipped to the ids),
     for every block at once: one reduceat over the ids, not a loop over blocks."""
@@ -251,6 +327,23 @@ def document(ids: Any) -> Mask:
     Bidirectional within a document; combine with :func:`causal` for decoders.
     """
     return _Document(ids)
+
+
+def key_indices(indices: Any, first: int = 0) -> Mask:
+    """Token-level sparse attention (DeepSeek's DSA, NSA's selection): each query attends
+    only to the keys listed for it.
+
+    Args:
+        indices: integers (B, T_rows, k): ``indices[b, r]`` are the key positions that the
+            query at absolute position ``first + r`` may attend to; negative entries are
+            unused slots. Queries outside ``first .. first + T_rows - 1`` attend to nothing.
+        first: the absolute position of the first row's query (0 for a prefill; the
+            cache length when decoding).
+
+    Compose it with the other masks (``causal() & key_indices(idx)``). The tiled kernel
+    visits only the tiles that hold a listed key, and never builds T_q × T_k.
+    """
+    return _KeyIndices(indices, first)
 
 
 def prefix_lm(prefix: int) -> Mask:
