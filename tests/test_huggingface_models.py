@@ -121,15 +121,32 @@ def test_t5_relative_position_bias_matches_eager():
     assert (got.last_hidden_state - want.last_hidden_state).abs().max() < TOL
 
 
-def test_an_argument_qkv_cannot_honour_is_refused():
+def test_keywords_are_refused_or_ignored_by_one_rule():
+    """Refused: a keyword one of transformers' attention functions takes by name (here
+    ``cache``) or a tensor (``cu_seq_lens_q``); ignored: flags and ints that no attention
+    function reads (``output_router_logits``, ``logits_to_keep``) and the positions
+    transformers has already built into the mask."""
+
     class Module(torch.nn.Module):
         is_causal = True
 
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"cannot honour the attention argument\(s\) s_aux"):
-        huggingface.qkv_attention_forward(Module(), q, q, q, None, s_aux=torch.zeros(2))
+    for kwargs, refused in [
+        ({"cache": object()}, "cache"),
+        ({"cu_seq_lens_q": torch.zeros(2)}, "cu_seq_lens_q"),
+    ]:
+        with pytest.raises(huggingface.Unsupported, match=rf"cannot honour .*{refused}"):
+            huggingface.qkv_attention_forward(Module(), q, q, q, None, **kwargs)
     out, _ = huggingface.qkv_attention_forward(
-        Module(), q, q, q, None, position_ids=None, sliding_window=2
+        Module(),
+        q,
+        q,
+        q,
+        None,
+        position_ids=torch.arange(3)[None],
+        output_router_logits=True,
+        logits_to_keep=0,
+        sliding_window=2,
     )
     assert out.shape == (1, 3, 2, 4)
 

@@ -13,19 +13,28 @@ queries' place in the key buffer (:class:`StructuralMask`: block-sparse, never T
 others are transformers' dense bool masks (``sdpa_mask``: ``True`` = may attend, qkv's
 polarity). The score modifications models pass to the
 attention function become :mod:`qkv.scores` modifications: Gemma 2's ``softcap``, T5's
-``position_bias``.
+``position_bias``, a model's own additive float mask; gpt-oss's ``s_aux`` (and Inkling's
+``sinks``) become qkv's ``sinks``, DeepSeek's sparse ``indices`` a
+:func:`qkv.masks.key_indices` mask. A keyword qkv cannot honour (:func:`refused_keywords`)
+and a family that computes attention in its own code (:func:`check`) raise
+:class:`Unsupported`. docs/huggingface.md has every family's status against eager.
 
 Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key length · D head dim.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..functional import attention
-from ..masks import Mask, MaskLike, causal, full
+from ..masks import Mask, MaskLike, causal, full, key_indices
 from ..masks import padding as padding_mask
 from ..masks import sliding_window as sliding_window_mask
 from ..scores import bias, chain
@@ -34,19 +43,63 @@ from ..scores import softcap as scores_softcap
 NAME = "qkv"
 
 
-# Keyword arguments transformers passes that say nothing about the attention itself.
-_IGNORED = frozenset(
-    {
-        "position_ids",
-        "use_cache",
-        "cache_position",
-        "past_key_values",
-        "past_key_value",
-        "layer_idx",
-        "output_attentions",
-        "return_dict",
-    }
-)
+class Unsupported(ValueError):
+    """A model, or an argument it passes, that qkv cannot run exactly; the message says why
+    and what to use instead."""
+
+
+#: Tensors transformers passes along that it has already built into the mask it gives
+#: (packed sequences from position ids, cache slots from cache positions).
+_POSITIONS = frozenset({"position_ids", "cache_position"})
+_OURS = frozenset({"output_attentions"})
+
+
+def _backend_keywords() -> frozenset[str]:
+    """The keywords that transformers' own attention functions (sdpa, flash, flex, …) take
+    by name: what an attention function is expected to read. qkv's own is left out."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    functions = tuple(
+        ALL_ATTENTION_FUNCTIONS[key]
+        for key in ALL_ATTENTION_FUNCTIONS.valid_keys()
+        if getattr(ALL_ATTENTION_FUNCTIONS[key], "__module__", "") != __name__
+    )
+    return _named(functions)
+
+
+@functools.lru_cache(maxsize=8)
+def _named(functions: tuple[Any, ...]) -> frozenset[str]:
+    names: set[str] = set()
+    for fn in functions:
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names |= {p.name for p in parameters if p.kind is not p.VAR_KEYWORD}
+    return frozenset(names - {"module", "query", "key", "value", "attention_mask"})
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in value)
+
+
+def refused_keywords(kwargs: dict[str, Any]) -> list[str]:
+    """The keywords of an attention call that qkv cannot honour, by one rule: a keyword
+    concerns the attention if one of transformers' attention functions takes it by name,
+    or if it carries a tensor (other than the positions transformers has already built into
+    the mask); those qkv does not take are refused. Every other keyword (flags such as
+    ``output_router_logits``, ints such as ``logits_to_keep``, cache objects) passes through
+    every transformers backend unread, and qkv ignores it as they do."""
+    concern = _backend_keywords()
+    return sorted(
+        k
+        for k, v in kwargs.items()
+        if v is not None
+        and k not in _OURS
+        and (k in concern or (_holds_tensor(v) and k not in _POSITIONS))
+    )
 
 
 def qkv_attention_forward(
@@ -61,6 +114,9 @@ def qkv_attention_forward(
     softcap: float | None = None,
     sliding_window: int | None = None,
     position_bias: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention-function signature on top of :func:`qkv.attention`.
@@ -74,37 +130,64 @@ def qkv_attention_forward(
             ``attention_mask`` when there is one, and qkv builds it structurally when not.
         position_bias: T5's relative-position bias, added to the (unscaled: ``scaling``
             is 1) scores (:func:`qkv.scores.bias`).
+        s_aux: learned attention sinks, one logit per head (gpt-oss): qkv's ``sinks``.
+        sinks: sinks per row, (B, H, T_q, 1) (Inkling's, computed from the input).
+        indices: (B, T_q, k) key positions per query (DeepSeek's sparse attention):
+            :func:`qkv.masks.key_indices`, combined with the mask.
 
-    Any other keyword with a value is refused: qkv would silently ignore it.
+    Other keywords follow :func:`refused_keywords`: one that concerns the attention and
+    that qkv does not take raises :class:`Unsupported`; the rest are ignored, as
+    transformers' own attention functions ignore them.
 
     Returns:
         ``(out (B, T_q, H, D), weights (B, H, T_q, T_k) or None)``; weights only when
         attentions are asked for (``output_attentions``).
     """
-    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED and v is not None)
+    unknown = refused_keywords(kwargs)
     if unknown:
-        raise ValueError(
+        raise Unsupported(
             f"qkv cannot honour the attention argument(s) {', '.join(unknown)} "
             f"that {type(module).__name__} passes; use another attn_implementation"
         )
     T_q, q_offset = query.shape[2], None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask: MaskLike = attention_mask
-    if type(mask) is StructuralMask:  # built by qkv_mask: used as the qkv mask it holds
-        if key.shape[2] != mask.shape[-1] or T_q != mask.shape[-2]:
-            raise ValueError(
+    additive: torch.Tensor | None = None
+    if type(mask) is torch.Tensor:
+        mask = mask[..., : key.shape[2]]  # a static cache's mask may cover more slots
+        if mask.is_floating_point():  # a model's own additive mask: added as eager adds it
+            additive, mask = mask, None
+    if type(mask) is StructuralMask and (mask.shape[-2], mask.shape[-1]) != (T_q, key.shape[2]):
+        # Built for other sizes (an encoder-decoder's decoder given a one-key mask while its
+        # cache holds more): eager and sdpa broadcast its size-1 dims, and so does qkv.
+        if any(m not in (1, n) for m, n in zip(mask.shape[-2:], (T_q, key.shape[2]))):
+            raise Unsupported(
                 f"the mask was built for (T_q, T_k) = {tuple(mask.shape[-2:])}; "
                 f"{type(module).__name__} passes ({T_q}, {key.shape[2]})"
             )
+        mask = mask.dense()
+    if type(mask) is StructuralMask:  # built by qkv_mask: used as the qkv mask it holds
         structural: StructuralMask = mask
         mask, q_offset = structural.qkv_mask, structural.q_offset
-    elif mask is None and is_causal and T_q > 1:
+    elif mask is None and additive is None and is_causal and T_q > 1:
         # transformers skipped building a causal mask: it expects is_causal with keys aligned
         # to the queries, and drops cache slots past them (as its sdpa path does).
         key, value = key[:, :, :T_q], value[:, :, :T_q]
         mask = sliding_window_mask(sliding_window) if sliding_window else causal()
-    mods = ([bias(position_bias)] if position_bias is not None else []) + (
-        [scores_softcap(softcap)] if softcap is not None else []
+    if indices is not None:
+        first = key.shape[2] - T_q if q_offset is None else q_offset
+        sparse = key_indices(indices, first=first)
+        if mask is None or isinstance(mask, Mask):
+            mask = sparse if mask is None else mask & sparse
+        else:
+            B = query.shape[0]
+            mask = torch.as_tensor(mask) & sparse.dense(
+                B, 1, T_q, key.shape[2], q_offset=first, device=query.device
+            )
+    mods = (
+        ([bias(position_bias)] if position_bias is not None else [])
+        + ([scores_softcap(softcap)] if softcap is not None else [])
+        + ([bias(additive)] if additive is not None else [])
     )
     config = getattr(module, "config", None)
     want_weights = bool(
@@ -120,9 +203,20 @@ def qkv_attention_forward(
         dropout_p=dropout if module.training else 0.0,
         return_weights=want_weights,
         score_mod=chain(*mods) if mods else None,
+        sinks=_sinks(s_aux, sinks),
     )
     out, weights = result if isinstance(result, tuple) else (result, None)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _sinks(s_aux: torch.Tensor | None, sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """qkv's sinks from the two ways models pass them: ``s_aux`` (H,) or ``sinks``
+    (B, H, T_q, 1), one logit per row, concatenated to the scores in eager."""
+    if s_aux is not None and sinks is not None:
+        raise Unsupported("a model passed both s_aux and sinks; qkv takes one of them")
+    if sinks is not None and sinks.ndim == 4 and sinks.shape[-1] == 1:
+        return sinks[..., 0]
+    return s_aux if sinks is None else sinks
 
 
 def _densified(x: Any) -> Any:
@@ -229,9 +323,24 @@ def qkv_mask(
     """transformers' mask builder for qkv: a causal, bidirectional or causal sliding-window
     mask whose padding leaves each row one run of keys becomes a :class:`StructuralMask`;
     anything else (and everything while compiling) is transformers' own ``sdpa_mask``."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
+    config = kwargs.get("config")
+    check(config)
     mask_function = causal_mask_function if mask_function is None else mask_function
+    if family(config).additive_masks:  # the mask its code was written for; qkv adds it
+        return eager_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            mask_function,
+            attention_mask,
+            dtype=kwargs.get("dtype", torch.float32),
+            device=device,
+            **{k: v for k, v in kwargs.items() if k != "dtype"},
+        )
     dense = lambda: sdpa_mask(  # noqa: E731
         batch_size,
         q_length,
@@ -260,6 +369,71 @@ def qkv_mask(
         for part in valid:
             structure = structure & part
     return StructuralMask(structure, offset, (batch_size, 1, q_length, kv_length), device)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What qkv needs to know of a model family's code (:func:`family`)."""
+
+    #: its attention is computed in its own code, not through the AttentionInterface
+    own_attention: bool = False
+    #: it supports neither sdpa nor flex attention: its code was written for eager's
+    #: additive float masks (and may do arithmetic on them)
+    additive_masks: bool = False
+
+
+def family(config: Any) -> Family:
+    """What the modeling code of ``config``'s family does with attention, read from it.
+
+    ``own_attention`` is transformers' own test (the one that decides whether a model's
+    attention can be set at all): the modeling file defines an ``…Attention…(nn.Module)``
+    class but never calls ``ALL_ATTENTION_FUNCTIONS.get_interface(``. ``additive_masks``:
+    none of its models declares sdpa or flex support (transformers' ``_supports_sdpa`` and
+    ``_supports_flex_attn`` flags, which model authors set). A family whose modeling file
+    cannot be read gets the defaults (False, False)."""
+    return Family() if config is None else _family(type(config).__module__)
+
+
+@functools.cache
+def _family(config_module: str) -> Family:
+    modeling = config_module.replace(".configuration_", ".modeling_")
+    source = sys.modules.get(modeling)
+    if source is None or modeling == config_module:
+        return Family()
+    try:
+        code = inspect.getsource(source)
+    except (OSError, TypeError):
+        return Family()
+    has_attention = re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE)
+    own = bool(has_attention) and "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code
+    models = [
+        c
+        for c in vars(source).values()
+        if isinstance(c, type) and c.__module__ == modeling and hasattr(c, "_supports_sdpa")
+    ]
+    additive = bool(models) and not any(
+        getattr(c, "_supports_sdpa", False) or getattr(c, "_supports_flex_attn", False)
+        for c in models
+    )
+    return Family(own_attention=own, additive_masks=additive)
+
+
+def check(model_or_config: Any) -> None:
+    """Raise :class:`Unsupported` if a model (or its config) cannot run on qkv: its family
+    computes attention in its own code (:func:`family`), so ``attn_implementation="qkv"``
+    would not run qkv — and where it builds masks through transformers, it would get one
+    of the wrong kind. qkv's mask builder calls this on every model that builds a mask;
+    call it yourself for the few that build none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not family(config).own_attention:
+        return
+    raise Unsupported(
+        f"{type(config).__name__.removesuffix('Config')} models compute attention in their "
+        "own code, not through transformers' AttentionInterface, so "
+        f'attn_implementation="{NAME}" would not run qkv (and would hand that code a mask '
+        'of the wrong kind): use attn_implementation="eager" (or "sdpa" where the model '
+        "supports it)"
+    )
 
 
 def register(name: str = NAME) -> None:
