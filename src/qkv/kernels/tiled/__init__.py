@@ -19,6 +19,7 @@ import torch
 from ..contract import Lowered, Result, sink_factor, sink_rows
 from . import flash
 from .loop import loop_backward, loop_forward
+from .plan import row_dot
 
 
 def forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +47,8 @@ def backward(
     and nothing reaches the log-sum-exp or a modification, else the loop; ``delta``
     (rowsum(dout ∘ out), accumulation dtype) is computed here unless given."""
     if dlse is None and call.mod_tiles is None and call.path in ("tiled-flash", "tiled-native"):
-        return flash.fused_backward(call, out, lse, dout, native=call.path == "tiled-native")
+        native = call.path == "tiled-native"
+        return flash.fused_backward(call, out, lse, dout, native=native, delta=delta)
     return loop_backward(call, out, lse, dout, dlse, delta=delta, need_mod=need_mod)
 
 
@@ -60,9 +62,9 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, sinks, q, k, v, *mod_tensors):
         out, lse = forward(call)
-        if sinks is not None:
+        if sinks is not None:  # in place: out is the forward's own buffer
             factor, lse = sink_factor(lse, sinks)
-            out = out * factor[..., None].to(out.dtype)
+            out.mul_(factor[..., None].to(out.dtype))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *mod_tensors)
         ctx.call = call
@@ -74,10 +76,14 @@ class _TiledAttention(torch.autograd.Function):
         call = dataclasses.replace(ctx.call, q=q, k=k, v=v, mod_tensors=tuple(mod_tensors))
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # nothing reaches the log-sum-exp: the cheaper backward applies
-        grads = backward(call, out, lse, dout, dlse, need_mod=any(ctx.needs_input_grad[5:]))
+        need_sinks = sinks is not None and ctx.needs_input_grad[1]
+        # rowsum(dout ∘ out), (B, H, T_q): the sinks' gradient reads it; computed once
+        delta = row_dot(dout, out, lse.dtype) if need_sinks else None
+        need_mod = any(ctx.needs_input_grad[5:])
+        grads = backward(call, out, lse, dout, dlse, delta=delta, need_mod=need_mod)
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[1]:
-            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, T_q)
+        if need_sinks:
+            assert delta is not None
             d_lse = delta.neg() if dlse is None else dlse.to(lse.dtype) - delta
             weight = torch.exp(sink_rows(sinks, lse.dtype) - lse)  # the sink's weight
             weight = weight.masked_fill(lse == float("-inf"), 0.0)  # a row and sink both -inf

@@ -18,7 +18,7 @@ from ...tuning import Tuning
 from ..contract import Lowered, MaskTiles
 from ..reference import accumulation_dtype, all_finite
 from . import native as _native
-from .plan import Chunk, Plan, _blocked, _fit, _rows
+from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
@@ -227,14 +227,21 @@ FLASH_BACKWARD: Any = getattr(
 
 
 def fused_backward(
-    call: Lowered, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, *, native: bool
+    call: Lowered,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    native: bool,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
     forward was fused and nothing reaches the log-sum-exp. bfloat16 calls run qkv's native
     kernel with ``native``, other half precision in float32 (:func:`_working`); the
-    gradients come back in the inputs' dtypes."""
+    gradients come back in the inputs' dtypes. ``delta`` (rowsum(dout ∘ out), accumulation
+    dtype) is computed here where the native kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     dtypes = q.dtype, k.dtype, v.dtype
     packed = _native.pack_backward(k, v) if native else None
@@ -248,7 +255,8 @@ def fused_backward(
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
     if packed is not None:  # reads Delta, and lse -inf as "no key"; one dQ per thread
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
-        delta5 = _blocked((dout.to(acc) * out.to(acc)).sum(-1, keepdim=True), H_kv)[..., 0]
+        delta = row_dot(dout, out, acc) if delta is None else delta
+        delta5 = _blocked(delta[..., None], H_kv)[..., 0]
         dq_threads = _native.gradient_buffer(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)

@@ -29,7 +29,7 @@ import torch
 
 from ..contract import Lowered, MaskTiles, ModTiles
 from ..reference import accumulation_dtype, finite_or_zero
-from .plan import Chunk, _blocked, _fit, _rows
+from .plan import Chunk, _blocked, _fit, _rows, row_dot
 
 
 def _scores(
@@ -137,7 +137,7 @@ def loop_backward(
     do5 = _blocked(do, H_kv)
     empty = lse == float("-inf")  # rows that saw no key: P = 0, nothing flows back
     if delta is None:  # rowsum(dO ∘ O); a caller that backpropagates many parts passes it
-        delta = (do * out.to(acc)).sum(-1)  # (B, H, T_q)
+        delta = row_dot(do, out, acc)  # (B, H, T_q)
     delta = delta.contiguous()  # viewed per block below
     if dlse is not None:
         delta = delta - dlse.to(acc).masked_fill(empty, 0.0)
