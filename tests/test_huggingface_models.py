@@ -223,3 +223,61 @@ def test_a_structural_mask_is_the_dense_mask_to_any_torch_operation():
     dense = huggingface.qkv_mask(**{**args, "attention_mask": gaps})
     assert type(dense) is torch.Tensor
     assert torch.equal(dense, sdpa_mask(**{**args, "attention_mask": gaps}))
+
+
+def gpt_oss_pair():
+    """A random gpt-oss (sliding and full layers, learned sinks) under qkv and eager; the
+    sinks set away from 0 so that they matter."""
+    config = transformers.GptOssConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+    )
+    ours, eager = pair(transformers.GptOssForCausalLM, config)
+    with torch.no_grad():
+        for model in (ours, eager):
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    return ours, eager
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_gpt_oss_with_sinks_matches_eager_logits_generation_and_attentions(cache):
+    ours, eager = gpt_oss_pair()
+    ids, mask = batch()
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+        want = eager(input_ids=ids, attention_mask=mask, output_attentions=True)
+    keep = mask.bool()
+    assert (got.logits - want.logits)[keep].abs().max() < TOL
+    rows = keep[:, None, :].expand(-1, 4, -1)  # (B, H, T_q): the unpadded queries
+    for a, b in zip(got.attentions, want.attentions):  # weights without the sink's share
+        assert (a - b)[rows].abs().max() < TOL
+        assert (a[0].sum(-1) < 0.9).any()  # rows where the sinks took a share
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    assert torch.equal(
+        ours.generate(input_ids=ids, attention_mask=mask, **kw),
+        eager.generate(input_ids=ids, attention_mask=mask, **kw),
+    )
+
+
+def test_gpt_oss_sinks_learn_as_under_eager():
+    """Training: the gradients of the sinks (and of every weight) equal eager's."""
+    ours, eager = gpt_oss_pair()
+    ids, mask = batch()
+    for model in (ours, eager):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(ours.named_parameters(), eager.named_parameters()):
+        if a.grad is not None:
+            assert (a.grad - b.grad).abs().max() < 1e-5, name
+    assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 1e-4
