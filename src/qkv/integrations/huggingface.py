@@ -25,9 +25,9 @@ Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key le
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -397,8 +397,11 @@ def family(config: Any) -> Family:
 @functools.cache
 def _family(config_module: str) -> Family:
     modeling = config_module.replace(".configuration_", ".modeling_")
-    source = sys.modules.get(modeling)
-    if source is None or modeling == config_module:
+    if modeling == config_module:
+        return Family()
+    try:
+        source = importlib.import_module(modeling)
+    except ImportError:
         return Family()
     try:
         code = inspect.getsource(source)
