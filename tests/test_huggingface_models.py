@@ -281,3 +281,13 @@ def test_gpt_oss_sinks_learn_as_under_eager():
         if a.grad is not None:
             assert (a.grad - b.grad).abs().max() < 1e-5, name
     assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 1e-4
+
+
+def test_check_refuses_families_that_compute_attention_themselves():
+    assert huggingface.family(transformers.CodeGenConfig()).own_attention
+    with pytest.raises(huggingface.Unsupported, match=r"CodeGen models compute attention"):
+        huggingface.check(transformers.CodeGenConfig())
+    huggingface.check(transformers.LlamaConfig())  # through the interface: no error
+    assert huggingface.family(transformers.DeepseekV4Config()).additive_masks
+    assert not huggingface.family(transformers.LlamaConfig()).additive_masks
+    assert huggingface.family(None) == huggingface.Family()

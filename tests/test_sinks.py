@@ -222,3 +222,20 @@ def test_flex_on_cpu_refuses_sinks_and_says_why():
     q = torch.randn(1, 2, 3, 4)
     with torch.no_grad(), pytest.raises(ValueError, match="sinks"):
         qkv.attention(q, q, q, sinks=torch.zeros(2), backend="flex")
+
+
+def test_multi_head_attention_learns_sinks_and_explain_shows_them():
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 16, num_heads=4, causal=True, sinks=True)
+    assert mha.sinks.shape == (4,)
+    x = torch.randn(2, 7, 16)
+    mha(x).square().mean().backward()
+    assert mha.sinks.grad.abs().max() > 0  # learnable: gradients reach them
+    with torch.no_grad():
+        mha.sinks.fill_(1.0)
+    trace = qkv.explain(x[0], module=mha)
+    share = 1 - trace.weights.sum(-1)  # each row's share taken by its head's sink
+    assert (share > 0.05).all() and (share < 1).all()
+    assert "sink" in trace.to_text()
+    plain = qkv.MultiHeadAttention(16, 16, num_heads=4, sinks=False)
+    assert plain.sinks is None

@@ -75,7 +75,11 @@ class Trace:
         if self.mask is not None:
             steps.append(("mask", "█ may attend · masked (its weight will be 0)", self.mask))
         steps += [
-            ("weights", "softmax of each row of scaled scores: each row sums to 1", self.weights),
+            (
+                "weights",
+                self.notes.get("sinks", "softmax of each row of scaled scores: each row sums to 1"),
+                self.weights,
+            ),
             ("context", "weights · V: each token's weighted mix of the values", self.context),
         ]
         if "output" in self.notes:  # heads merged by an output projection
@@ -201,8 +205,21 @@ def explain(
             if hasattr(module, "out_proj"):
                 notes["output"] = "heads concatenated, then out_proj"
             merge = lambda context: m.merge(context, like=x)  # noqa: E731
+        sinks = getattr(module, "sinks", None)  # MultiHeadAttention(sinks=True)
+        if sinks is not None:
+            notes["sinks"] = (
+                "softmax of each row of scaled scores and the head's sink (a key with no "
+                "value): each row sums to 1 less the sink's share"
+            )
         context, weights = attention(
-            q, k, v, mask=mask, scale=scale, return_weights=True, score_mod=score_mod
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            return_weights=True,
+            score_mod=score_mod,
+            sinks=sinks,
         )
         scores = q @ k.transpose(-2, -1)  # (1, H, T, T)
         H = q.shape[1]

@@ -41,6 +41,9 @@ class MultiHeadAttention(AttentionModule):
         rope: a :class:`qkv.RoPE` of width d_head applied to queries and keys at their
             absolute positions (self-attention only); None for no rotary embedding.
         d_kv: width of the ``context`` for cross-attention; None means d_in.
+        sinks: learn one attention-sink logit per head (``self.sinks``, (H,), starting at
+            0), a key with no value in every row's softmax, as gpt-oss does
+            (:func:`qkv.attention`'s ``sinks``).
 
     Example:
         >>> import torch, qkv
@@ -62,6 +65,7 @@ class MultiHeadAttention(AttentionModule):
         qkv_bias: bool = False,
         rope: RoPE | None = None,
         d_kv: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads < 1 or d_out % num_heads != 0:
@@ -92,6 +96,7 @@ class MultiHeadAttention(AttentionModule):
         self.W_value = nn.Linear(self.d_kv, num_kv_heads * head_dim, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.rope = rope
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def project(
         self,
@@ -163,7 +168,9 @@ class MultiHeadAttention(AttentionModule):
         dropout_p = self.dropout if self.training else 0.0
         if layout is None:
             q, k, v = self.project(x, context, cache)
-            out = attention(q, k, v, mask=self.attention_mask(mask), dropout_p=dropout_p)
+            out = attention(
+                q, k, v, mask=self.attention_mask(mask), dropout_p=dropout_p, sinks=self.sinks
+            )
             return self.merge(out, like=x)
         if context is not None or cache is not None:
             raise ValueError(
@@ -181,6 +188,7 @@ class MultiHeadAttention(AttentionModule):
             schedule=schedule,
             dropout_p=dropout_p,
             group=group,
+            sinks=self.sinks,
         )
         return self.merge(out, like=x)
 
