@@ -239,3 +239,12 @@ def test_multi_head_attention_learns_sinks_and_explain_shows_them():
     assert "sink" in trace.to_text()
     plain = qkv.MultiHeadAttention(16, 16, num_heads=4, sinks=False)
     assert plain.sinks is None
+
+
+def test_the_recorder_sees_the_sinks_through_the_log_sum_exp():
+    q, k, v = make_qkv(1, 4, 2, 9, 9, 8, 8)
+    sinks = sinks_for(4)
+    with qkv.heads.record() as calls:
+        qkv.attention(q, k, v, mask=qkv.masks.causal(), sinks=sinks)
+    _, want = qkv.attention(q, k, v, mask=qkv.masks.causal(), sinks=sinks, return_weights=True)
+    assert torch.allclose(calls[0].weights(), want, atol=1e-14)
