@@ -153,6 +153,9 @@ def test_empty_sequences(backend):
     assert (out == 0).all() and out.shape == (2, 2, 4, 3) and w.shape == (2, 2, 4, 0)
     assert (lse == -math.inf).all()
     np.testing.assert_array_equal(qkv.numpy.attention(q.numpy(), k.numpy(), v.numpy()), 0)
+    # ... with a mask too (a packed sequence with queries and no key)
+    out = qkv.attention(q, k, v, mask=masks.causal(), backend=backend)
+    assert (out == 0).all() and out.shape == (2, 2, 4, 3)
 
 
 def test_same_inputs_give_bit_identical_outputs():

@@ -21,6 +21,7 @@ from .nn import (
     SelfAttention,
 )
 from .tuning import Tuning, tuned, tuning
+from .varlen import varlen_attention
 
 try:  # pyproject.toml holds the one source, read from the installed package's metadata
     __version__ = _metadata.version("qkv")
@@ -52,4 +53,5 @@ __all__ = [
     "tuned",
     "tuning",
     "tutorial",
+    "varlen_attention",
 ]

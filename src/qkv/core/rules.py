@@ -160,11 +160,17 @@ def sdpa_mode(a: Ask) -> str:
 
 
 def _allows_everything(mask: Mask, p: Problem) -> bool:
-    return p.T_q > 0 and bool(
-        (
-            mask.blocks(p.B, p.H, p.T_q, p.T_k, block_q=p.T_q, block_k=p.T_k, q_offset=p.q_offset)
-            == FULL
-        ).all()
+    return (
+        p.T_q > 0
+        and p.T_k > 0
+        and bool(
+            (
+                mask.blocks(
+                    p.B, p.H, p.T_q, p.T_k, block_q=p.T_q, block_k=p.T_k, q_offset=p.q_offset
+                )
+                == FULL
+            ).all()
+        )
     )
 
 

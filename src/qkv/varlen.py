@@ -1,0 +1,243 @@
+"""Variable-length attention over packed sequences, with torch's ``varlen_attn`` signature.
+
+A ragged batch is packed: the tokens of every sequence one after the other, ``(total, H, D)``,
+with cumulative offsets ``cu_seq_q``/``cu_seq_k`` (``N + 1`` of them, from 0) saying where
+each sequence starts. :func:`varlen_attention` attends each sequence to its own keys only, at
+its own positions (query ``i`` of a sequence sits at ``i + len_k − len_q``: bottom-right, as
+a KV cache needs), forward and backward, on the CPU.
+
+Legend: N sequences · H query heads · H_kv key/value heads · D head dim · D_v value head dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .functional import Backend, attention
+from .masks import Mask, causal, predicate, sliding_window
+from .scores import ScoreMod
+
+__all__ = ["varlen_attention"]
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: Any = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    mask: Mask | None = None,
+    score_mod: ScoreMod | Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths: torch's ``varlen_attn`` (and
+    FlashAttention's ``flash_attn_varlen_func``) on a CPU, forward and backward.
+
+    Args:
+        query: (total_q, H, D), the queries of every sequence, packed.
+        key: (total_k, H_kv, D); value: (total_k, H_kv, D_v).
+        cu_seq_q: (N + 1,) integers: sequence ``s`` holds queries
+            ``cu_seq_q[s] .. cu_seq_q[s + 1] − 1``; starts at 0, never decreases, ends at
+            total_q.
+        cu_seq_k: (N + 1,) the same for keys and values; None: equal to ``cu_seq_q``
+            (self-attention).
+        max_q, max_k: the longest query and key sequence (an upper bound, checked).
+        return_aux: torch's ``AuxRequest``: with ``lse=True``, also return the
+            (total_q, H) log-sum-exp.
+        scale: multiplies the scores; default 1/sqrt(D).
+        window_size: (left, right), FlashAttention's convention, at each sequence's own
+            bottom-right positions: query ``p`` attends keys ``p − left .. p + right``; -1 is
+            unbounded. (-1, -1): every key of the sequence; (-1, 0): causal; (w, 0): causal
+            within the last w + 1 keys (``qkv.masks.sliding_window(w + 1)``).
+        enable_gqa: allow H_kv < H (H % H_kv == 0), as torch requires it said.
+        seqused_k: (N,): only the first ``seqused_k[s]`` keys of sequence ``s`` take part
+            (a cache slot larger than what it holds).
+        block_table: a paged cache's block table: not supported yet (an error).
+        num_splits: torch's split-KV knob for GPUs; qkv attends each sequence in one call,
+            so results never depend on the other sequences of the batch (batch-invariant)
+            whatever it is.
+        mask, score_mod, sinks: as in :func:`qkv.attention`, applied within each sequence
+            at its own positions (a mask with a batch dimension does not apply: each
+            sequence is a batch of one).
+        backend: as in :func:`qkv.attention`.
+
+    Returns:
+        out (total_q, H, D_v), or ``(out, lse)`` with lse (total_q, H) when asked for. A
+        sequence with no key gives out 0 and lse -inf; an empty sequence gives nothing.
+
+    Raises:
+        ValueError, TypeError: bad offsets (not starting at 0, decreasing, not ending at the
+            total, a length past ``max_q``/``max_k``), shapes or options.
+
+    Example:
+        >>> import torch, qkv
+        >>> lengths = [3, 5, 2]
+        >>> cu = torch.tensor([0, 3, 8, 10])
+        >>> q = k = v = torch.randn(10, 4, 8)
+        >>> out = qkv.varlen_attention(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))
+        >>> alone = qkv.attention(q[3:8].transpose(0, 1), k[3:8].transpose(0, 1),
+        ...                       v[3:8].transpose(0, 1), mask=qkv.masks.causal())
+        >>> torch.allclose(out[3:8], alone.transpose(0, 1), atol=1e-6)
+        True
+    """
+    if block_table is not None:
+        raise ValueError(
+            "block_table (a paged KV cache) is not supported by qkv.varlen_attention yet: "
+            "pass each sequence's keys and values packed"
+        )
+    _check_tensors(query, key, value, enable_gqa)
+    cu_seq_k = cu_seq_q if cu_seq_k is None else cu_seq_k
+    starts_q = _offsets("cu_seq_q", cu_seq_q, query.shape[0], max_q, "max_q")
+    starts_k = _offsets("cu_seq_k", cu_seq_k, key.shape[0], max_k, "max_k")
+    if len(starts_q) != len(starts_k):
+        raise ValueError(
+            f"cu_seq_q and cu_seq_k must give the same number of sequences; "
+            f"got {len(starts_q) - 1} and {len(starts_k) - 1}"
+        )
+    used = _used(seqused_k, starts_k)
+    window = _window(window_size)
+    if window is not None and mask is not None:
+        mask = window & mask
+    elif window is not None:
+        mask = window
+    if mask is not None and mask.batch not in (None, 1):
+        raise ValueError(
+            f"mask {mask!r} is bound to a batch of {mask.batch}; here each sequence is a "
+            "batch of one"
+        )
+    want_lse = bool(getattr(return_aux, "lse", False))
+    outs, lses = [], []
+    for s in range(len(starts_q) - 1):
+        q0, q1 = starts_q[s], starts_q[s + 1]
+        k0 = starts_k[s]
+        k1 = k0 + used[s]
+        if q1 == q0:
+            continue
+        q = query[q0:q1].transpose(0, 1)[None]  # (1, H, len_q, D)
+        k = key[k0:k1].transpose(0, 1)[None]  # (1, H_kv, len_k, D)
+        v = value[k0:k1].transpose(0, 1)[None]
+        result = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            score_mod=score_mod,
+            sinks=sinks,
+            backend=backend,
+            return_lse=want_lse,
+        )
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        outs.append(out[0].transpose(0, 1))  # (len_q, H, D_v)
+        if lse is not None:
+            lses.append(lse[0].transpose(0, 1))  # (len_q, H)
+    if outs:
+        out = torch.cat(outs, dim=0)
+    else:
+        out = query.new_zeros(0, query.shape[1], value.shape[2])
+    if not want_lse:
+        return out
+    if lses:
+        lse_all = torch.cat(lses, dim=0)
+    else:
+        lse_all = torch.zeros(0, query.shape[1], device=query.device)
+    return out, lse_all
+
+
+def _check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            raise ValueError(
+                f"{name} must be a packed (total, heads, dim) tensor; "
+                f"got {getattr(x, 'shape', type(x).__name__)}"
+            )
+    H, H_kv = query.shape[1], key.shape[1]
+    if key.shape[0] != value.shape[0] or value.shape[1] != H_kv or key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"key must be (total_k, H_kv, D) with D = {query.shape[2]} and value "
+            f"(total_k, H_kv, D_v); got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if H_kv != H and not enable_gqa:
+        raise ValueError(
+            f"query has {H} heads and key/value {H_kv}: pass enable_gqa=True for grouped "
+            "query attention"
+        )
+    if H % H_kv:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({H_kv})")
+
+
+def _offsets(name: str, cu: Any, total: int, longest: int, longest_name: str) -> list[int]:
+    """The offsets as a list of ints, checked: 1-d integers, from 0, never decreasing, to
+    ``total``, no sequence longer than ``longest``."""
+    if not isinstance(cu, torch.Tensor) or cu.ndim != 1 or cu.is_floating_point() or len(cu) < 1:
+        raise TypeError(
+            f"{name} must be a 1-d integer tensor of N + 1 offsets; "
+            f"got {getattr(cu, 'shape', type(cu).__name__)}"
+        )
+    offsets = [int(x) for x in cu.tolist()]
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    if offsets[0] != 0 or any(n < 0 for n in lengths) or offsets[-1] != total:
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at the packed length {total}; "
+            f"got {offsets if len(offsets) <= 12 else [*offsets[:6], '…', *offsets[-3:]]}"
+        )
+    if lengths and max(lengths) > longest:
+        s = lengths.index(max(lengths))
+        raise ValueError(
+            f"sequence {s} has {lengths[s]} tokens in {name}, more than {longest_name}={longest}"
+        )
+    return offsets
+
+
+def _used(seqused_k: Any, starts_k: list[int]) -> list[int]:
+    lengths = [b - a for a, b in itertools.pairwise(starts_k)]
+    if seqused_k is None:
+        return lengths
+    used = [int(x) for x in torch.as_tensor(seqused_k).reshape(-1).tolist()]
+    if len(used) != len(lengths) or any(not 0 <= u <= n for u, n in zip(used, lengths)):
+        raise ValueError(
+            f"seqused_k must give, per sequence, 0 .. its key length {lengths}; got {used}"
+        )
+    return used
+
+
+def _window(window_size: Any) -> Mask | None:
+    """FlashAttention's (left, right) window as a qkv mask at each call's positions."""
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be (left, right) ints; got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded); got {window_size}")
+    if right == 0:
+        return causal() if left == -1 else sliding_window(left + 1)
+    if left == right == -1:
+        return None
+    # A band with a look-ahead: no structured mask has it, so a named predicate.
+    lo = None if left == -1 else left
+    hi = None if right == -1 else right
+
+    def band(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        ok = (kv - kv) == 0  # all True, of kv's array type
+        if lo is not None:
+            ok = ok & (kv >= q - lo)
+        if hi is not None:
+            ok = ok & (kv <= q + hi)
+        return ok
+
+    return predicate(band, f"window({left}, {right})")
