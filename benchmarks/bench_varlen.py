@@ -1,13 +1,17 @@
 """Variable-length attention: the figures of docs/ragged.md.
 
     python benchmarks/bench_varlen.py [--rounds 5]
+    python benchmarks/bench_varlen.py paged      # the paged KV cache: memory, decode step
 
 16 causal sequences of 64 to 4,096 tokens (lengths drawn log-uniformly, seed 0), H = 8,
 D = 64, float32 and bfloat16, forward and forward + backward:
 ``qkv.varlen_attention`` on the packed batch, against the sum of running each sequence
 alone through ``qkv.attention`` and against SDPA over the right-padded (16, 8, 4096, 64)
 batch with a dense (causal and padding) bool mask. Medians of interleaved rounds; ratios in
-the same run.
+the same run. Paged: 32 sequences of 16–1,024 tokens (log-uniform, seed 0) held in pages
+of 16 tokens, memory against a contiguous cache of batch × max; and one decode step of a
+MultiHeadAttention (E = 384, 6 heads: the default GPT preset's shape) over 8 sequences of
+1,024 cached tokens, on a paged batch (its pages gathered per step) against a KVCache.
 """
 
 import argparse
@@ -95,5 +99,47 @@ def _timed(fn, xs, grad: bool) -> float:
     return time.perf_counter() - t0
 
 
+def paged(rounds: int = 30) -> None:
+    rng = np.random.default_rng(0)
+    ns = [int(n) for n in np.exp(rng.uniform(np.log(16), np.log(1024), 32))]
+    E, Hh, P = 384, 6, 16
+    pool = qkv.PagedKVCache(4096, P, Hh, E // Hh)
+    for n in ns:
+        s = pool.new_sequence()
+        pool.append([s], torch.zeros(1, Hh, n, E // Hh), torch.zeros(1, Hh, n, E // Hh))
+    held, contiguous = pool.pages_in_use * P, len(ns) * max(ns)
+    print(
+        f"32 sequences, {sum(ns)} tokens: paged holds {held} token slots "
+        f"({held / sum(ns):.3f}× the tokens), a contiguous cache {contiguous} "
+        f"({contiguous / sum(ns):.2f}×)"
+    )
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(E, E, num_heads=Hh, causal=True).eval()
+    B, L = 8, 1024
+    prompt = torch.randn(B, L, E)
+    kv = mha.new_cache(B, L + rounds + 8)
+    pages = qkv.PagedKVCache(B * (L + rounds + 8) // P + B, P, Hh, E // Hh)
+    paged_batch = pages.batch([pages.new_sequence() for _ in range(B)])
+    with torch.no_grad():
+        mha(prompt, cache=kv), mha(prompt, cache=paged_batch)
+        times: dict[str, list[float]] = {"contiguous": [], "paged": []}
+        x = torch.randn(B, 1, E)
+        for r in range(rounds):
+            for name, cache in (("contiguous", kv), ("paged", paged_batch))[:: 1 if r % 2 else -1]:
+                t0 = time.perf_counter()
+                mha(x, cache=cache)
+                times[name].append(time.perf_counter() - t0)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(
+        f"decode step, B={B}, {L} cached: contiguous {med['contiguous'] * 1e3:.2f} ms, "
+        f"paged {med['paged'] * 1e3:.2f} ms ({med['paged'] / med['contiguous']:.2f}×)"
+    )
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["paged"]:
+        paged()
+    else:
+        main()

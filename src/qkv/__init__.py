@@ -17,6 +17,7 @@ from .nn import (
     KVCache,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
+    PagedKVCache,
     RoPE,
     SelfAttention,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedKVCache",
     "RoPE",
     "SelfAttention",
     "Trace",

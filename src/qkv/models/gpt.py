@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -22,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import Layout
-from ..nn.cache import KVCache
+from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
+from ..nn.paged import PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
@@ -38,7 +40,7 @@ class UniformAttention(MultiHeadAttention):
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project(x, context, cache, positions)
@@ -91,7 +93,7 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         layout: Layout | None = None,
         schedule: str = "allgather",
         group: Any = None,
@@ -164,7 +166,7 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         *,
-        caches: list[KVCache] | None = None,
+        caches: Sequence[Cache] | None = None,
         layout: Layout | None = None,
         schedule: str = "allgather",
         group: Any = None,
@@ -172,7 +174,8 @@ class GPT(nn.Module):
         """idx: (B, T) token ids -> (B, T, V) logits.
 
         Args:
-            caches: one :class:`qkv.KVCache` per layer (:meth:`new_caches`); idx then holds
+            caches: one :class:`qkv.KVCache` per layer (:meth:`new_caches`), or one batch of
+                a :class:`qkv.PagedKVCache` per layer (:meth:`new_paged_caches`); idx then holds
                 only the tokens after the cached ones, at positions ``cache.length`` on.
             layout: context parallelism: idx holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout`, and the logits are those positions';
@@ -211,6 +214,26 @@ class GPT(nn.Module):
     def new_caches(self, batch: int) -> list[KVCache]:
         """One empty :class:`qkv.KVCache` per layer, each of block_size tokens."""
         return [b.attn.new_cache(batch, self.config.block_size) for b in self.layers]
+
+    def new_paged_caches(self, num_pages: int, page_size: int = 16) -> PagedCaches:
+        """One empty :class:`qkv.PagedKVCache` per layer (pools of ``num_pages`` pages of
+        ``page_size`` tokens), on the model's device and dtype; ``caches.batch(seqs)`` is
+        what the model takes as ``caches``."""
+        w = self.lm_head.weight
+        attn = self.layers[0].attn
+        return PagedCaches(
+            [
+                PagedKVCache(
+                    num_pages,
+                    page_size,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                    dtype=w.dtype,
+                    device=w.device,
+                )
+                for _ in self.layers
+            ]
+        )
 
     @property
     def layers(self) -> list[Block]:

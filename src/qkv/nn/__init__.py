@@ -1,17 +1,22 @@
 """PyTorch modules built on :func:`qkv.attention`: the seeds' attention classes, multi-head
 attention with GQA, RoPE and a KV cache."""
 
-from .cache import KVCache
+from .cache import Cache, KVCache
 from .mha import MultiHeadAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
+from .paged import PagedBatch, PagedCaches, PagedKVCache
 from .rope import RoPE
 
 __all__ = [
+    "Cache",
     "CausalAttention",
     "CrossAttention",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedBatch",
+    "PagedCaches",
+    "PagedKVCache",
     "RoPE",
     "SelfAttention",
 ]

@@ -10,7 +10,22 @@ Legend: B batch · H_kv key/value heads · T tokens appended · D head dim · D_
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Cache(Protocol):
+    """What a module needs of a cache: the tokens cached (its queries' positions follow
+    them), and ``append``, which stores new keys and values and returns all of them.
+    :class:`KVCache` and a :class:`qkv.PagedKVCache`'s batch are both one."""
+
+    @property
+    def length(self) -> int: ...
+
+    def append(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class KVCache:
@@ -44,14 +59,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, n in (
-            ("batch", batch),
-            ("num_kv_heads", num_kv_heads),
-            ("max_len", max_len),
-            ("head_dim", head_dim),
-        ):
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be an int >= 1; got {n!r}")
+        check_sizes(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         self.keys = torch.zeros(batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(
@@ -67,21 +75,8 @@ class KVCache:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after the cached ones;
         return views of all cached keys and values, (B, H_kv, length, ·)."""
         B, H_kv, _, D = self.keys.shape
-        D_v = self.values.shape[-1]
-        for name, x, last, letter in (("key", key, D, "D"), ("value", value, D_v, "D_v")):
-            if x.ndim != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H_kv, last):
-                raise ValueError(
-                    f"{name} must have shape (B, H_kv, T, {letter}) with B={B}, "
-                    f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}"
-                )
-            if x.dtype != self.keys.dtype or x.device != self.keys.device:
-                raise TypeError(
-                    f"{name} is {x.dtype} on {x.device} but the cache holds "
-                    f"{self.keys.dtype} on {self.keys.device}"
-                )
+        check_appended(key, value, B, H_kv, D, self.values.shape[-1], self.keys, "the cache")
         T = key.shape[2]
-        if value.shape[2] != T:
-            raise ValueError(f"value must have T={T} tokens like key; got {value.shape[2]}")
         if self.length + T > self.max_len:
             raise ValueError(
                 f"KVCache overflow: appending T={T} tokens to {self.length} "
@@ -102,3 +97,38 @@ class KVCache:
             f"KVCache(batch={B}, num_kv_heads={H_kv}, length={self.length}, "
             f"max_len={max_len}, head_dim={D}, dtype={self.keys.dtype})"
         )
+
+
+def check_sizes(**sizes: object) -> None:
+    """Every size an int >= 1, or a ValueError naming it."""
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {n!r}")
+
+
+def check_appended(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    B: int,
+    H_kv: int,
+    D: int,
+    D_v: int,
+    like: torch.Tensor,
+    holder: str,
+    what: str = "",
+) -> None:
+    """Keys (B, H_kv, T, D) and values (B, H_kv, T, D_v) of ``like``'s dtype and device, or
+    a ValueError/TypeError saying which and why (``what`` qualifies B in the message)."""
+    for name, x, last, letter in (("key", key, D, "D"), ("value", value, D_v, "D_v")):
+        if x.ndim != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H_kv, last):
+            raise ValueError(
+                f"{name} must have shape (B, H_kv, T, {letter}) with B={B}{what}, "
+                f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}"
+            )
+        if x.dtype != like.dtype or x.device != like.device:
+            raise TypeError(
+                f"{name} is {x.dtype} on {x.device} but {holder} holds "
+                f"{like.dtype} on {like.device}"
+            )
+    if value.shape[2] != key.shape[2]:
+        raise ValueError(f"value must have T={key.shape[2]} tokens like key; got {value.shape[2]}")

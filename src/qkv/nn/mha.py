@@ -16,7 +16,7 @@ from torch import nn
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
-from .cache import KVCache
+from .cache import Cache, KVCache
 from .modules import AttentionModule, check_input, split_heads
 from .rope import RoPE
 
@@ -102,7 +102,7 @@ class MultiHeadAttention(AttentionModule):
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, H, T_q, d_head) from x; keys and values (B, H_kv, T_k, d_head) from
@@ -146,7 +146,7 @@ class MultiHeadAttention(AttentionModule):
         context: torch.Tensor | None = None,
         *,
         mask: MaskLike = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         layout: Layout | None = None,
         schedule: str = "allgather",
         group: Any = None,
@@ -158,8 +158,9 @@ class MultiHeadAttention(AttentionModule):
                 over x itself.
             mask: a qkv mask (e.g. ``masks.padding(lengths)``) or a bool (T_q, T_k) /
                 (B, T_q, T_k) / (B, H, T_q, T_k) tensor, True = may attend.
-            cache: a :class:`qkv.KVCache` (see :meth:`new_cache`) to decode token by token
-                or in chunks: x holds only the new tokens.
+            cache: a :class:`qkv.KVCache` (see :meth:`new_cache`), or a batch of a
+                :class:`qkv.PagedKVCache`, to decode token by token or in chunks: x holds
+                only the new tokens.
             layout: context parallelism: x holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout` (RoPE rotates them at their absolute
                 positions); ``schedule`` ("allgather" or "ring") and ``group`` as in

@@ -1,0 +1,231 @@
+"""A paged KV cache: keys and values in fixed-size pages taken from one pool per layer.
+
+A contiguous :class:`qkv.KVCache` reserves ``batch × max_len`` tokens up front. A paged cache
+reserves a pool of pages; a sequence takes a page when its last one is full and gives all of
+them back when it ends, so the memory held follows the tokens actually cached. Each sequence
+has a block table (its pages, in order).
+
+Legend: B sequences in a batch · H_kv key/value heads · P page size · T tokens appended ·
+D head dim · D_v value dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .cache import check_appended, check_sizes
+
+
+class PagedKVCache:
+    """One layer's pool of pages, shared by any number of sequences.
+
+    Args:
+        num_pages: pages in the pool.
+        page_size: tokens per page (P).
+        num_kv_heads, head_dim: H_kv, D; ``value_dim`` D_v (default D).
+        dtype, device: of the pool; appended tensors must match.
+
+    Example:
+        >>> import torch, qkv
+        >>> pool = qkv.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)
+        >>> a, b = pool.new_sequence(), pool.new_sequence()
+        >>> pool.append([a, b], torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+        >>> pool.lengths([a, b]).tolist(), pool.pages_in_use
+        ([5, 5], 4)
+        >>> pool.free(a); pool.pages_in_use     # a's two pages go back to the pool
+        2
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        check_sizes(
+            num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+        )
+        value_dim = head_dim if value_dim is None else value_dim
+        # (H_kv, pages, P, ·): a batch's pages gathered along dim 1 are, viewed, its
+        # (B, H_kv, L, ·) keys: one copy per gather, no transpose copy.
+        shape = (num_kv_heads, num_pages, page_size)
+        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+        self._next = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held by every live sequence together."""
+        return sum(self._lengths.values())
+
+    def new_sequence(self) -> int:
+        """A new, empty sequence's id (it holds no page until it holds a token)."""
+        seq, self._next = self._next, self._next + 1
+        self._tables[seq], self._lengths[seq] = [], 0
+        return seq
+
+    def free(self, seq: int) -> None:
+        """End a sequence: its pages go back to the pool, to be reused."""
+        self._free.extend(reversed(self._table(seq)))
+        del self._tables[seq], self._lengths[seq]
+
+    def block_table(self, seq: int) -> list[int]:
+        """The pages of a sequence, in order."""
+        return list(self._table(seq))
+
+    def lengths(self, seqs: Sequence[int]) -> torch.Tensor:
+        """Tokens held by each sequence, (B,)."""
+        return torch.tensor([self._length(s) for s in seqs], dtype=torch.long)
+
+    def append(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after each sequence's
+        cached tokens, row b for sequence ``seqs[b]``; pages are taken from the pool as
+        needed. A pool too small raises (nothing is stored), never truncates."""
+        self._check(seqs, key, value)
+        T, P = key.shape[2], self.page_size
+        needed = sum(-(-(self._length(s) + T) // P) - len(self._table(s)) for s in seqs)
+        if needed > len(self._free):
+            raise ValueError(
+                f"PagedKVCache full: appending {T} tokens to {len(seqs)} sequences needs "
+                f"{needed} more pages of {P} tokens; {len(self._free)} of "
+                f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
+            )
+        pages, slots = [], []
+        for s in seqs:
+            table, start = self._table(s), self._length(s)
+            while len(table) * P < start + T:
+                table.append(self._free.pop())
+            pages += [table[i // P] for i in range(start, start + T)]
+            slots += [i % P for i in range(start, start + T)]
+            self._lengths[s] = start + T
+        at = [torch.tensor(x, dtype=torch.long, device=self.keys.device) for x in (pages, slots)]
+        H_kv = self.keys.shape[0]
+        self.keys[:, at[0], at[1]] = key.transpose(0, 1).reshape(H_kv, -1, key.shape[3])
+        self.values[:, at[0], at[1]] = value.transpose(0, 1).reshape(H_kv, -1, value.shape[3])
+
+    def gather(self, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
+        longest length, zero past each sequence's own (``lengths``, (B,), says where): one
+        gather from the pool per call."""
+        lengths = self.lengths(seqs)
+        L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
+        n = -(-L // P)
+        # Each sequence's pages, padded with page 0 (read past its length, never used:
+        # zeroed below where lengths differ).
+        index = [(self._table(s) + [0] * n)[:n] for s in seqs]
+        flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
+        ragged = bool((lengths != L).any())
+
+        def pages(pool: torch.Tensor) -> torch.Tensor:
+            H_kv, width = pool.shape[0], pool.shape[3]
+            x = pool.index_select(1, flat).view(H_kv, B, n * P, width)[:, :, :L]
+            x = x.transpose(0, 1)  # (B, H_kv, L, ·), a view
+            if not ragged:
+                return x
+            keep = torch.arange(L, device=x.device)[None, :] < lengths.to(x.device)[:, None]
+            return x * keep[:, None, :, None].to(x.dtype)  # zero past each length
+
+        return pages(self.keys), pages(self.values), lengths
+
+    def batch(self, seqs: Sequence[int]) -> PagedBatch:
+        """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
+        (``length``, ``append``): what :class:`qkv.MultiHeadAttention` and the GPT take."""
+        return PagedBatch(self, list(seqs))
+
+    def _table(self, seq: int) -> list[int]:
+        if seq not in self._tables:
+            raise KeyError(f"no live sequence {seq} in this PagedKVCache")
+        return self._tables[seq]
+
+    def _length(self, seq: int) -> int:
+        self._table(seq)
+        return self._lengths[seq]
+
+    def _check(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
+        check_appended(key, value, len(seqs), H_kv, D, D_v, self.keys, "the pool", " sequences")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence appears twice in {list(seqs)}")
+        for s in seqs:
+            self._table(s)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(pages={self.pages_in_use}/{self.num_pages} in use, "
+            f"page_size={self.page_size}, sequences={len(self._tables)}, tokens={self.tokens})"
+        )
+
+
+class PagedBatch:
+    """Sequences of a :class:`PagedKVCache` seen as one batch's cache, as
+    :class:`qkv.KVCache` is: ``append`` stores the new tokens and returns every cached key
+    and value, ``length`` is the tokens cached (the same for every sequence of the batch,
+    as a module's positions need)."""
+
+    def __init__(self, pool: PagedKVCache, seqs: list[int]) -> None:
+        self.pool, self.seqs = pool, seqs
+
+    @property
+    def length(self) -> int:
+        lengths = set(self.pool.lengths(self.seqs).tolist())
+        if len(lengths) > 1:
+            raise ValueError(
+                f"the sequences of this batch hold different numbers of tokens "
+                f"({sorted(lengths)}): a module's positions need one length"
+            )
+        return lengths.pop() if lengths else 0
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.pool.append(self.seqs, key, value)
+        k, v, _ = self.pool.gather(self.seqs)
+        return k, v
+
+
+class PagedCaches:
+    """One :class:`PagedKVCache` per layer of a model, used in step: a sequence is created,
+    appended to and freed in every layer at once (:meth:`qkv.models.GPT.new_paged_caches`)."""
+
+    def __init__(self, pools: Sequence[PagedKVCache]) -> None:
+        self.pools = list(pools)
+
+    def new_sequence(self) -> int:
+        ids = {pool.new_sequence() for pool in self.pools}
+        assert len(ids) == 1, "the layers' pools went out of step"
+        return ids.pop()
+
+    def free(self, seq: int) -> None:
+        for pool in self.pools:
+            pool.free(seq)
+
+    def batch(self, seqs: Sequence[int]) -> list[PagedBatch]:
+        """These sequences as a model's caches: one batch per layer."""
+        return [pool.batch(seqs) for pool in self.pools]
+
+    @property
+    def pages_in_use(self) -> int:
+        return sum(pool.pages_in_use for pool in self.pools)
+
+    def __repr__(self) -> str:
+        return f"PagedCaches({len(self.pools)} layers, {self.pools[0]!r} each)"

@@ -1,0 +1,142 @@
+"""qkv.PagedKVCache: pages taken as sequences grow and given back when they end; equal to
+the contiguous KVCache through MultiHeadAttention and the GPT; ragged sequences attended
+from their pages equal each sequence attended alone."""
+
+import pytest
+import torch
+
+import qkv
+from qkv.models import GPT, GPTConfig
+
+
+def pool(num_pages=16, page_size=4, H_kv=2, D=8, dtype=torch.float64):
+    return qkv.PagedKVCache(num_pages, page_size, H_kv, D, dtype=dtype)
+
+
+def test_pages_are_taken_as_needed_and_reused_after_free():
+    p = pool(num_pages=6, page_size=4)
+    a, b = p.new_sequence(), p.new_sequence()
+    assert p.pages_in_use == 0  # an empty sequence holds no page
+    p.append([a, b], torch.randn(2, 2, 5, 8, dtype=torch.float64), torch.randn(2, 2, 5, 8).double())
+    assert p.pages_in_use == 4 and p.tokens == 10
+    p.append([a], torch.randn(1, 2, 3, 8).double(), torch.randn(1, 2, 3, 8).double())
+    assert p.block_table(a)[:2] != p.block_table(b)[:2] and len(p.block_table(a)) == 2
+    freed = set(p.block_table(a))
+    p.free(a)
+    assert p.pages_in_use == 2
+    c = p.new_sequence()
+    p.append([c], torch.randn(1, 2, 8, 8).double(), torch.randn(1, 2, 8, 8).double())
+    assert set(p.block_table(c)) == freed  # a's pages, reused
+    with pytest.raises(KeyError, match="no live sequence"):
+        p.block_table(a)
+
+
+def test_a_full_pool_is_an_error_never_a_truncation():
+    p = pool(num_pages=2, page_size=4)
+    a = p.new_sequence()
+    p.append([a], torch.randn(1, 2, 6, 8).double(), torch.randn(1, 2, 6, 8).double())
+    with pytest.raises(ValueError, match="PagedKVCache full: .* needs 1 more pages of 4 tokens; 0"):
+        p.append([a], torch.randn(1, 2, 3, 8).double(), torch.randn(1, 2, 3, 8).double())
+    assert p.lengths([a]).tolist() == [6]  # nothing stored
+
+
+def test_gather_returns_each_sequence_and_zeros_past_its_length():
+    p = pool(page_size=3)
+    seqs = [p.new_sequence() for _ in range(3)]
+    want_k = {s: [] for s in seqs}
+    g = torch.Generator().manual_seed(0)
+    for step, T in enumerate([4, 1, 5]):
+        batch = seqs[: 3 - step % 2]  # sequences grow unevenly
+        k = torch.randn(len(batch), 2, T, 8, generator=g, dtype=torch.float64)
+        p.append(batch, k, k + 1)
+        for b, s in enumerate(batch):
+            want_k[s].append(k[b])
+    k, v, lengths = p.gather(seqs)
+    for b, s in enumerate(seqs):
+        n = int(lengths[b])
+        assert torch.equal(k[b, :, :n], torch.cat(want_k[s], dim=1))
+        assert torch.equal(v[b, :, :n], torch.cat(want_k[s], dim=1) + 1)
+        assert (k[b, :, n:] == 0).all()
+
+
+def test_ragged_decoding_from_pages_equals_each_sequence_alone():
+    """A batch of sequences of different lengths, one new query each: attention over the
+    gathered pages with a padding mask equals attending each sequence's keys alone."""
+    p = pool(page_size=4)
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 9, 6]
+    seqs = [p.new_sequence() for _ in lengths]
+    keys = [torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in lengths]
+    for s, k in zip(seqs, keys):
+        p.append([s], k, 2 * k)
+    k, v, held = p.gather(seqs)
+    q = torch.randn(3, 4, 1, 8, generator=g, dtype=torch.float64)
+    out = qkv.attention(q, k, v, mask=qkv.masks.padding(held))
+    for b, kb in enumerate(keys):
+        alone = qkv.attention(q[b : b + 1], kb, 2 * kb)
+        assert (out[b : b + 1] - alone).abs().max() < 1e-12
+
+
+def test_multi_head_attention_decodes_the_same_on_either_cache():
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(
+        16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=qkv.RoPE(4)
+    ).double()
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    contiguous = mha.new_cache(2, 32)
+    p = qkv.PagedKVCache(8, 4, 2, 4, dtype=torch.float64)
+    paged = p.batch([p.new_sequence(), p.new_sequence()])
+    for chunk in (x[:, :5], x[:, 5:6], x[:, 6:11]):  # a prefill, a step, a chunk
+        a = mha(chunk, cache=contiguous)
+        b = mha(chunk, cache=paged)
+        assert (a - b).abs().max() < 1e-12
+    assert paged.length == contiguous.length == 11
+
+
+def test_gpt_generates_the_same_tokens_on_paged_caches():
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=40,
+            block_size=32,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=2,
+            n_embd=16,
+            positions="rope",
+        )
+    ).eval()
+    idx = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(2))
+    want = model.generate(idx, 8, temperature=0.0)
+    caches = model.new_paged_caches(num_pages=8, page_size=4)
+    seqs = [caches.new_sequence() for _ in range(2)]
+    batch = caches.batch(seqs)
+    with torch.no_grad():
+        logits = model(idx, caches=batch)
+        out = idx
+        for _ in range(8):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, token], dim=1)
+            logits = model(token, caches=batch)
+    assert torch.equal(out, want)
+    assert caches.pages_in_use == 2 * 2 * 4  # 2 layers × 2 sequences × ceil(14 / 4) pages
+    for s in seqs:
+        caches.free(s)
+    assert caches.pages_in_use == 0
+
+
+def test_bad_appends_are_refused():
+    p = pool()
+    a = p.new_sequence()
+    with pytest.raises(ValueError, match=r"\(B, H_kv, T, D\) with B=1 sequences, H_kv=2"):
+        p.append([a], torch.randn(1, 3, 2, 8).double(), torch.randn(1, 3, 2, 8).double())
+    with pytest.raises(TypeError, match="float32 on cpu but the pool holds torch.float64"):
+        p.append([a], torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8))
+    with pytest.raises(ValueError, match="appears twice"):
+        p.append([a, a], torch.randn(2, 2, 2, 8).double(), torch.randn(2, 2, 2, 8).double())
+    with pytest.raises(ValueError, match="num_pages must be an int >= 1"):
+        qkv.PagedKVCache(0, 4, 2, 8)
+    b = p.new_sequence()
+    p.append([a], torch.randn(1, 2, 2, 8).double(), torch.randn(1, 2, 2, 8).double())
+    with pytest.raises(ValueError, match="different numbers of tokens"):
+        _ = p.batch([a, b]).length
