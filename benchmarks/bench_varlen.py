@@ -2,6 +2,7 @@
 
     python benchmarks/bench_varlen.py [--rounds 5]
     python benchmarks/bench_varlen.py paged      # the paged KV cache: memory, decode step
+    python benchmarks/bench_varlen.py generate   # ragged prompts decoded together vs alone
 
 16 causal sequences of 64 to 4,096 tokens (lengths drawn log-uniformly, seed 0), H = 8,
 D = 64, float32 and bfloat16, forward and forward + backward:
@@ -136,10 +137,40 @@ def paged(rounds: int = 30) -> None:
     )
 
 
+def generate() -> None:
+    """32 prompts of 16–128 tokens (the default preset's window is 256), 128 new tokens each,
+    greedy, on the default preset's untrained GPT: decoded together (a list of prompts, the
+    paged cache) against one at a time (each on its own contiguous cache)."""
+    from qkv.models import GPT
+    from qkv.training import PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["cpu-10min"][0]).eval()
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g) for n in rng.integers(16, 129, 32)]
+    new = 128
+    t0 = time.perf_counter()
+    together = model.generate(prompts, new, temperature=0.0)
+    t_together = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    alone = [model.generate(p[None], new, temperature=0.0)[0] for p in prompts]
+    t_alone = time.perf_counter() - t0
+    same = all(torch.equal(a, b) for a, b in zip(together, alone))
+    tokens = len(prompts) * new
+    print(
+        f"32 prompts, {new} new tokens each: together {tokens / t_together:.0f} tokens/s, "
+        f"one at a time {tokens / t_alone:.0f} tokens/s "
+        f"({t_alone / t_together:.2f}×); same tokens: {same}"
+    )
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["paged"]:
         paged()
+    elif sys.argv[1:2] == ["generate"]:
+        generate()
     else:
         main()

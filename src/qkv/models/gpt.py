@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from torch import nn
 from ..distributed import Layout
 from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
-from ..nn.paged import PagedCaches, PagedKVCache
+from ..nn.paged import PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
@@ -192,20 +192,28 @@ class GPT(nn.Module):
                 f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}"
             )
         _B, T = idx.shape
-        start = 0 if caches is None else caches[0].length
+        ragged = caches is not None and isinstance(caches[0], PagedBatch)
+        if ragged:  # each sequence at its own positions
+            assert caches is not None and isinstance(caches[0], PagedBatch)
+            rows = caches[0].positions(T).to(idx.device)  # (B, T)
+            start = int(caches[0].row_lengths.max())
+        else:
+            start = 0 if caches is None else caches[0].length
         end = start + T if layout is None else layout.T
         if end > self.config.block_size:
             raise ValueError(
                 f"the context window holds block_size={self.config.block_size} "
                 f"tokens; got {start} cached + {end - start} new"
             )
-        if layout is None:
+        if ragged:
+            positions = rows
+        elif layout is None:
             positions = torch.arange(start, start + T, device=idx.device)
         else:
             positions = layout.positions(dist.get_rank(group)).to(idx.device)
         x = self.wte(idx)  # (B, T, E)
         if self.wpe is not None:
-            x = x + self.wpe(positions)  # (T, E) broadcast over B
+            x = x + self.wpe(positions)  # (T, E) broadcast over B, or (B, T, E)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i], layout, schedule, group)
@@ -235,12 +243,42 @@ class GPT(nn.Module):
             ]
         )
 
+    def _generate_ragged(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        generator: torch.Generator | None,
+        stop_token: int | None,
+    ) -> list[torch.Tensor]:
+        from .batching import Batcher
+
+        was_training = self.training
+        self.eval()
+        try:
+            batcher = Batcher(
+                self,
+                num_pages=len(prompts) * -(-self.config.block_size // 16),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+                stop_token=stop_token,
+            )
+            ids = [batcher.add(p, max_new_tokens) for p in prompts]
+            batcher.run()
+            return [batcher.result(i) for i in ids]
+        finally:
+            self.train(was_training)
+
     @property
     def layers(self) -> list[Block]:
         """The blocks, typed (``self.blocks`` is the ``nn.ModuleList`` holding them)."""
         return [cast(Block, b) for b in self.blocks]
 
-    @torch.no_grad()
+    @overload
     def generate(
         self,
         idx: torch.Tensor,
@@ -251,8 +289,43 @@ class GPT(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
-    ) -> torch.Tensor:
+        stop_token: int | None = None,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def generate(
+        self,
+        idx: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_token: int | None = None,
+    ) -> list[torch.Tensor]: ...
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor | Sequence[torch.Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+        stop_token: int | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
         """Continue each sequence of idx (B, T) by max_new_tokens tokens: (B, T + new).
+
+        Given a list of prompts ((T_i,) tensors of different lengths), they are decoded
+        together on a paged KV cache (:class:`qkv.models.Batcher`), each at its own
+        positions, each stopping at its own ``stop_token`` or after max_new_tokens; the
+        result is a list of (T_i + new_i,) tensors, the same greedy tokens as generating
+        each alone. The prompt and its new tokens must fit the context window there.
 
         With ``use_cache`` the prompt is prefilled into one KV cache per layer and every
         later step feeds one token; without, every step recomputes the whole context (the
@@ -270,7 +343,14 @@ class GPT(nn.Module):
             top_p: sample among the smallest set of tokens whose probability reaches p.
             generator: the source of randomness: the same seed gives the same tokens.
             use_cache: decode with KV caches (default) or recompute every step.
+            stop_token: for a list of prompts, a prompt ends after producing it.
         """
+        if isinstance(idx, (list, tuple)):
+            return self._generate_ragged(
+                idx, max_new_tokens, temperature, top_k, top_p, generator, stop_token
+            )
+        if stop_token is not None:
+            raise ValueError("stop_token applies to a list of prompts (each stops on its own)")
         if not isinstance(idx, torch.Tensor) or idx.ndim != 2 or idx.shape[1] < 1:
             raise ValueError(
                 f"idx must be a (B, T) tensor of token ids with T >= 1; got "

@@ -16,8 +16,10 @@ from torch import nn
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
+from ..masks import Mask
 from .cache import Cache, KVCache
 from .modules import AttentionModule, check_input, split_heads
+from .paged import PagedBatch
 from .rope import RoPE
 
 
@@ -123,10 +125,15 @@ class MultiHeadAttention(AttentionModule):
         q = split_heads(self.W_query(x), self.num_heads)  # (B, H, T_q, d_head)
         k = split_heads(self.W_key(source), self.num_kv_heads)  # (B, H_kv, T_k, d_head)
         v = split_heads(self.W_value(source), self.num_kv_heads)
-        # absolute positions of x's tokens: given, or following the cache
-        at: torch.Tensor | int = (
-            positions if positions is not None else (0 if cache is None else cache.length)
-        )
+        # absolute positions of x's tokens: given, or following the cache (each sequence's
+        # own, for a ragged batch of a paged cache)
+        at: torch.Tensor | int = 0
+        if positions is not None:
+            at = positions
+        elif isinstance(cache, PagedBatch):
+            at = cache.positions(x.shape[-2]).to(x.device)
+        elif cache is not None:
+            at = cache.length
         if self.rope is not None:
             q, k = self.rope(q, at), self.rope(k, at)
         if cache is not None:
@@ -169,9 +176,16 @@ class MultiHeadAttention(AttentionModule):
         dropout_p = self.dropout if self.training else 0.0
         if layout is None:
             q, k, v = self.project(x, context, cache)
-            out = attention(
-                q, k, v, mask=self.attention_mask(mask), dropout_p=dropout_p, sinks=self.sinks
-            )
+            mask = self.attention_mask(mask)
+            if isinstance(cache, PagedBatch):  # a ragged batch: each row to its own keys
+                rows = cache.row_mask(q.shape[2], self.causal)
+                if rows is not None and mask is None:
+                    mask = rows
+                elif rows is not None and isinstance(mask, Mask):
+                    mask = mask & rows
+                elif rows is not None:
+                    raise ValueError("a ragged paged batch takes a qkv mask, not a tensor")
+            out = attention(q, k, v, mask=mask, dropout_p=dropout_p, sinks=self.sinks)
             return self.merge(out, like=x)
         if context is not None or cache is not None:
             raise ValueError(

@@ -12,10 +12,16 @@ D head dim · D_v value dim.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ..masks import Mask, padding, predicate
 from .cache import check_appended, check_sizes
+
+
+def _like(data: Any, ref: Any) -> Any:
+    return torch.as_tensor(data, device=ref.device) if isinstance(ref, torch.Tensor) else data
 
 
 class PagedKVCache:
@@ -58,6 +64,7 @@ class PagedKVCache:
         shape = (num_kv_heads, num_pages, page_size)
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
+        self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
@@ -127,27 +134,34 @@ class PagedKVCache:
 
     def gather(self, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
-        longest length, zero past each sequence's own (``lengths``, (B,), says where): one
-        gather from the pool per call."""
+        longest length, and ``lengths`` (B,): past its own length a row holds whatever its
+        pages (or page 0) hold — attend with ``qkv.masks.padding(lengths)``, as
+        :class:`PagedBatch` does. One gather from the pool per call, nothing more (zeroing
+        the padding cost a tenth of a ragged decode step). Without autograd the gather
+        writes into a buffer the pool keeps and reuses (a fresh 10 MB each step was a page
+        fault per 4 KB: a decode step took 4× as long): the tensors returned are then valid
+        until the pool's next gather."""
         lengths = self.lengths(seqs)
         L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
         n = -(-L // P)
-        # Each sequence's pages, padded with page 0 (read past its length, never used:
-        # zeroed below where lengths differ).
+        # Each sequence's pages, padded with page 0 (read past its length, masked there).
         index = [(self._table(s) + [0] * n)[:n] for s in seqs]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
-        ragged = bool((lengths != L).any())
 
-        def pages(pool: torch.Tensor) -> torch.Tensor:
+        def pages(pool: torch.Tensor, name: str) -> torch.Tensor:
             H_kv, width = pool.shape[0], pool.shape[3]
-            x = pool.index_select(1, flat).view(H_kv, B, n * P, width)[:, :, :L]
-            x = x.transpose(0, 1)  # (B, H_kv, L, ·), a view
-            if not ragged:
-                return x
-            keep = torch.arange(L, device=x.device)[None, :] < lengths.to(x.device)[:, None]
-            return x * keep[:, None, :, None].to(x.dtype)  # zero past each length
+            shape = (H_kv, B * n, P, width)
+            if torch.is_grad_enabled():
+                x = pool.index_select(1, flat)
+            else:
+                size = H_kv * B * n * P * width
+                buf = self._scratch.get(name)
+                if buf is None or buf.numel() < size:
+                    buf = self._scratch[name] = pool.new_empty(size)
+                x = torch.index_select(pool, 1, flat, out=buf[:size].view(shape))
+            return x.view(H_kv, B, n * P, width)[:, :, :L].transpose(0, 1)  # (B, H_kv, L, ·)
 
-        return pages(self.keys), pages(self.values), lengths
+        return pages(self.keys, "keys"), pages(self.values, "values"), lengths
 
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
@@ -181,11 +195,41 @@ class PagedKVCache:
 class PagedBatch:
     """Sequences of a :class:`PagedKVCache` seen as one batch's cache, as
     :class:`qkv.KVCache` is: ``append`` stores the new tokens and returns every cached key
-    and value, ``length`` is the tokens cached (the same for every sequence of the batch,
-    as a module's positions need)."""
+    and value (padded to the longest sequence), ``length`` is the tokens cached when every
+    sequence holds as many. Sequences of different lengths (a ragged batch) sit at their own
+    positions: :meth:`positions` and :meth:`row_mask` say where, and
+    :class:`qkv.MultiHeadAttention` and the GPT read them."""
 
     def __init__(self, pool: PagedKVCache, seqs: list[int]) -> None:
         self.pool, self.seqs = pool, seqs
+
+    @property
+    def row_lengths(self) -> torch.Tensor:
+        """Tokens cached per sequence, (B,)."""
+        return self.pool.lengths(self.seqs)
+
+    def positions(self, T: int) -> torch.Tensor:
+        """The absolute positions of T new tokens per sequence, (B, T): after each one's
+        own cached tokens."""
+        return self.row_lengths[:, None] + torch.arange(T)[None, :]
+
+    def row_mask(self, T_q: int, causal: bool) -> Mask | None:
+        """After an append of T_q tokens, the mask that keeps each sequence to its own
+        keys (and, ``causal``, to those up to each of its queries), for keys padded to the
+        longest sequence and queries at the default bottom-right place; None when every
+        sequence holds as many tokens (nothing to add)."""
+        lengths = self.row_lengths
+        longest = int(lengths.max())
+        if bool((lengths == longest).all()):
+            return None
+        if not causal or T_q == 1:  # one query per row sees every key of its row
+            return padding(lengths)
+        shift = (longest - lengths).numpy()  # how far each row's queries sit before the last
+
+        def ragged_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return kv + _like(shift, kv)[b] <= q
+
+        return predicate(ragged_causal, "ragged_causal")
 
     @property
     def length(self) -> int:

@@ -46,7 +46,8 @@ class RoPE(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
         """Rotate x: (…, T, D). ``positions`` is the absolute position of x's first row (an
-        int), or one position per row: a (T,) integer tensor."""
+        int), one position per row: a (T,) integer tensor, or per batch row and row: a
+        (B, T) integer tensor for x of shape (B, H, T, D) (sequences at their own places)."""
         if x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"x must have shape (..., T, D) with D={self.head_dim}; got {tuple(x.shape)}"
@@ -54,13 +55,17 @@ class RoPE(nn.Module):
         T = x.shape[-2]
         if isinstance(positions, int):
             positions = torch.arange(positions, positions + T, device=x.device)
-        elif positions.shape != (T,):
+        elif positions.shape != (T,) and not (x.ndim == 4 and positions.shape == (x.shape[0], T)):
             raise ValueError(
-                f"positions must have shape (T,) = ({T},); got {tuple(positions.shape)}"
+                f"positions must have shape (T,) = ({T},) (or (B, T) for a (B, H, T, D) x); "
+                f"got {tuple(positions.shape)}"
             )
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(x.device)  # (T, D/2)
-        cos = torch.cos(angles).repeat(1, 2).to(x.dtype)  # (T, D)
-        sin = torch.sin(angles).repeat(1, 2).to(x.dtype)
+        angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(x.device)  # (…T, D/2)
+        cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(x.dtype)  # (T, D) or (B, T, D)
+        sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(x.dtype)
+
+        if positions.ndim == 2:  # (B, T, D) -> (B, 1, T, D), across the heads
+            cos, sin = cos[:, None], sin[:, None]
         half = self.head_dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

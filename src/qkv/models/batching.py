@@ -1,0 +1,148 @@
+"""Continuous batching: prompts of different lengths decoded together on a paged KV cache.
+
+A :class:`Batcher` holds the requests in flight. :meth:`Batcher.add` prefills a prompt into
+its own pages (a request can join between any two steps); :meth:`Batcher.step` gives every
+request in flight its next token in one forward pass over the ragged batch, each sequence at
+its own positions; a request leaves at its own end token or length, and its pages go back to
+the pool for the next one.
+
+Legend: B requests in flight · V vocabulary · T tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .gpt import GPT
+
+
+@dataclass
+class _Request:
+    seq: int
+    tokens: list[int]
+    new: int  # tokens still to generate
+    logits: torch.Tensor  # (V,) the next token's
+    done: bool = False
+    generated: list[int] = field(default_factory=list)
+
+
+class Batcher:
+    """Requests decoded together on one GPT, each to its own end.
+
+    Args:
+        model: a :class:`qkv.models.GPT` (in eval mode for reproducible tokens).
+        num_pages: pages per layer's pool; default enough for 32 sequences of the whole
+            context. A pool too small is an error when a request would need a page more.
+        page_size: tokens per page.
+        temperature, top_k, top_p, generator: sampling, as in :meth:`GPT.generate`
+            (temperature 0 is greedy); one generator draws for the whole batch in request
+            order, so a run is reproducible from its seed and its requests.
+        stop_token: a request ends after producing this token (kept in its output).
+
+    Example:
+        >>> import torch, qkv
+        >>> from qkv.models import GPT, GPTConfig, Batcher
+        >>> model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=1, n_head=2,
+        ...                       n_embd=16)).eval()
+        >>> batcher = Batcher(model)
+        >>> a = batcher.add(torch.tensor([1, 2, 3]), max_new_tokens=4)
+        >>> _ = batcher.step()                          # a's first token
+        >>> b = batcher.add(torch.tensor([5, 6, 7, 8, 9]), max_new_tokens=2)   # b joins
+        >>> batcher.run()
+        >>> len(batcher.result(a)), len(batcher.result(b))
+        (7, 7)
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        *,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> None:
+        window = model.config.block_size
+        pages = 32 * -(-window // page_size) if num_pages is None else num_pages
+        self.model, self.caches = model, model.new_paged_caches(pages, page_size)
+        self.sampling = (temperature, top_k, top_p, generator)
+        self.stop_token = stop_token
+        self._requests: dict[int, _Request] = {}
+        self._next = 0
+
+    @torch.no_grad()
+    def add(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        """Prefill a prompt ((T,) token ids, T >= 1) into its own pages; its id."""
+        if not isinstance(prompt, torch.Tensor) or prompt.ndim != 1 or len(prompt) == 0:
+            raise ValueError(
+                f"a prompt must be a non-empty (T,) tensor of token ids; got "
+                f"{tuple(getattr(prompt, 'shape', ()))}"
+            )
+        window = self.model.config.block_size
+        if len(prompt) + max_new_tokens > window:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones exceed the "
+                f"context window of {window} (a paged batch does not slide it)"
+            )
+        seq = self.caches.new_sequence()
+        logits = self.model(
+            prompt[None].to(self.model.lm_head.weight.device), caches=self.caches.batch([seq])
+        )
+        rid, self._next = self._next, self._next + 1
+        self._requests[rid] = _Request(seq, prompt.tolist(), max_new_tokens, logits[0, -1])
+        if max_new_tokens == 0:
+            self._finish(self._requests[rid])
+        return rid
+
+    @property
+    def active(self) -> list[int]:
+        """The ids of the requests still generating."""
+        return [rid for rid, r in self._requests.items() if not r.done]
+
+    @torch.no_grad()
+    def step(self) -> dict[int, int]:
+        """One token for every request in flight: {id: token}. Requests that reach their
+        end leave (their pages are freed); the others are run forward together."""
+        from .gpt import _sample
+
+        live = [self._requests[rid] for rid in self.active]
+        if not live:
+            return {}
+        logits = torch.stack([r.logits for r in live])  # (B, V)
+        tokens = _sample(logits, *self.sampling)[:, 0].tolist()
+        out = {}
+        for rid, r, token in zip(self.active, live, tokens):
+            out[rid] = token
+            r.generated.append(token)
+            r.new -= 1
+            if r.new == 0 or token == self.stop_token:
+                self._finish(r)
+        going = [r for r in live if not r.done]
+        if going:
+            idx = torch.tensor([[r.generated[-1]] for r in going])
+            batch = self.caches.batch([r.seq for r in going])
+            logits = self.model(idx.to(self.model.lm_head.weight.device), caches=batch)
+            for r, row in zip(going, logits[:, -1]):
+                r.logits = row
+        return out
+
+    def run(self) -> None:
+        """Step until every request has ended."""
+        while self.active:
+            self.step()
+
+    def result(self, rid: int) -> torch.Tensor:
+        """A request's prompt and the tokens generated so far, (T,)."""
+        r = self._requests[rid]
+        return torch.tensor(r.tokens + r.generated, dtype=torch.long)
+
+    def _finish(self, r: _Request) -> None:
+        r.done = True
+        self.caches.free(r.seq)
