@@ -3,6 +3,7 @@
     python benchmarks/bench_varlen.py [--rounds 5]
     python benchmarks/bench_varlen.py paged      # the paged KV cache: memory, decode step
     python benchmarks/bench_varlen.py generate   # ragged prompts decoded together vs alone
+    python benchmarks/bench_varlen.py cascade    # 32 requests sharing a 1,024-token prefix
 
 16 causal sequences of 64 to 4,096 tokens (lengths drawn log-uniformly, seed 0), H = 8,
 D = 64, float32 and bfloat16, forward and forward + backward:
@@ -165,6 +166,50 @@ def generate() -> None:
     )
 
 
+def cascade(rounds: int = 30) -> None:
+    """A decode step of a MultiHeadAttention (E = 384, 6 heads) for 32 requests that share
+    a 1,024-token prompt (forked pages, the prefix read once: cascade) against the same
+    requests each holding its own copy of the prompt (every page gathered), and against a
+    contiguous KVCache."""
+    torch.manual_seed(0)
+    E, Hh, P, B, L = 384, 6, 16, 32, 1024
+    mha = qkv.MultiHeadAttention(E, E, num_heads=Hh, causal=True, rope=qkv.RoPE(E // Hh)).eval()
+    prompt, own = torch.randn(1, L, E), torch.randn(B, 8, E)
+    pages = B * (L + rounds + 64) // P
+    with torch.no_grad():
+        shared = qkv.PagedKVCache(pages, P, Hh, E // Hh)
+        first = shared.new_sequence()
+        mha(prompt, cache=shared.batch([first]))
+        forked = [first] + [shared.fork(first) for _ in range(B - 1)]
+        copies = qkv.PagedKVCache(pages, P, Hh, E // Hh)
+        separate = [copies.new_sequence() for _ in range(B)]
+        mha(prompt.expand(B, -1, -1), cache=copies.batch(separate))
+        contiguous = mha.new_cache(B, L + rounds + 64)
+        mha(prompt.expand(B, -1, -1), cache=contiguous)
+        for cache in (shared.batch(forked), copies.batch(separate), contiguous):
+            mha(own, cache=cache)
+        cases = {
+            "cascade": shared.batch(forked),
+            "gathered": copies.batch(separate),
+            "contiguous": contiguous,
+        }
+        times: dict[str, list[float]] = {n: [] for n in cases}
+        x = torch.randn(B, 1, E)
+        for r in range(rounds):
+            for name in list(cases) if r % 2 == 0 else list(reversed(cases)):
+                t0 = time.perf_counter()
+                mha(x, cache=cases[name])
+                times[name].append(time.perf_counter() - t0)
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    print(
+        f"decode step, {B} requests sharing {L} tokens: cascade {med['cascade']:.2f} ms, "
+        f"every page gathered {med['gathered']:.2f} ms "
+        f"({med['cascade'] / med['gathered']:.2f}×), contiguous KVCache "
+        f"{med['contiguous']:.2f} ms ({med['cascade'] / med['contiguous']:.2f}×); pages held "
+        f"{shared.pages_in_use} shared against {copies.pages_in_use}"
+    )
+
+
 if __name__ == "__main__":
     import sys
 
@@ -172,5 +217,7 @@ if __name__ == "__main__":
         paged()
     elif sys.argv[1:2] == ["generate"]:
         generate()
+    elif sys.argv[1:2] == ["cascade"]:
+        cascade()
     else:
         main()

@@ -287,3 +287,19 @@ def test_a_truncated_snapshot_gets_one_line_in_view(tmp_path, capsys):
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert f"{first.name} is damaged or truncated" in err
+
+
+def test_generate_decodes_several_prompts_together(tmp_path, capsys):
+    """Several --prompt (and a file of them): each continued as it would be alone."""
+    out = tmp_path / "tiny"
+    main(["train", "--preset", "tiny", "--out", str(out), "--steps", "2", "--quiet"])
+    capsys.readouterr()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ab\n", encoding="utf-8")
+    common = ["--checkpoint", str(out), "--tokens", "5", "--temperature", "0"]
+    main(["generate", *common, "--prompt", "hello", "--prompts-file", str(prompts)])
+    together = capsys.readouterr().out
+    main(["generate", *common, "--prompt", "hello"])
+    alone = capsys.readouterr().out.rstrip("\n")
+    assert together.startswith("--- 0: 'hello'\n") and "--- 1: 'ab'\n" in together
+    assert together.split("\n")[1] == alone

@@ -209,3 +209,75 @@ def test_requests_join_between_steps_and_pages_are_reused():
     with pytest.raises(ValueError, match="PagedKVCache full"):
         for _ in range(4):
             batcher.add(torch.zeros(20, dtype=torch.long), max_new_tokens=1)
+
+
+def test_forked_sequences_share_full_pages_counted_and_copy_the_last():
+    p = pool(num_pages=12, page_size=4)
+    a = p.new_sequence()
+    p.append([a], torch.randn(1, 2, 10, 8).double(), torch.randn(1, 2, 10, 8).double())
+    b = p.fork(a)
+    assert p.block_table(b)[:2] == p.block_table(a)[:2]  # the full pages, shared
+    assert p.block_table(b)[2] != p.block_table(a)[2]  # the partly filled one, copied
+    k, v, _ = p.gather([a, b])
+    assert torch.equal(k[0], k[1]) and torch.equal(v[0], v[1])
+    assert p.shared_prefix([a, b]) == 2 and p.pages_in_use == 4
+    p.free(a)
+    assert p.pages_in_use == 3  # the shared pages stay: b holds them
+    p.free(b)
+    assert p.pages_in_use == 0
+
+
+@pytest.mark.parametrize("suffix", [0, 5])
+def test_cascade_attention_equals_attention_over_prefix_and_suffix(suffix):
+    g = torch.Generator().manual_seed(6)
+    B, H, H_kv, L_p, D = 3, 4, 2, 17, 8
+    q = torch.randn(B, H, 2, D, generator=g, dtype=torch.float64)
+    pk, pv = (torch.randn(H_kv, L_p, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, suffix, D, generator=g, dtype=torch.float64) for _ in range(2))
+    xs = [x.clone().requires_grad_() for x in (q, pk, pv, k, v)]
+    out, lse = qkv.cascade_attention(*xs, return_lse=True)
+    ys = [x.clone().requires_grad_() for x in (q, pk, pv, k, v)]
+    whole_k = torch.cat([ys[1].expand(B, -1, -1, -1), ys[3]], dim=2)
+    whole_v = torch.cat([ys[2].expand(B, -1, -1, -1), ys[4]], dim=2)
+    want, want_lse = qkv.attention(ys[0], whole_k, whole_v, return_lse=True, backend="reference")
+    assert (out - want).abs().max() < 1e-12 and (lse - want_lse).abs().max() < 1e-12
+    gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got_g = torch.autograd.grad((out * gout).sum(), xs, allow_unused=True)
+    want_g = torch.autograd.grad((want * gout).sum(), ys, allow_unused=True)
+    for a, b in zip(got_g, want_g):
+        assert (a is None and (b is None or not b.any())) or (a - b).abs().max() < 1e-10
+
+
+def test_decoding_a_shared_prompt_reads_its_pages_once_and_equals_each_alone():
+    torch.manual_seed(0)
+    mha = (
+        qkv.MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=qkv.RoPE(4))
+        .double()
+        .eval()
+    )
+    p = qkv.PagedKVCache(32, 4, 2, 4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randn(1, 13, 16, generator=g, dtype=torch.float64)
+    first = p.new_sequence()
+    with torch.no_grad():
+        mha(prompt, cache=p.batch([first]))
+        seqs = [first] + [p.fork(first) for _ in range(2)]
+        own = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in (1, 3, 2)]
+        for s, x in zip(seqs, own):  # each its own continuation: lengths 14, 16, 15
+            mha(x, cache=p.batch([s]))
+        assert p.shared_prefix(seqs) == 3
+        step = torch.randn(3, 1, 16, generator=g, dtype=torch.float64)
+        calls = []
+        real = qkv.nn.mha.cascade_attention
+        qkv.nn.mha.cascade_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = mha(step, cache=p.batch(seqs))
+        finally:
+            qkv.nn.mha.cascade_attention = real
+        assert calls  # the cascade ran
+        for b, x in enumerate(own):
+            alone = mha.new_cache(1, 32)
+            mha(prompt, cache=alone)
+            mha(x, cache=alone)
+            want = mha(step[b : b + 1], cache=alone)
+            assert (got[b : b + 1] - want).abs().max() < 1e-12

@@ -22,7 +22,7 @@ from .nn import (
     SelfAttention,
 )
 from .tuning import Tuning, tuned, tuning
-from .varlen import varlen_attention
+from .varlen import cascade_attention, varlen_attention
 
 try:  # pyproject.toml holds the one source, read from the installed package's metadata
     __version__ = _metadata.version("qkv")
@@ -43,6 +43,7 @@ __all__ = [
     "Tuning",
     "attention",
     "attention_weights",
+    "cascade_attention",
     "dispatch",
     "distributed",
     "explain",

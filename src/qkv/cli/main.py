@@ -155,7 +155,13 @@ def _parser() -> argparse.ArgumentParser:
     ge.add_argument(
         "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
     )
-    ge.add_argument("--prompt", default="def ", help="text to continue (default 'def ')")
+    ge.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue (default 'def '); give it several times, or --prompts-file, "
+        "to decode prompts of different lengths together",
+    )
+    ge.add_argument("--prompts-file", type=Path, help="a UTF-8 file of prompts, one per line")
     ge.add_argument("--tokens", type=positive, default=200, help="bytes to generate (default 200)")
     ge.add_argument("--seed", type=int, default=0, help="sampling seed (0)")
     ge.add_argument(

@@ -123,26 +123,37 @@ def saved_preset(out: Path) -> str:
 def run_generate(args: argparse.Namespace) -> None:
     from ..training import load_checkpoint
 
-    if not args.prompt:
-        raise ValueError("--prompt must not be empty: the model continues a text")
+    texts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        texts += args.prompts_file.read_text(encoding="utf-8").splitlines()
+    texts = texts or ["def "]
+    if not all(texts):
+        raise ValueError(
+            "--prompt must not be empty (nor a line of --prompts-file): the model continues a text"
+        )
     model = load_checkpoint(args.checkpoint)
-    prompt = list(args.prompt.encode("utf-8"))
+    prompts = [list(text.encode("utf-8")) for text in texts]
     vocab = model.config.vocab_size
-    if max(prompt) >= vocab:
-        outside = sorted({b for b in prompt if b >= vocab})
+    outside = sorted({b for prompt in prompts for b in prompt if b >= vocab})
+    if outside:
         raise ValueError(
             f"--prompt has bytes outside this model's vocabulary of {vocab} tokens "
             f"({', '.join(map(str, outside[:5]))}{', …' if len(outside) > 5 else ''}): it was "
             "trained on other tokens (the induction preset's are 0..63), not on text"
         )
-    idx = torch.tensor([prompt])  # (1, T) bytes
-    out = model.generate(
-        idx,
-        args.tokens,
+    sampling = dict(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         generator=torch.Generator().manual_seed(args.seed),
-        use_cache=not args.no_cache,
     )
-    print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    if len(prompts) == 1:
+        idx = torch.tensor(prompts)  # (1, T) bytes
+        out = model.generate(idx, args.tokens, use_cache=not args.no_cache, **sampling)
+        print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+        return
+    # Prompts of different lengths, decoded together on a paged cache (docs/ragged.md).
+    outs = model.generate([torch.tensor(p) for p in prompts], args.tokens, **sampling)
+    for i, out in enumerate(outs):
+        print(f"--- {i}: {texts[i]!r}")
+        print(bytes(out.tolist()).decode("utf-8", errors="replace"))

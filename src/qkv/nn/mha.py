@@ -16,7 +16,8 @@ from torch import nn
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
-from ..masks import Mask
+from ..masks import Mask, padding
+from ..varlen import cascade_attention
 from .cache import Cache, KVCache
 from .modules import AttentionModule, check_input, split_heads
 from .paged import PagedBatch
@@ -174,6 +175,18 @@ class MultiHeadAttention(AttentionModule):
                 :func:`qkv.distributed.attention`. Self-attention only.
         """
         dropout_p = self.dropout if self.training else 0.0
+        if (
+            isinstance(cache, PagedBatch)
+            and layout is None
+            and context is None
+            and mask is None
+            and dropout_p == 0
+            and self.sinks is None
+            and x.ndim == 3
+            and x.shape[1] == 1
+            and cache.shared_pages()
+        ):
+            return self.merge(self._cascade(x, cache), like=x)
         if layout is None:
             q, k, v = self.project(x, context, cache)
             mask = self.attention_mask(mask)
@@ -206,6 +219,20 @@ class MultiHeadAttention(AttentionModule):
             sinks=self.sinks,
         )
         return self.merge(out, like=x)
+
+    def _cascade(self, x: torch.Tensor, cache: PagedBatch) -> torch.Tensor:
+        """A decode step of sequences that share a prefix of pages: the prefix read once
+        for the whole batch, each suffix apart, merged exactly
+        (:func:`qkv.cascade_attention`). One new token per sequence: it sees every key."""
+        q, k, v = self.project(x, positions=cache.positions(1).to(x.device))
+        cache.pool.append(cache.seqs, k, v)
+        shared = cache.shared_pages()
+        prefix_k, prefix_v = cache.pool.prefix(cache.seqs[0], shared)
+        k, v, lengths = cache.pool.gather(cache.seqs, skip=shared)
+        suffix = padding(lengths) if bool((lengths < k.shape[2]).any()) else None
+        out = cascade_attention(q, prefix_k, prefix_v, k, v, mask=suffix)
+        assert isinstance(out, torch.Tensor)
+        return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty :class:`qkv.KVCache` for this module, on its device and dtype."""

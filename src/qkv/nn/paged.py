@@ -65,6 +65,7 @@ class PagedKVCache:
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
+        self._refs: dict[int, int] = {}  # page -> how many sequences hold it
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
@@ -94,9 +95,51 @@ class PagedKVCache:
         return seq
 
     def free(self, seq: int) -> None:
-        """End a sequence: its pages go back to the pool, to be reused."""
-        self._free.extend(reversed(self._table(seq)))
+        """End a sequence: each of its pages goes back to the pool, to be reused, once no
+        other sequence holds it (pages shared by :meth:`fork` are counted)."""
+        for page in reversed(self._table(seq)):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                del self._refs[page]
+                self._free.append(page)
         del self._tables[seq], self._lengths[seq]
+
+    def fork(self, seq: int) -> int:
+        """A new sequence that starts as a copy of ``seq`` (a shared prompt): its full pages
+        are shared, not copied (counted, freed with the last holder); a partly filled last
+        page is copied, so that each sequence appends to a page of its own."""
+        table, length = self._table(seq), self._length(seq)
+        full = length // self.page_size
+        if len(table) > full and not self._free:
+            raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
+        child = self.new_sequence()
+        self._tables[child] = list(table[:full])
+        for page in table[:full]:
+            self._refs[page] += 1
+        if len(table) > full:  # the partly filled last page: a copy of its own
+            page = self._take()
+            self.keys[:, page] = self.keys[:, table[full]]
+            self.values[:, page] = self.values[:, table[full]]
+            self._tables[child].append(page)
+        self._lengths[child] = length
+        return child
+
+    def shared_prefix(self, seqs: Sequence[int]) -> int:
+        """How many leading pages every one of these sequences holds in common (each full)."""
+        tables = [self._table(s) for s in seqs]
+        n = 0
+        while (
+            tables
+            and all(len(t) > n and t[n] == tables[0][n] for t in tables)
+            and all(self._length(s) >= (n + 1) * self.page_size for s in seqs)
+        ):
+            n += 1
+        return n
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
 
     def block_table(self, seq: int) -> list[int]:
         """The pages of a sequence, in order."""
@@ -123,7 +166,7 @@ class PagedKVCache:
         for s in seqs:
             table, start = self._table(s), self._length(s)
             while len(table) * P < start + T:
-                table.append(self._free.pop())
+                table.append(self._take())
             pages += [table[i // P] for i in range(start, start + T)]
             slots += [i % P for i in range(start, start + T)]
             self._lengths[s] = start + T
@@ -132,7 +175,9 @@ class PagedKVCache:
         self.keys[:, at[0], at[1]] = key.transpose(0, 1).reshape(H_kv, -1, key.shape[3])
         self.values[:, at[0], at[1]] = value.transpose(0, 1).reshape(H_kv, -1, value.shape[3])
 
-    def gather(self, seqs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(
+        self, seqs: Sequence[int], skip: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
         longest length, and ``lengths`` (B,): past its own length a row holds whatever its
         pages (or page 0) hold — attend with ``qkv.masks.padding(lengths)``, as
@@ -140,28 +185,46 @@ class PagedKVCache:
         the padding cost a tenth of a ragged decode step). Without autograd the gather
         writes into a buffer the pool keeps and reuses (a fresh 10 MB each step was a page
         fault per 4 KB: a decode step took 4× as long): the tensors returned are then valid
-        until the pool's next gather."""
-        lengths = self.lengths(seqs)
+        until the pool's next gather. ``skip`` leaves out each sequence's first pages (a
+        shared prefix read apart): lengths then count what is left."""
+        lengths = self.lengths(seqs) - skip * self.page_size
         L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
         n = -(-L // P)
         # Each sequence's pages, padded with page 0 (read past its length, masked there).
-        index = [(self._table(s) + [0] * n)[:n] for s in seqs]
+        index = [(self._table(s)[skip:] + [0] * n)[:n] for s in seqs]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
 
         def pages(pool: torch.Tensor, name: str) -> torch.Tensor:
             H_kv, width = pool.shape[0], pool.shape[3]
-            shape = (H_kv, B * n, P, width)
-            if torch.is_grad_enabled():
-                x = pool.index_select(1, flat)
-            else:
-                size = H_kv * B * n * P * width
-                buf = self._scratch.get(name)
-                if buf is None or buf.numel() < size:
-                    buf = self._scratch[name] = pool.new_empty(size)
-                x = torch.index_select(pool, 1, flat, out=buf[:size].view(shape))
-            return x.view(H_kv, B, n * P, width)[:, :, :L].transpose(0, 1)  # (B, H_kv, L, ·)
+            x = self._select(pool, flat, name).view(H_kv, B, n * P, width)[:, :, :L]
+            return x.transpose(0, 1)  # (B, H_kv, L, ·)
 
         return pages(self.keys, "keys"), pages(self.values, "values"), lengths
+
+    def prefix(self, seq: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of a sequence's first ``pages`` pages, (H_kv, pages·P, ·):
+        a shared prefix, gathered once for every sequence that holds it."""
+        table = self._table(seq)[:pages]
+        flat = torch.tensor(table, dtype=torch.long, device=self.keys.device)
+
+        def part(pool: torch.Tensor, name: str) -> torch.Tensor:
+            H_kv, width = pool.shape[0], pool.shape[3]
+            return self._select(pool, flat, name).view(H_kv, pages * self.page_size, width)
+
+        return part(self.keys, "prefix_keys"), part(self.values, "prefix_values")
+
+    def _select(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """pool's pages ``flat``, (H_kv, len(flat), P, ·); into a reused buffer when no
+        gradient is recorded."""
+        if torch.is_grad_enabled():
+            return pool.index_select(1, flat)
+        H_kv, _, P, width = pool.shape
+        size = H_kv * len(flat) * P * width
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self._scratch[name] = pool.new_empty(size)
+        out = buf[:size].view(H_kv, len(flat), P, width)
+        return torch.index_select(pool, 1, flat, out=out)
 
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
@@ -212,6 +275,10 @@ class PagedBatch:
         """The absolute positions of T new tokens per sequence, (B, T): after each one's
         own cached tokens."""
         return self.row_lengths[:, None] + torch.arange(T)[None, :]
+
+    def shared_pages(self) -> int:
+        """Leading pages every sequence of this batch shares (:meth:`PagedKVCache.fork`)."""
+        return self.pool.shared_prefix(self.seqs) if len(self.seqs) > 1 else 0
 
     def row_mask(self, T_q: int, causal: bool) -> Mask | None:
         """After an append of T_q tokens, the mask that keeps each sequence to its own
