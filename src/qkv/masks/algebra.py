@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._checks import fmt_shape
+from .._lift import lifted
 from .tiles import _FAR, EMPTY, FULL, PARTIAL, _Tiles, _TorchIndex
 
 Predicate = Callable[[Any, Any, Any, Any], Any]
@@ -379,10 +380,13 @@ class _Shifted(Mask):
         return f"({self.inner!r} at queries +{self.dq}, keys +{self.dk})"
 
 
-def predicate(fn: Predicate, name: str | None = None) -> Mask:
+def predicate(fn: Predicate, name: str | None = None, *, vmap: bool = False) -> Mask:
     """Wrap any ``fn(b, h, q_idx, kv_idx) -> bool array`` as a composable mask.
 
     ``fn`` receives broadcastable integer index arrays of shapes (B, 1, 1, 1), (1, H, 1, 1),
     (1, 1, T_q, 1) and (1, 1, 1, T_k) holding absolute positions, and must use operators only.
+    With ``vmap=True`` it is a FlexAttention ``mask_mod`` instead, written for scalar
+    indices (``table[q_idx][kv_idx]``, no data-dependent ``if``): qkv lifts it with
+    ``torch.vmap`` over the positions, so code written for Flex runs unchanged.
     """
-    return _Predicate(fn, name)
+    return _Predicate(lifted(fn) if vmap else fn, name or getattr(fn, "__name__", None))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .._checks import fmt_shape
+from .._lift import lifted
 
 ScoreFunction = Callable[[Any, Any, Any, Any, Any], Any]
 
@@ -238,16 +239,22 @@ class _Chain(ScoreMod):
 
 
 def function(
-    fn: ScoreFunction, name: str | None = None, tensors: Sequence[torch.Tensor] = ()
+    fn: ScoreFunction,
+    name: str | None = None,
+    tensors: Sequence[torch.Tensor] = (),
+    *,
+    vmap: bool = False,
 ) -> ScoreMod:
     """Wrap ``fn(score, b, h, q_idx, kv_idx) -> score`` as a modification.
 
     ``fn`` must use operators (or functions of the score's own library) and return the
     score's shape. ``tensors`` lists the tensors it reads whose gradients you want: the tiled
     kernel differentiates ``fn`` with respect to those only, and refuses in the backward pass
-    a tensor it reads that requires a gradient but is not listed.
+    a tensor it reads that requires a gradient but is not listed. With ``vmap=True`` it is
+    a FlexAttention ``score_mod`` instead, written for scalars, lifted with ``torch.vmap``.
     """
-    return _Function(fn, name, tensors)
+    named = name or getattr(fn, "__name__", None)
+    return _Function(lifted(fn) if vmap else fn, named, tensors)
 
 
 def chain(*mods: ScoreMod) -> ScoreMod:

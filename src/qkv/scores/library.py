@@ -55,6 +55,50 @@ class _Alibi(ScoreMod):
         return f"alibi({self.slopes.shape[0]} heads)"
 
 
+class _SymmetricAlibi(ScoreMod):
+    """FlashAttention's ALiBi: ``score − slopes[(b,) h] · |q_idx − kv_idx|``."""
+
+    additive = shift_invariant = True
+
+    def __init__(self, slopes: Any) -> None:
+        slopes = torch.as_tensor(slopes)
+        if slopes.ndim not in (1, 2) or not slopes.is_floating_point():
+            raise TypeError(
+                f"symmetric alibi slopes must be a float tensor (H,) or (B, H); "
+                f"got {slopes.dtype} of shape {fmt_shape(slopes.shape)}"
+            )
+        self.slopes = slopes
+
+    def validate(self, B, H, T_q, T_k):
+        want = (H,) if self.slopes.ndim == 1 else (B, H)
+        if tuple(self.slopes.shape) != want:
+            letters = "(H,)" if self.slopes.ndim == 1 else "(B, H)"
+            raise ValueError(
+                f"alibi slopes must have shape {letters} = {want}; "
+                f"got {fmt_shape(self.slopes.shape)}"
+            )
+
+    def _slope(self, b, h, like):
+        slopes = _like(self.slopes, like)
+        return slopes[h] if self.slopes.ndim == 1 else slopes[b, h]
+
+    def term(self, b, h, q_idx, kv_idx, row, *, like):
+        return -self._slope(b, h, like) * abs(kv_idx - q_idx)
+
+    def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
+        cost = -(ds * abs(kv_idx - q_idx))
+        if self.slopes.ndim == 1:
+            return [_scatter(self.slopes, (h.reshape(-1),), cost.sum(dim=(0, 2, 3)))]
+        per = cost.sum(dim=(2, 3))  # (len(b), len(h))
+        return [_scatter(self.slopes, (b.reshape(-1, 1), h.reshape(1, -1)), per)]
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def __repr__(self) -> str:
+        return f"alibi({tuple(self.slopes.shape)}, symmetric)"
+
+
 class _Softcap(ScoreMod):
     def recipe(self, tensors, ints):
         return [f"softcap:{self.cap!r}"]
@@ -267,16 +311,19 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi(slopes: Any) -> ScoreMod:
+def alibi(slopes: Any, *, symmetric: bool = False) -> ScoreMod:
     """ALiBi: ``score + slopes[h] · (kv_idx - q_idx)``, a linear penalty on distance.
 
     Args:
         slopes: (H,) float, one per query head; :func:`alibi_slopes` gives the standard ones.
+        symmetric: FlashAttention's ALiBi instead: ``score − slopes · |q_idx − kv_idx|``
+            (equal to the signed one on causal keys, a penalty on future keys too), with
+            slopes (H,) or per batch row (B, H), as ``flash_attn_func(alibi_slopes=)``.
 
     BLOOM adds ``slopes[h] · kv_idx`` instead: the same weights and output (softmax ignores a
     per-row constant), a log-sum-exp larger by ``slopes[h] · q_idx``.
     """
-    return _Alibi(slopes)
+    return _SymmetricAlibi(slopes) if symmetric else _Alibi(slopes)
 
 
 def softcap(cap: float) -> ScoreMod:
