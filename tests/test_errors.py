@@ -159,21 +159,6 @@ CASES = [
         "mask is on meta but query is on cpu",
     ),
     (
-        "q_offset past the keys",
-        (t(3, 8), t(5, 8), t(5, 8)),
-        {"q_offset": 3},
-        ValueError,
-        "q_offset=3 puts queries at positions 3..5, outside the keys 0..4: it must be in "
-        "[0, T_k - T_q] = [0, 2] for T_q=3, T_k=5",
-    ),
-    (
-        "negative q_offset",
-        (t(3, 8), t(5, 8), t(5, 8)),
-        {"q_offset": -1},
-        ValueError,
-        "q_offset=-1 puts queries at positions -1..1, outside the keys 0..4",
-    ),
-    (
         "float q_offset",
         (t(3, 8), t(5, 8), t(5, 8)),
         {"q_offset": 1.0},

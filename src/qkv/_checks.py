@@ -202,12 +202,8 @@ def check_attention(
         isinstance(q_offset, (int, np.integer)) or _symbolic(q_offset)
     ):
         raise TypeError(f"q_offset must be an int; got {type(q_offset).__name__}")
-    elif not 0 <= q_offset <= T_k - T_q:
-        raise ValueError(
-            f"q_offset={q_offset} puts queries at positions {q_offset}..{q_offset + T_q - 1}, "
-            f"outside the keys 0..{T_k - 1}: it must be in [0, T_k - T_q] = [0, {T_k - T_q}] "
-            f"for T_q={T_q}, T_k={T_k}"
-        )
+    # Any offset: positions are only numbers to a mask (queries before key 0 see nothing
+    # under causal; top-left alignment with T_q > T_k is q_offset=0, as FlexAttention counts).
 
     q_offset = q_offset if _symbolic(q_offset) else int(q_offset)
     problem = Problem(rank, B, H, H_kv, T_q, T_k, D, D_v, q_offset, float(scale))
