@@ -4,6 +4,7 @@
     python benchmarks/bench_varlen.py paged      # the paged KV cache: memory, decode step
     python benchmarks/bench_varlen.py generate   # ragged prompts decoded together vs alone
     python benchmarks/bench_varlen.py cascade    # 32 requests sharing a 1,024-token prefix
+    python benchmarks/bench_varlen.py hf         # ragged generation against HF generate
 
 16 causal sequences of 64 to 4,096 tokens (lengths drawn log-uniformly, seed 0), H = 8,
 D = 64, float32 and bfloat16, forward and forward + backward:
@@ -166,6 +167,58 @@ def generate() -> None:
     )
 
 
+def hf() -> None:
+    """The default preset's shape as a GPT-2 (learned positions: what from_huggingface
+    converts), random weights: 32 prompts of 16–128 tokens, 128 new tokens, greedy; qkv's
+    ragged generation against transformers' generate over the left-padded batch (sdpa)."""
+    import transformers
+
+    from qkv.models import GPT
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=256,
+        n_embd=128,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    hf_model = transformers.GPT2LMHeadModel(config).eval()
+    ours = GPT.from_huggingface(hf_model).eval()
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 256, (int(n),), generator=g) for n in rng.integers(16, 129, 32)]
+    new, T = 128, max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
+    t0 = time.perf_counter()
+    together = ours.generate(prompts, new, temperature=0.0)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=False,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
+    t_hf = time.perf_counter() - t0
+    same = sum(torch.equal(a[len(p) :], b[T:]) for a, b, p in zip(together, theirs, prompts))
+    tokens = len(prompts) * new
+    print(
+        f"32 prompts, {new} new tokens: qkv {tokens / t_ours:.0f} tokens/s, transformers "
+        f"{tokens / t_hf:.0f} tokens/s ({t_hf / t_ours:.2f}×); {same} of 32 continuations "
+        "identical"
+    )
+
+
 def cascade(rounds: int = 30) -> None:
     """A decode step of a MultiHeadAttention (E = 384, 6 heads) for 32 requests that share
     a 1,024-token prompt (forked pages, the prefix read once: cascade) against the same
@@ -219,5 +272,7 @@ if __name__ == "__main__":
         generate()
     elif sys.argv[1:2] == ["cascade"]:
         cascade()
+    elif sys.argv[1:2] == ["hf"]:
+        hf()
     else:
         main()

@@ -45,6 +45,8 @@ WINDOWS = {
     (-1, 0): qkv.masks.causal(),
     (2, 0): qkv.masks.sliding_window(3),
     (1, 1): qkv.masks.predicate(lambda b, h, q, kv: (kv >= q - 1) & (kv <= q + 1), "band"),
+    (-1, 2): qkv.masks.predicate(lambda b, h, q, kv: kv <= q + 2, "ahead"),
+    (2, -1): qkv.masks.predicate(lambda b, h, q, kv: kv >= q - 2, "behind"),
 }
 
 

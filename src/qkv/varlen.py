@@ -300,11 +300,10 @@ def _window(window_size: Any) -> Mask | None:
     hi = None if right == -1 else right
 
     def band(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        ok = (kv - kv) == 0  # all True, of kv's array type
-        if lo is not None:
-            ok = ok & (kv >= q - lo)
-        if hi is not None:
-            ok = ok & (kv <= q + hi)
-        return ok
+        if lo is None:
+            return kv <= q + hi
+        if hi is None:
+            return kv >= q - lo
+        return (kv >= q - lo) & (kv <= q + hi)
 
     return predicate(band, f"window({left}, {right})")
