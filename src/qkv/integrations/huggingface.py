@@ -123,8 +123,11 @@ def qkv_attention_forward(
 
     Args:
         query: (B, H, T_q, D); key, value: (B, H_kv, T_k, D) — GQA is native in qkv.
-        attention_mask: bool (B, 1, T_q, T_k), True = may attend, or None (transformers
-            skipped it: plain causal, or a sliding window no longer than the keys).
+        attention_mask: bool (B, 1, T_q, T_k), True = may attend (a :class:`StructuralMask`
+            from :func:`qkv_mask`, or transformers' dense one); a float additive mask (a
+            model's own, or eager's for families written for it), added to the scores after
+            any soft-cap as eager adds it; or None (transformers skipped it: plain causal, or
+            a sliding window no longer than the keys).
         softcap: Gemma 2's soft-capping of the scaled scores (:func:`qkv.scores.softcap`).
         sliding_window: the layer's window; transformers has already built it into
             ``attention_mask`` when there is one, and qkv builds it structurally when not.
