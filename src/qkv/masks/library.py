@@ -215,6 +215,8 @@ class _KeyIndices(Mask):
 
     def __init__(self, indices: Any, first: int) -> None:
         self.indices = _ints("indices", indices, (3,))
+        self._indices = torch.from_numpy(self.indices)  # for the dense table (Flex only)
+        self._table: torch.Tensor | None = None
         self.first = _int_arg("first", first, -_FAR)  # any position, as q_offset may be
         rows = self.indices.shape[1]
         # Every (batch, query, key) pair listed, as one sorted code: membership of a pair
@@ -247,6 +249,11 @@ class _KeyIndices(Mask):
         rows, width = self.indices.shape[1], max(self.width, 1)
         row = q_idx - self.first
         inside = (row >= 0) & (row < rows) & (kv_idx >= 0) & (kv_idx < width)
+        if isinstance(q_idx, torch.Tensor) and q_idx.ndim == 0:
+            # One position at a time (FlexAttention's compiled mask_mod, which cannot
+            # search): a dense (B, T_rows, width) table, built once, looked up.
+            table = self._dense(q_idx.device)
+            return inside & table[b, row.clamp(0, rows - 1), kv_idx.clamp(0, width - 1)]
         code = (b * rows + row) * width + kv_idx
         codes = _like(self.codes, code)
         if isinstance(code, torch.Tensor):
@@ -255,6 +262,16 @@ class _KeyIndices(Mask):
             at = np.minimum(np.searchsorted(codes, code), max(len(codes) - 1, 0))
         found = codes[at] == code if len(codes) else code < 0
         return inside & found
+
+    def _dense(self, device: Any) -> torch.Tensor:
+        if self._table is None or self._table.device != torch.device(device):
+            B, rows, _ = self.indices.shape
+            width = max(self.width, 1)
+            idx = self._indices.to(device)
+            table = torch.zeros(B, rows, width + 1, dtype=torch.bool, device=device)
+            table.scatter_(2, torch.where(idx >= 0, idx, width), True)  # unused: a spare column
+            self._table = table[..., :width]
+        return self._table
 
     def _grid_of_blocks(self, t) -> np.ndarray:
         """Which (query block, key block) tiles hold a listed pair."""
