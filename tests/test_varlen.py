@@ -157,7 +157,7 @@ def test_bad_calls_are_refused():
     cu = torch.tensor([0, 5])
     with pytest.raises(ValueError, match="enable_gqa=True"):
         qkv.varlen_attention(x, kv, kv, cu, cu, 5, 5)
-    with pytest.raises(ValueError, match="block_table"):
+    with pytest.raises(ValueError, match="seqused_k and cu_seq_k=None"):
         qkv.varlen_attention(
             x, x, x, cu, cu, 5, 5, block_table=torch.zeros(1, 1, dtype=torch.int32)
         )
@@ -169,3 +169,40 @@ def test_bad_calls_are_refused():
         qkv.varlen_attention(x, x, x, cu, cu, 5, 5, window_size=(-2, 0))
     with pytest.raises(ValueError, match="seqused_k"):
         qkv.varlen_attention(x, x, x, cu, cu, 5, 5, seqused_k=torch.tensor([6]))
+
+
+def test_a_block_table_of_pages_equals_the_packed_keys():
+    """torch's paged form: keys in a pool of pages in any order, a block table per
+    sequence, seqused_k; equal to the same keys packed."""
+    lengths_q, lengths_k, P = [2, 1, 3], [9, 4, 7], 4
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, H=2, H_kv=2)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))  # pages, shuffled
+    pool_k, pool_v = (
+        torch.zeros(12, P, 2, 8, dtype=torch.float64),
+        torch.zeros(12, P, 2, 5).double(),
+    )
+    table = torch.zeros(3, 3, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(lengths_k):
+        a = int(cu_k[s])
+        for j in range(-(-n // P)):
+            page = int(order[used])
+            used += 1
+            table[s, j] = page
+            part = slice(a + j * P, min(a + (j + 1) * P, a + n))
+            pool_k[page, : part.stop - part.start] = k[part]
+            pool_v[page, : part.stop - part.start] = v[part]
+    want = qkv.varlen_attention(q, k, v, cu_q, cu_k, 3, 9, window_size=(-1, 0))
+    got = qkv.varlen_attention(
+        q,
+        pool_k,
+        pool_v,
+        cu_q,
+        None,
+        3,
+        9,
+        window_size=(-1, 0),
+        block_table=table,
+        seqused_k=torch.tensor(lengths_k),
+    )
+    assert torch.equal(got, want)

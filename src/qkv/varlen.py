@@ -68,7 +68,11 @@ def varlen_attention(
         enable_gqa: allow H_kv < H (H % H_kv == 0), as torch requires it said.
         seqused_k: (N,): only the first ``seqused_k[s]`` keys of sequence ``s`` take part
             (a cache slot larger than what it holds).
-        block_table: a paged cache's block table: not supported yet (an error).
+        block_table: a paged cache's block table (N, max_pages) of integers: ``key`` and
+            ``value`` are then a pool of pages (num_pages, page_size, H_kv, ·), sequence
+            ``s`` holds the first ``seqused_k[s]`` slots of its pages in table order
+            (``seqused_k`` required, ``cu_seq_k`` None); its pages are gathered, then
+            attended as packed keys.
         num_splits: torch's split-KV knob for GPUs; qkv attends each sequence in one call,
             so results never depend on the other sequences of the batch (batch-invariant)
             whatever it is.
@@ -97,10 +101,12 @@ def varlen_attention(
         True
     """
     if block_table is not None:
-        raise ValueError(
-            "block_table (a paged KV cache) is not supported by qkv.varlen_attention yet: "
-            "pass each sequence's keys and values packed"
-        )
+        if cu_seq_k is not None:
+            raise ValueError(
+                "with block_table the keys are pages: give seqused_k and cu_seq_k=None"
+            )
+        key, value, cu_seq_k = _unpaged(key, value, block_table, seqused_k)
+        seqused_k = None
     _check_tensors(query, key, value, enable_gqa)
     cu_seq_k = cu_seq_q if cu_seq_k is None else cu_seq_k
     starts_q = _offsets("cu_seq_q", cu_seq_q, query.shape[0], max_q, "max_q")
@@ -224,6 +230,37 @@ def cascade_attention(
         out_s, lse_s = attention(query, key, value, mask=mask, scale=scale, return_lse=True)
         out, lse = merge_attention([out_p, out_s], [lse_p, lse_s])
     return (out, lse) if return_lse else out
+
+
+def _unpaged(
+    key: Any, value: Any, block_table: Any, seqused_k: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pages (num_pages, P, H_kv, ·) and a block table as packed keys and values with their
+    offsets: each sequence's pages gathered in table order, cut at its used length."""
+    if not (isinstance(key, torch.Tensor) and key.ndim == 4 and value.ndim == 4):
+        raise ValueError(
+            "with block_table, key and value must be pages (num_pages, page_size, H_kv, D); "
+            f"got {tuple(getattr(key, 'shape', ()))}"
+        )
+    if seqused_k is None:
+        raise ValueError("block_table needs seqused_k: the tokens each sequence holds")
+    table = torch.as_tensor(block_table)
+    used = [int(n) for n in torch.as_tensor(seqused_k).reshape(-1).tolist()]
+    P = key.shape[1]
+    if table.ndim != 2 or table.shape[0] != len(used) or table.is_floating_point():
+        raise ValueError(
+            f"block_table must be (N, max_pages) integers with N = {len(used)} sequences; "
+            f"got {tuple(table.shape)}"
+        )
+    if any(n < 0 or n > table.shape[1] * P for n in used):
+        raise ValueError(
+            f"seqused_k must be 0 .. max_pages · page_size = {table.shape[1] * P}; got {used}"
+        )
+    pages = [table[s, : -(-n // P)].long().to(key.device) for s, n in enumerate(used)]
+    ks = [key[p].reshape(-1, *key.shape[2:])[:n] for p, n in zip(pages, used)]
+    vs = [value[p].reshape(-1, *value.shape[2:])[:n] for p, n in zip(pages, used)]
+    cu = torch.tensor([0, *itertools.accumulate(used)])
+    return torch.cat(ks), torch.cat(vs), cu
 
 
 def _check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:
