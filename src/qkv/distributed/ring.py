@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..core.call import tiled_call
 from ..kernels import tiled
-from ..kernels.contract import sink_factor, sink_rows
+from ..kernels.contract import sink_factor, sink_grad
 from ..kernels.reference import accumulation_dtype
 from ..lse import merge_attention
 from ..masks import EMPTY
@@ -169,10 +169,8 @@ class _RingAttention(torch.autograd.Function):
                 dcurrent = _pass_on(dcurrent, hi - lo, rank, world, group)
             dkey[:, :, lo:hi], dvalue[:, :, lo:hi] = dcurrent[..., :D], dcurrent[..., D:]
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[10]:  # Σ_rows −exp(sink − lse)·delta
-            weight = torch.exp(sink_rows(sinks, lse.dtype) - lse)
-            weight = weight.masked_fill(lse == float("-inf"), 0.0)
-            dsinks = -(weight * delta).sum((0, 2)).to(sinks.dtype)
+        if sinks is not None and ctx.needs_input_grad[10]:  # nothing reaches lse: −delta
+            dsinks = sink_grad(sinks, lse, delta.neg())
         return dquery, dkey, dvalue, None, None, None, None, None, None, None, dsinks
 
 

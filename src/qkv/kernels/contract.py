@@ -125,6 +125,16 @@ def sink_rows(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return sinks.to(dtype).view(1, -1, 1) if sinks.ndim == 1 else sinks.to(dtype)
 
 
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, d_lse: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, from the log-sum-exp that includes them: each row's sink weight
+    ``exp(sink − lse)`` times what reaches that row's lse through the sink
+    (``d_lse`` = dlse − rowsum(dout ∘ out)), summed to the sinks' shape. A row whose lse and
+    sink are both -inf contributes 0."""
+    rows = sink_rows(sinks, lse.dtype)
+    weight = torch.exp(rows - lse).masked_fill(lse == float("-inf"), 0.0)
+    return (weight * d_lse).sum_to_size(rows.shape).reshape(sinks.shape).to(sinks.dtype)
+
+
 def with_sinks(result: Result, sinks: torch.Tensor | None) -> Result:
     """A kernel's result with the sinks applied (:func:`sink_factor`), differentiably: the
     form for kernels whose log-sum-exp autograd can carry (reference, flex)."""

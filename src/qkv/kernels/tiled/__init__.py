@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ..contract import Lowered, Result, sink_factor, sink_rows
+from ..contract import Lowered, Result, sink_factor, sink_grad
 from . import flash
 from .loop import loop_backward, loop_forward
 from .plan import row_dot
@@ -85,10 +85,7 @@ class _TiledAttention(torch.autograd.Function):
         if need_sinks:
             assert delta is not None
             d_lse = delta.neg() if dlse is None else dlse.to(lse.dtype) - delta
-            weight = torch.exp(sink_rows(sinks, lse.dtype) - lse)  # the sink's weight
-            weight = weight.masked_fill(lse == float("-inf"), 0.0)  # a row and sink both -inf
-            rows = sink_rows(sinks, lse.dtype).shape
-            dsinks = (weight * d_lse).sum_to_size(rows).reshape(sinks.shape).to(sinks.dtype)
+            dsinks = sink_grad(sinks, lse, d_lse)
         return (None, dsinks, *grads)
 
 
