@@ -346,3 +346,43 @@ def test_a_folder_splits_by_bytes_whatever_its_files_and_says_what_it_read(tmp_p
     assert "skipped 2: empty.txt (empty), latin1.txt (not UTF-8 at byte 3)" in corpus.describe()
     train(tmp_path / "run", preset="tiny", steps=1, text=root)
     assert f"read {root.resolve()}: " in capsys.readouterr().err
+
+
+def test_each_evaluation_keeps_the_paper_s_measurements(tmp_path):
+    from qkv.heads import copying_scores, head_scores, icl_score, per_token_loss
+    from qkv.training import validation_windows
+
+    result = train(tmp_path / "run", preset="tiny", progress=False)
+    state = read_state(tmp_path / "run")
+    evaluations = state["evaluations"]
+    assert [e["step"] for e in evaluations] == [10, 20]
+    last = evaluations[-1]
+    x, y = validation_windows(tmp_path / "run")
+    assert x.shape == (8, 32)  # the tiny preset's eval_windows × block_size
+    losses = per_token_loss(result.model, x, y)
+    assert last["token_loss"] == pytest.approx(losses.tolist(), abs=1e-4)
+    assert last["val_loss"] == pytest.approx(result.val_loss) == pytest.approx(losses.mean().item())
+    assert last["icl"] == pytest.approx(icl_score(losses)) == result.history[-1]["icl"]
+    expected = head_scores(result.model, batch=16)
+    for name, s in expected.items():
+        torch.testing.assert_close(torch.tensor(last["scores"][name]), s, atol=1e-6, rtol=0)
+    copying = torch.tensor(last["scores"]["copying"], dtype=torch.float64)
+    torch.testing.assert_close(copying, copying_scores(result.model))
+
+
+def test_cli_heads_reports_an_ablation(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["train", "--preset", "tiny", "--out", out, "--steps", "4", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["heads", "--checkpoint", out, "--no-png", "--ablate", "1.0,1.1"]) == 0
+    text = capsys.readouterr().out
+    assert "copying: best layer" in text and "zero-ablated 1.0,1.1: loss" in text
+    argv = ["heads", "--checkpoint", out, "--no-png", "--json", "--ablate", "0.1"]
+    assert main([*argv, "--ablation", "mean"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["ablation"]["rows"]
+    assert set(rows) == {"model", "mean-ablated 0.1"} and report["ablation"]["windows"] == 4
+    assert rows["model"]["loss"] != rows["mean-ablated 0.1"]["loss"]
+    with pytest.raises(SystemExit):
+        main(["heads", "--checkpoint", out, "--no-png", "--ablate", "2.0"])
+    assert "no layer 2 to ablate" in capsys.readouterr().err

@@ -167,7 +167,8 @@ def test_heads_and_view_commands(induction_run, tmp_path, capsys):
     out, _ = induction_run
     assert main(["heads", "--checkpoint", str(out), "--json", "--no-png"]) == 0
     scores = json.loads(capsys.readouterr().out)
-    assert set(scores) == set(heads.SCORES) and np.array(scores["induction"]).shape == (2, 4)
+    assert set(scores) == {*heads.SCORES, "copying"}
+    assert np.array(scores["induction"]).shape == np.array(scores["copying"]).shape == (2, 4)
     png = tmp_path / "heads.png"
     assert main(["heads", "--checkpoint", str(out), "--png", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"

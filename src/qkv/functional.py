@@ -19,7 +19,7 @@ from ._checks import Problem, check_attention
 from .core import compiled
 from .core.call import lowered, prepare, torch_inputs
 from .core.dispatch import Dispatch, plain
-from .core.record import listeners
+from .core.record import editors, listeners
 from .kernels import Lowered, Result, flex, reference, sdpa, tiled
 from .kernels.contract import with_sinks
 from .masks import MaskLike
@@ -211,8 +211,8 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.masks.causal()).shape
         torch.Size([2, 4, 5, 3])
     """
-    listening = listeners()
-    if not listening and sinks is None:
+    listening, edits = listeners(), editors()
+    if not listening and not edits and sinks is None:
         scale_ = _plain_applies(
             query,
             key,
@@ -281,10 +281,19 @@ def attention(
             q_offset=q_offset,
             score_mod=score_mod,
         )
+    out = result.out
+    for edit in edits:  # qkv.heads.ablate and other editors of the heads' outputs
+        edited = edit(out)
+        if edited.shape != out.shape:
+            raise ValueError(
+                f"an attention output editor returned shape {tuple(edited.shape)}; "
+                f"it must keep the output's {tuple(out.shape)}"
+            )
+        out = edited
     extras = ([result.weights] if return_weights else []) + ([result.lse] if return_lse else [])
     if not extras:
-        return p.restore(result.out)
-    return tuple(p.restore(x) for x in [result.out, *extras])
+        return p.restore(out)
+    return tuple(p.restore(x) for x in [out, *extras])
 
 
 def _plain_applies(

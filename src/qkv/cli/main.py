@@ -200,6 +200,24 @@ def _parser() -> argparse.ArgumentParser:
         help="where to write the layers × heads heatmap (default heads.png)",
     )
     hd.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
+    hd.add_argument(
+        "--ablate",
+        metavar="L.H[,L.H...]",
+        help="also report the held-out loss and ICL score with these heads removed "
+        "(e.g. 1.0,1.3) beside the model's own",
+    )
+    hd.add_argument(
+        "--ablation",
+        choices=("zero", "mean"),
+        default="zero",
+        help="what replaces an ablated head's output: zeros, or its mean over held-out "
+        "windows (default zero)",
+    )
+    hd.add_argument(
+        "--windows",
+        type=positive,
+        help="held-out windows for --ablate (default: the run's eval_windows)",
+    )
 
     vw = sub.add_parser(
         "view",

@@ -13,7 +13,7 @@ from ..training import has_checkpoint, read_config, read_state
 
 
 def run_heads(args: argparse.Namespace) -> None:
-    from ..heads import head_scores
+    from ..heads import copying_scores, head_scores
     from ..training import load_checkpoint
 
     model = load_checkpoint(args.checkpoint)
@@ -23,12 +23,23 @@ def run_heads(args: argparse.Namespace) -> None:
             f"(block_size={model.config.block_size})"
         )
     scores = head_scores(model, length=args.length, batch=args.batch, seed=args.seed)
+    copying = copying_scores(model)
+    ablation = _ablation(args, model) if args.ablate is not None else None
     if args.json:
-        print(json.dumps({name: s.tolist() for name, s in scores.items()}))
+        found = {name: s.tolist() for name, s in {**scores, "copying": copying}.items()}
+        print(json.dumps(found if ablation is None else {**found, "ablation": ablation}))
     else:
-        for name, s in scores.items():
+        for name, s in {**scores, "copying": copying}.items():
             layer, head = divmod(int(s.argmax()), s.shape[1])
             print(f"{name:>16}: best layer {layer} head {head}: {s.max():.3f}")
+        if ablation is not None:
+            early, late = ablation["icl_positions"]
+            print(
+                f"held-out windows: {ablation['windows']}; "
+                f"ICL score = loss at position {late} − at {early}"
+            )
+            for name, r in ablation["rows"].items():
+                print(f"{name:>24}: loss {r['loss']:.4f}, ICL {r['icl']:+.4f}")
     if not args.no_png:
         from ..learn.viz import head_scores_heatmap
 
@@ -37,6 +48,30 @@ def run_heads(args: argparse.Namespace) -> None:
             print(f"heatmap written to {args.png}", file=sys.stderr)
         except ImportError as err:
             print(f"no heatmap: {err}", file=sys.stderr)
+
+
+def _ablation(args: argparse.Namespace, model: torch.nn.Module) -> dict:
+    """The held-out loss and ICL score of the model, and with the heads of ``--ablate``
+    removed (docs/induction.md)."""
+    from ..heads import ablate, icl_positions, icl_score, parse_heads, per_token_loss
+    from ..training import validation_windows
+
+    chosen = parse_heads(args.ablate)
+    x, y = validation_windows(args.checkpoint, args.windows)
+    half = len(x) // 2  # mean ablation: the means of one half, measured on the other
+    reference, x, y = (x[:half], x[half:], y[half:]) if args.ablation == "mean" else (None, x, y)
+    before = per_token_loss(model, x, y)
+    with ablate(model, chosen, mode=args.ablation, reference=reference):
+        after = per_token_loss(model, x, y)
+    rows = {"model": before, f"{args.ablation}-ablated {args.ablate}": after}
+    return {
+        "rows": {
+            name: {"loss": losses.mean().item(), "icl": icl_score(losses)}
+            for name, losses in rows.items()
+        },
+        "windows": len(x),
+        "icl_positions": list(icl_positions(len(before))),
+    }
 
 
 def run_view(args: argparse.Namespace) -> None:

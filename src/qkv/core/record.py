@@ -1,6 +1,10 @@
 """Recording attention calls: who is listening. :func:`qkv.heads.record` opens a block;
 :func:`qkv.attention` hands every call it makes inside one to each open block.
 
+Editing them: inside an :func:`editing` block (:func:`qkv.heads.ablate` opens one) every call's
+output passes through each open editor before it is returned — the public hook on attention
+output that ablations use, with no model code patched.
+
 The open blocks live in a :class:`contextvars.ContextVar`: a block opened in one thread (or
 asyncio task) records that thread's calls only, nested blocks each get every call, and a
 block closed by an exception is closed all the same.
@@ -9,7 +13,7 @@ block closed by an exception is closed all the same.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -52,3 +56,44 @@ def listening(listener: Listener) -> Iterator[Listener]:
         yield listener
     finally:
         _LISTENERS.reset(token)
+
+
+#: An editor: called with each call's output in the (B, H, T_q, D_v) layout, returns the
+#: output to use instead (the same shape).
+Editor = Callable[[torch.Tensor], torch.Tensor]
+
+_EDITORS: ContextVar[tuple[Editor, ...]] = ContextVar("qkv_editors", default=())
+
+
+def editors() -> tuple[Editor, ...]:
+    """The open editing blocks here, outermost first.
+
+    Raises:
+        RuntimeError: a block is open (in any thread) while ``torch.compile`` traces: a
+            compiled graph would leave the edit out, giving silently unedited outputs.
+    """
+    if torch.compiler.is_compiling():  # a ContextVar cannot be read there: the count can
+        if _OPEN_EDITS["blocks"]:
+            raise RuntimeError(
+                "attention outputs cannot be edited (qkv.heads.ablate) inside "
+                "torch.compile: run the model uncompiled in the block"
+            )
+        return ()
+    return _EDITORS.get()
+
+
+#: editing blocks open in every thread, which torch.compile can read
+_OPEN_EDITS = {"blocks": 0}
+
+
+@contextlib.contextmanager
+def editing(editor: Editor) -> Iterator[Editor]:
+    """Pass the output of every attention call made in this block (this thread, this task)
+    through ``editor``; nested blocks apply outermost first."""
+    token = _EDITORS.set((*_EDITORS.get(), editor))
+    _OPEN_EDITS["blocks"] += 1
+    try:
+        yield editor
+    finally:
+        _OPEN_EDITS["blocks"] -= 1
+        _EDITORS.reset(token)

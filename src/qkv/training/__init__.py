@@ -26,7 +26,7 @@ from .data import (
     random_batch,
     stdlib_root,
 )
-from .loop import Result, evaluate, induction_score, train
+from .loop import Result, evaluate, induction_score, train, validation_windows
 from .presets import DEFAULT_PRESET, INDUCTION_VOCAB, PRESETS, TrainConfig, learning_rate
 
 __all__ = [
@@ -56,4 +56,5 @@ __all__ = [
     "snapshots",
     "stdlib_root",
     "train",
+    "validation_windows",
 ]

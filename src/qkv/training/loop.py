@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..heads import head_scores
+from ..heads import copying_scores, head_scores, icl_score, per_token_loss
 from ..models import GPT, GPTConfig
 from .checkpoint import (
     _check_same_run,
@@ -38,6 +38,7 @@ from .checkpoint import (
     _read_json,
     checkpoint_dir,
     has_checkpoint,
+    read_config,
     save_checkpoint,
     save_snapshot,
 )
@@ -227,17 +228,19 @@ def train(
             step += 1
             record: dict[str, float] = {"step": step, "loss": loss.item(), "lr": lr}
             if step % tcfg.eval_interval == 0 or step == tcfg.steps:
-                x_val, y_val = held_out
-                record["val_loss"] = _loss_on(model, x_val, y_val, autocast=tcfg.autocast)
-                scores = ""
-                if tcfg.data == "repeated_segments":  # the best head's, on held-out tokens
-                    record["induction"] = induction_score(model)
-                    scores = f", induction {record['induction']:.3f}"
+                evaluation = _evaluate(model, held_out, tcfg.autocast, step)
+                state.setdefault("evaluations", []).append(evaluation)
+                record.update(
+                    val_loss=evaluation["val_loss"],
+                    icl=evaluation["icl"],
+                    induction=max(max(row) for row in evaluation["scores"]["induction"]),
+                )
                 if tcfg.snapshots:
                     save_snapshot(out, model, step)
                 bar.note(
                     f"step {step}: train {record['loss']:.4f}, val "
-                    f"{record['val_loss']:.4f} nats/{data.unit}{scores}"
+                    f"{record['val_loss']:.4f} nats/{data.unit}, ICL {record['icl']:+.3f}, "
+                    f"induction {record['induction']:.3f}"
                 )
             state["history"].append(record)
             state["step"] = step
@@ -257,6 +260,28 @@ def train(
             f"interrupted: checkpoint at step {state['step']} in {out} (continue with --resume)"
         )
     return Result(model, state["step"], tcfg.steps, state["history"], stop["asked"], out, data.unit)
+
+
+def _evaluate(
+    model: GPT, held_out: tuple[torch.Tensor, torch.Tensor], autocast: str | None, step: int
+) -> dict[str, Any]:
+    """What a run keeps at each evaluation (``state.json``'s ``evaluations``): the
+    validation loss, the loss at each position (:func:`qkv.heads.per_token_loss`), the ICL
+    score, and every head's scores (:func:`qkv.heads.head_scores` on held-out repeated
+    tokens, and :func:`qkv.heads.copying_scores`) — the data of the induction-heads paper's
+    pictures (docs/induction.md)."""
+    x_val, y_val = held_out
+    with _autocast(autocast):
+        losses = per_token_loss(model, x_val, y_val)
+    scores = {name: s.tolist() for name, s in head_scores(model, batch=16).items()}
+    scores["copying"] = copying_scores(model).tolist()
+    return {
+        "step": step,
+        "val_loss": losses.mean().item(),
+        "icl": icl_score(losses),
+        "token_loss": [round(v, 5) for v in losses.tolist()],
+        "scores": scores,
+    }
 
 
 def _saved(state: dict[str, Any], bar: _Progress) -> dict[str, Any]:
@@ -303,6 +328,22 @@ def _data(tcfg: TrainConfig, mcfg: GPTConfig, text: Any) -> Any:
             "preset makes its own sequences)"
         )
     return _Repeats(mcfg.vocab_size, *tcfg.segment_lengths)
+
+
+def validation_windows(
+    out: str | Path, count: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The held-out windows of a run's own data, rebuilt from its ``config.json``: (inputs,
+    targets), each (count, block_size) — what the run evaluated on (``count`` default: its
+    ``eval_windows``)."""
+    config = read_config(out)
+    train = dict(config["train"])
+    for name in ("betas", "segment_lengths"):  # JSON keeps tuples as lists
+        train[name] = tuple(train[name])
+    tcfg = TrainConfig(**train)
+    mcfg = GPTConfig.from_dict(config["model"])
+    data = _data(tcfg, mcfg, config["data"]["text"])
+    return data.held_out(count or tcfg.eval_windows, mcfg.block_size)
 
 
 def induction_score(model: GPT, seed: int = 0) -> float:

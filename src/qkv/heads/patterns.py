@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from .core.record import listening
-from .functional import problem, torch_inputs
-from .lse import attention_weights, row_scores
+from ..core.record import listening
+from ..functional import problem, torch_inputs
+from ..lse import attention_weights, row_scores
 
 SCORES = ("previous_token", "duplicate_token", "induction", "first_token")
 
