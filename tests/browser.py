@@ -72,6 +72,7 @@ class Browser:
         self.send("Network.enable")
         self.send("Page.enable")
         self.send("Runtime.enable")
+        self.send("Log.enable")  # failed loads (a missing image, a refused request)
 
     def send(self, method: str, **params: Any) -> dict[str, Any]:
         """Call a DevTools method and return its result (events seen meanwhile are kept)."""
@@ -98,6 +99,21 @@ class Browser:
         self.send("Page.navigate", url=Path(path).resolve().as_uri())
         self.wait("window.qkvView && window.qkvView.ready === true")
         return time.monotonic() - t0
+
+    def goto(self, url: str) -> None:
+        """Load a URL and wait until it and everything it loads are in."""
+        self.send("Page.navigate", url=url)
+        self.wait("document.readyState === 'complete'")
+
+    def errors(self) -> list[dict[str, Any]]:
+        """What went wrong so far: uncaught exceptions, console errors, failed loads."""
+        return [
+            e
+            for e in self.events
+            if e.get("method") == "Runtime.exceptionThrown"
+            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")
+            or (e.get("method") == "Log.entryAdded" and e["params"]["entry"]["level"] == "error")
+        ]
 
     def eval(self, expression: str) -> Any:
         result = self.send(

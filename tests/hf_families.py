@@ -351,7 +351,7 @@ def table(results: dict[str, list[Outcome]]) -> str:
             "|---|---|---|---|",
         ]
         for o in outcomes:
-            detail = o.detail.replace("|", "\\|")
+            detail = o.detail.replace("|", "\\|").replace("[", "\\[")  # a table cell, no links
             lines.append(f"| `{o.family}` | `{o.model_class}` | {o.status} | {detail} |")
         lines.append("")
     return "\n".join(lines)

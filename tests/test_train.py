@@ -349,7 +349,7 @@ def test_a_folder_splits_by_bytes_whatever_its_files_and_says_what_it_read(tmp_p
 
 
 def test_each_evaluation_keeps_the_paper_s_measurements(tmp_path):
-    from qkv.heads import copying_scores, head_scores, icl_score, per_token_loss
+    from qkv.heads import copying_scores, head_scores, icl_score, per_token_loss, repeated_tokens
     from qkv.training import validation_windows
 
     result = train(tmp_path / "run", preset="tiny", progress=False)
@@ -363,7 +363,9 @@ def test_each_evaluation_keeps_the_paper_s_measurements(tmp_path):
     assert last["token_loss"] == pytest.approx(losses.tolist(), abs=1e-4)
     assert last["val_loss"] == pytest.approx(result.val_loss) == pytest.approx(losses.mean().item())
     assert last["icl"] == pytest.approx(icl_score(losses)) == result.history[-1]["icl"]
-    expected = head_scores(result.model, batch=16)
+    drawn = repeated_tokens(256, 16, batch=16, choices=x.unique())  # bytes the text holds
+    assert set(drawn.unique().tolist()) <= set(x.unique().tolist())
+    expected = head_scores(result.model, tokens=drawn)
     for name, s in expected.items():
         torch.testing.assert_close(torch.tensor(last["scores"][name]), s, atol=1e-6, rtol=0)
     copying = torch.tensor(last["scores"]["copying"], dtype=torch.float64)

@@ -300,11 +300,40 @@ def test_hostile_labels_draw_inject_nothing_and_keep_their_pairs(tmp_path):
             for label, after in pairs:  # every label is followed by its own @position
                 position = int(after.split("@")[1].split()[0])
                 assert shown_as[position] == label, (label, after)
-        errors = [
-            e
-            for e in b.events
-            if e.get("method") in ("Runtime.exceptionThrown",)
-            or (e.get("method") == "Runtime.consoleAPICalled" and e["params"]["type"] == "error")
-        ]
-        assert errors == []
+        assert b.errors() == []
         assert len(b.requests) == 1  # the page itself, nothing else
+
+
+def test_the_page_carries_each_token_s_loss_and_the_ablated_heads():
+    model = small_gpt()
+    ids = torch.tensor(list(PROMPT))
+    page = view(model, ids, labels=byte_labels(PROMPT), ablated="1.0,0.3", scores=False)
+    assert page.ablated == [(1, 0), (0, 3)]
+    with heads.ablate(model, "1.0,0.3"):
+        expected = heads.per_token_loss(model, ids[None])
+    losses = page.frames[-1].losses
+    assert losses is not None and losses[0] is None and len(losses) == len(PROMPT)
+    assert losses[1:] == pytest.approx(expected.tolist(), abs=1e-3)
+    plain = view(model, ids, scores=False).frames[-1].losses
+    assert plain is not None and plain[1:] != pytest.approx(losses[1:], abs=1e-3)
+    data = json.loads(re.search(r'id="qkv-data">(.*?)</script>', page.html()).group(1))
+    assert data["ablated"] == [[1, 0], [0, 3]] and data["frames"][-1]["losses"] == losses
+
+
+@needs_browser
+def test_the_browser_shows_losses_under_tokens_and_marks_ablated_heads(tmp_path):
+    model = small_gpt()
+    path = tmp_path / "heads.html"
+    view(model, list(PROMPT), labels=byte_labels(PROMPT), ablated="1.2", scores=False).save(path)
+    with Browser() as b:
+        b.open(path)
+        marked = b.eval("[...document.querySelectorAll('.qkv-cell.ablated')].map((c) => c.id)")
+        assert marked == ["qkv-cell-1-2"]
+        assert "1.2" in b.eval("document.getElementById('qkv-ablated').textContent")
+        shown = b.eval("[...document.querySelectorAll('.qkv-tok')].map((s) => s.dataset.loss)")
+        with heads.ablate(model, "1.2"):
+            expected = heads.per_token_loss(model, torch.tensor([list(PROMPT)]))
+        assert shown[0] == "" and len(shown) == len(PROMPT)
+        # one decimal (the page rounds to 3 first, then JavaScript's toFixed(1))
+        assert [float(v) for v in shown[1:]] == pytest.approx(expected.tolist(), abs=0.051)
+        assert b.errors() == []

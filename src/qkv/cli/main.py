@@ -248,6 +248,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the final weights only, not the run's snapshots",
     )
+    vw.add_argument(
+        "--ablate",
+        metavar="L.H[,L.H...]",
+        help="show the model with these heads removed (zero ablation; marked on the page)",
+    )
     return parser
 
 

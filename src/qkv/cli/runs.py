@@ -116,6 +116,7 @@ def run_view(args: argparse.Namespace) -> None:
         snapshots=frames,
         query=args.query,
         title=f"qkv: {args.checkpoint}",
+        ablated=args.ablate,
     )
     page.save(args.out)
     print(f"view written to {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")

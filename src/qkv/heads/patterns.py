@@ -171,12 +171,28 @@ def record() -> Iterator[Recorder]:
         yield recorder
 
 
-def repeated_tokens(vocab_size: int, length: int, *, batch: int = 8, seed: int = 0) -> torch.Tensor:
-    """(batch, 2 · length) token ids: a uniformly random segment, then the same again."""
+def repeated_tokens(
+    vocab_size: int,
+    length: int,
+    *,
+    batch: int = 8,
+    seed: int = 0,
+    choices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(batch, 2 · length) token ids: a uniformly random segment, then the same again.
+
+    Tokens are drawn from 0 … vocab_size - 1, or from ``choices`` (1-D ids) when given —
+    e.g. the bytes a text model has seen, so that no segment holds a byte it never met.
+    """
     if length < 2:
         raise ValueError(f"the repeated segment needs length >= 2; got {length}")
     g = torch.Generator().manual_seed(seed)
-    segment = torch.randint(0, vocab_size, (batch, length), generator=g)
+    if choices is None:
+        segment = torch.randint(0, vocab_size, (batch, length), generator=g)
+    else:
+        if choices.ndim != 1 or not len(choices):
+            raise ValueError("choices must be a non-empty 1-D tensor of token ids")
+        segment = choices[torch.randint(0, len(choices), (batch, length), generator=g)]
     return torch.cat([segment, segment], dim=1)
 
 

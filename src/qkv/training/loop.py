@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..heads import copying_scores, head_scores, icl_score, per_token_loss
+from ..heads import copying_scores, head_scores, icl_score, per_token_loss, repeated_tokens
 from ..models import GPT, GPTConfig
 from .checkpoint import (
     _check_same_run,
@@ -267,13 +267,17 @@ def _evaluate(
 ) -> dict[str, Any]:
     """What a run keeps at each evaluation (``state.json``'s ``evaluations``): the
     validation loss, the loss at each position (:func:`qkv.heads.per_token_loss`), the ICL
-    score, and every head's scores (:func:`qkv.heads.head_scores` on held-out repeated
-    tokens, and :func:`qkv.heads.copying_scores`) — the data of the induction-heads paper's
-    pictures (docs/induction.md)."""
+    score, and every head's scores (:func:`qkv.heads.head_scores` on random segments of
+    half the context repeated, drawn from the tokens of the held-out windows, and
+    :func:`qkv.heads.copying_scores`) — the data of the induction-heads paper's pictures
+    (docs/induction.md)."""
     x_val, y_val = held_out
     with _autocast(autocast):
         losses = per_token_loss(model, x_val, y_val)
-    scores = {name: s.tolist() for name, s in head_scores(model, batch=16).items()}
+    tokens = repeated_tokens(  # drawn from the tokens the held-out windows hold
+        model.config.vocab_size, model.config.block_size // 2, batch=16, choices=x_val.unique()
+    )
+    scores = {name: s.tolist() for name, s in head_scores(model, tokens=tokens).items()}
     scores["copying"] = copying_scores(model).tolist()
     return {
         "step": step,

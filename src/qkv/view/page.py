@@ -17,6 +17,7 @@ Legend: L layers · H heads · T prompt length · K keys kept per row · S thumb
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import html
 import json
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..heads import ROW_BLOCK, SCORES, head_scores, run
+from ..heads import ROW_BLOCK, SCORES, ablate, head_scores, parse_heads, per_token_loss, run
 
 #: the longest prompt a page can hold (key indices are 16-bit)
 MAX_TOKENS = 65535
@@ -45,6 +46,7 @@ class Frame:
     weights: np.ndarray  # (L, H, T, K) uint8: their weights × 255
     scores: dict[str, list[list[float]]]  # score name -> L × H
     steps: list[list[dict[str, Any]]] = field(default_factory=list)  # L × H
+    losses: list[float | None] | None = None  # T: the loss of each token (None at 0)
 
 
 @dataclass
@@ -56,6 +58,8 @@ class View:
     frames: list[Frame]
     query: int
     title: str
+    ablated: list[tuple[int, int]] = field(default_factory=list)
+    ablation: str = "zero"
 
     def html(self) -> str:
         """The whole page: one file, no external resource."""
@@ -70,11 +74,14 @@ class View:
             "thumb": first.thumbs.shape[-1],
             "query": self.query,
             "scoreNames": SCORES,
+            "ablated": [list(a) for a in self.ablated],
+            "ablation": self.ablation,
             "frames": [
                 {
                     "label": f.label,
                     "scores": f.scores,
                     "steps": f.steps,
+                    "losses": f.losses,
                     "thumbs": _b64(f.thumbs),
                     "keys": _b64(f.keys.astype("<u2")),
                     "weights": _b64(f.weights),
@@ -149,6 +156,9 @@ def view(
     thumb: int = 64,
     title: str = "qkv: what the heads attend to",
     scores: bool = True,
+    ablated: str | Sequence[tuple[int, int]] | None = None,
+    ablation: str = "zero",
+    reference: torch.Tensor | None = None,
 ) -> View:
     """Build the interactive view of a model's heads on a prompt.
 
@@ -164,6 +174,13 @@ def view(
         top_k: keys kept per row (every key when T <= top_k).
         thumb: thumbnail side in cells (the pattern averaged into thumb × thumb).
         scores: compute the head scores (:func:`qkv.heads.head_scores`) of every frame.
+        ablated: heads to remove ("1.0,1.3" or (layer, head) pairs) in every frame, through
+            :func:`qkv.heads.ablate`: the page marks them, and its patterns, scores and
+            per-token losses are those of the model without them.
+        ablation, reference: :func:`qkv.heads.ablate`'s ``mode`` and ``reference``.
+
+    Under each token the page shows its loss (nats): how well the model, having read the
+    tokens before it, predicted it — for models that return logits.
 
     Raises:
         ValueError: an empty prompt, a prompt longer than the model's context, labels of
@@ -185,10 +202,14 @@ def view(
     if not 0 <= query < T:
         raise ValueError(f"query must be a position of the prompt, 0 … {T - 1}; got {query}")
     models = [*(snapshots or []), ("final", model)]
-    frames = [
-        _frame(label, m, ids, query, min(top_k, T), min(thumb, T), scores) for label, m in models
-    ]
-    return View(labels, frames, query, title)
+    removed = parse_heads(ablated) if isinstance(ablated, str) else list(ablated or [])
+    frames = []
+    for label, m in models:
+        with contextlib.ExitStack() as stack:
+            if removed:
+                stack.enter_context(ablate(m, removed, mode=ablation, reference=reference))
+            frames.append(_frame(label, m, ids, query, min(top_k, T), min(thumb, T), scores))
+    return View(labels, frames, query, title, removed, ablation)
 
 
 def byte_labels(data: bytes) -> list[str]:
@@ -237,7 +258,20 @@ def _frame(
         torch.stack(weights).numpy(),
         scores,
         steps,
+        _losses(model, ids),
     )
+
+
+def _losses(model: Any, ids: torch.Tensor) -> list[float | None] | None:
+    """Each token's loss given the tokens before it (None for the first); None for a model
+    that returns no logits, or a prompt of one token."""
+    if ids.shape[1] < 2:
+        return None
+    try:
+        losses = per_token_loss(model, ids)
+    except TypeError:  # the model returns something other than logits
+        return None
+    return [None, *(round(float(x), 3) for x in losses)]
 
 
 def _steps(call: Any, query: int, head: int, shown: int = 12) -> dict[str, Any]:

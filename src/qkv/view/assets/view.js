@@ -5,7 +5,7 @@
   const L = D.layers, H = D.heads, K = D.k, S = D.thumb, T = D.tokens.length;
   const bytes = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
   const frames = D.frames.map((f) => ({
-    label: f.label, scores: f.scores, steps: f.steps, thumbs: bytes(f.thumbs),
+    label: f.label, scores: f.scores, steps: f.steps, losses: f.losses, thumbs: bytes(f.thumbs),
     keys: new Uint16Array(bytes(f.keys).buffer), weights: bytes(f.weights),
   }));
   const state = { frame: frames.length - 1, layer: null, head: null, hover: null };
@@ -42,6 +42,12 @@
   }
   bar.append(el("span", { className: "qkv-muted", textContent: `${L} layers × ${H} heads · ` +
     `${T} tokens · each row's ${K} strongest keys kept` }));
+  const ablated = new Set((D.ablated || []).map(([l, h]) => `${l}.${h}`));
+  if (ablated.size) {
+    bar.append(el("span", { id: "qkv-ablated", className: "qkv-ablated-note", textContent:
+      `ablated (${D.ablation}): ${[...ablated].join(", ")} — patterns, scores and losses ` +
+      "are the model's without them" }));
+  }
 
   const main = el("div", { className: "qkv-main" });
   root.append(main);
@@ -58,6 +64,7 @@
       const canvas = el("canvas", { width: S, height: S });
       const scores = el("div", { className: "qkv-s" });
       const cell = el("div", { className: "qkv-cell", id: `qkv-cell-${l}-${h}` }, canvas, scores);
+      if (ablated.has(`${l}.${h}`)) { cell.classList.add("ablated"); cell.title = "ablated"; }
       cell.dataset.layer = l; cell.dataset.head = h;
       cell.addEventListener("click", () => select(l, h));
       tr.append(el("td", {}, cell));
@@ -78,8 +85,13 @@
   side.append(title, big, info, steps);
 
   const strip = el("div", { className: "qkv-tokens", id: "qkv-tokens" });
+  const withLoss = frames.some((f) => f.losses);
+  const lossTop = Math.max(1e-9, ...frames.flatMap((f) => f.losses || []).filter((v) => v));
+  if (withLoss) strip.classList.add("with-loss");
   root.append(el("div", { className: "qkv-muted", textContent: "hover a token: its row " +
-    "(where it attends) shades the tokens blue; what attends to it is underlined orange" }), strip);
+    "(where it attends) shades the tokens blue; what attends to it is underlined orange" +
+    (withLoss ? "; under each token, its loss in nats (red: the model did not expect it)" : "") }),
+    strip);
   const toks = D.tokens.map((t, i) => {
     // A long label is shortened in the strip; its whole text is the tooltip.
     const label = visible(t), short = shorten(t);
@@ -165,6 +177,17 @@
     api.draws += 1;
   }
 
+  function drawLosses() {
+    const losses = frames[state.frame].losses;
+    if (!withLoss) return;
+    toks.forEach((s, i) => {
+      const v = losses ? losses[i] : null;
+      s.dataset.loss = v === null || v === undefined ? "" : fmt(v, 1);
+      // red in proportion to the loss, full at the largest loss of any frame
+      s.style.setProperty("--loss", v ? `rgba(210,40,40,${Math.min(1, v / lossTop)})` : "transparent");
+    });
+  }
+
   function drawTokens() {
     toks.forEach((s) => { s.style.background = ""; s.style.removeProperty("--from"); s.classList.remove("hovered"); });
     info.textContent = "";
@@ -209,7 +232,7 @@
   }
   function redraw() {
     frameLabel.textContent = frames[state.frame].label;
-    drawThumbs(); drawDetail(); drawTokens(); drawSteps();
+    drawThumbs(); drawDetail(); drawLosses(); drawTokens(); drawSteps();
   }
   api.select = select; api.hover = hover; api.redraw = redraw;
   redraw();
