@@ -133,8 +133,9 @@ def test_every_page_opens_in_chromium_offline(site):
                 assert b.errors() == [], f"{url}: {b.errors()}"
             b.goto(base + "index.html")  # the search runs offline: its index is local
             b.eval(
-                "(() => { const i = document.querySelector('input[data-md-component=search-query]');"
-                " i.focus(); i.value = 'induction'; i.dispatchEvent(new Event('input')); })()"
+                "(() => { const i = document.querySelector("
+                "'input[data-md-component=search-query]'); i.focus(); i.value = 'induction'; "
+                "i.dispatchEvent(new Event('input')); })()"
             )
             b.wait("document.querySelectorAll('.md-search-result__item').length > 0")
             assert b.errors() == []
