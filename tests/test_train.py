@@ -1,5 +1,6 @@
 """qkv train / qkv generate: the corpus, the loop, checkpoints, exact resume, Ctrl-C."""
 
+import collections
 import json
 import math
 import os
@@ -388,3 +389,37 @@ def test_cli_heads_reports_an_ablation(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["heads", "--checkpoint", out, "--no-png", "--ablate", "2.0"])
     assert "no layer 2 to ablate" in capsys.readouterr().err
+
+
+def test_words_cut_a_corpus_into_a_vocabulary_of_the_most_frequent(text):
+    from qkv.training import load_words
+    from qkv.training.data import WORD
+
+    words = load_words(text, vocab_size=8)
+    corpus = load_corpus(text)
+    counts = collections.Counter(WORD.findall(bytes(corpus.train.numpy()).decode()))
+    kept = [counts[w] for w in words.vocab[1:]]
+    assert words.vocab[0] == "<unk>" and len(words.vocab) == 8
+    assert kept == sorted(kept, reverse=True)  # the most frequent, in order
+    assert all(c <= kept[-1] for w, c in counts.items() if w not in words.vocab)
+    assert words.train.dtype == torch.int32 and int(words.train.max()) < 8
+    decoded = words.decode(words.train[:12])
+    assert decoded.startswith("def add(a, b):") or "<unk>" in decoded  # "def" may be unknown
+    assert 0 < words.unknown < 1
+    full = load_words(text, vocab_size=1000)  # every word known: the text comes back
+    assert full.unknown == 0 and full.decode(full.train).startswith("def add(a, b):\n    return")
+    with pytest.raises(ValueError, match="vocab_size >= 2"):
+        load_words(text, vocab_size=1)
+
+
+def test_a_run_on_words_trains_and_generate_refuses_it(tmp_path, text, capsys):
+    model = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    cfg = TrainConfig(
+        steps=4, batch_size=4, warmup=1, eval_interval=2, eval_windows=4, data="words"
+    )
+    result = train(tmp_path / "w", text=text, model_config=model, train_config=cfg, progress=False)
+    assert result.unit == "token" and result.val_loss is not None
+    assert "icl" in result.history[-1]
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(tmp_path / "w"), "--prompt", "def "])
+    assert "trained on 'words', not bytes" in capsys.readouterr().err

@@ -168,6 +168,12 @@ def run_generate(args: argparse.Namespace) -> None:
             "--prompt must not be empty (nor a line of --prompts-file): the model continues a text"
         )
     model = load_checkpoint(args.checkpoint)
+    data = read_config(args.checkpoint)["train"].get("data", "text")
+    if data != "text":
+        raise ValueError(
+            f"this checkpoint was trained on {data!r}, not bytes: qkv generate reads and "
+            "writes bytes (qkv heads and qkv view read such runs)"
+        )
     prompts = [list(text.encode("utf-8")) for text in texts]
     vocab = model.config.vocab_size
     outside = sorted({b for prompt in prompts for b in prompt if b >= vocab})

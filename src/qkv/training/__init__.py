@@ -19,10 +19,12 @@ from .checkpoint import (
 from .data import (
     Corpus,
     RepeatedSegments,
+    Words,
     bigram_loss,
     check_context,
     eval_windows,
     load_corpus,
+    load_words,
     random_batch,
     stdlib_root,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "RepeatedSegments",
     "Result",
     "TrainConfig",
+    "Words",
     "bigram_loss",
     "check_context",
     "checkpoint_dir",
@@ -48,6 +51,7 @@ __all__ = [
     "learning_rate",
     "load_checkpoint",
     "load_corpus",
+    "load_words",
     "random_batch",
     "read_config",
     "read_state",

@@ -42,7 +42,14 @@ from .checkpoint import (
     save_checkpoint,
     save_snapshot,
 )
-from .data import RepeatedSegments, check_context, eval_windows, load_corpus, random_batch
+from .data import (
+    RepeatedSegments,
+    check_context,
+    eval_windows,
+    load_corpus,
+    load_words,
+    random_batch,
+)
 from .presets import DEFAULT_PRESET, PRESETS, TrainConfig, learning_rate
 from .progress import _catch_stops, _Progress
 
@@ -312,6 +319,29 @@ class _Text:
         return eval_windows(self.corpus.val, count, block_size)
 
 
+class _Words:
+    """Words of a corpus (:func:`load_words`): random windows, fixed validation windows."""
+
+    unit = "token"
+
+    def __init__(self, text: str | Path | None, block_size: int, vocab_size: int) -> None:
+        self.corpus = load_words(text, vocab_size)
+        if len(self.corpus.val) <= block_size or len(self.corpus.train) <= block_size:
+            raise ValueError(
+                f"the corpus has {len(self.corpus.val):,} held-out words: too few for "
+                f"a context of {block_size}"
+            )
+        self.source = f"words of {self.corpus.source}"
+
+    def batch(
+        self, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_batch(self.corpus.train, batch_size, block_size, generator)
+
+    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return eval_windows(self.corpus.val, count, block_size)
+
+
 class _Repeats(RepeatedSegments):
     unit = "token"
 
@@ -326,6 +356,8 @@ class _Repeats(RepeatedSegments):
 def _data(tcfg: TrainConfig, mcfg: GPTConfig, text: Any) -> Any:
     if tcfg.data == "text":
         return _Text(text, mcfg.block_size)
+    if tcfg.data == "words":
+        return _Words(text, mcfg.block_size, mcfg.vocab_size)
     if text is not None:
         raise ValueError(
             "--text does not apply to data='repeated_segments' (the induction "

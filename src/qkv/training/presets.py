@@ -25,8 +25,10 @@ class TrainConfig:
         eval_windows: validation windows per evaluation (the same ones every time).
         autocast: "bfloat16" runs the matmuls under CPU autocast in bfloat16 (the weights
             and the optimiser stay float32); None for float32 throughout.
-        data: "text" (bytes of a corpus) or "repeated_segments" (random segments repeated,
-            :class:`qkv.training.RepeatedSegments`: the induction experiment).
+        data: "text" (bytes of a corpus), "words" (the corpus cut into words, the model's
+            vocab_size of them: :func:`qkv.training.load_words`) or "repeated_segments"
+            (random segments repeated, :class:`qkv.training.RepeatedSegments`: the
+            induction experiment).
         segment_lengths: (shortest, longest) segment for "repeated_segments".
         snapshots: also keep the weights at every evaluation, in ``snapshots/`` (a few KB
             for small models: the viewer's slider over training).
@@ -52,8 +54,10 @@ class TrainConfig:
             raise ValueError("steps, batch_size and eval_interval must be >= 1")
         if self.autocast not in (None, "bfloat16"):
             raise ValueError(f"autocast must be None or 'bfloat16'; got {self.autocast!r}")
-        if self.data not in ("text", "repeated_segments"):
-            raise ValueError(f"data must be 'text' or 'repeated_segments'; got {self.data!r}")
+        if self.data not in ("text", "words", "repeated_segments"):
+            raise ValueError(
+                f"data must be 'text', 'words' or 'repeated_segments'; got {self.data!r}"
+            )
 
 
 #: The induction preset's vocabulary: tokens 0 … 63.
