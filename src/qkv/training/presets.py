@@ -3,6 +3,7 @@ schedule and the data each preset reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -115,6 +116,48 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
         ),
     ),
 }
+
+
+def _paper_words(n_layer: int, attention_only: bool = True) -> tuple[GPTConfig, TrainConfig]:
+    """A run of the induction-heads paper's experiment on words of the standard library's
+    sources (benchmarks/induction_paper.py, docs/induction.md)."""
+    return (
+        GPTConfig(
+            vocab_size=PAPER_WORDS,
+            block_size=256,
+            n_layer=n_layer,
+            n_head=4,
+            n_embd=64,
+            attention_only=attention_only,
+            tie_embeddings=False,
+        ),
+        TrainConfig(
+            steps=20000,
+            batch_size=8,
+            lr=1e-3,
+            min_lr=1e-3,
+            warmup=100,
+            weight_decay=0.0,
+            eval_interval=500,
+            eval_windows=128,
+            data="words",
+        ),
+    )
+
+
+#: The word vocabulary of the paper presets: "<unk>" and the 2,047 most frequent words.
+PAPER_WORDS = 2048
+
+# The induction-heads paper's experiment (benchmarks/induction_paper.py): 1- and 2-layer
+# attention-only models and a 2-layer model with MLPs on words; the induction preset with one
+# layer, where no induction head can form (it needs a previous-token head below it).
+PRESETS["paper-words-1l"] = _paper_words(1)
+PRESETS["paper-words-2l"] = _paper_words(2)
+PRESETS["paper-words-2l-mlp"] = _paper_words(2, attention_only=False)
+PRESETS["paper-repeats-1l"] = (
+    dataclasses.replace(PRESETS["induction"][0], n_layer=1),
+    PRESETS["induction"][1],
+)
 
 
 DEFAULT_PRESET = "cpu-10min"
