@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.heads import ablate, icl_score, per_token_loss
+from qkv.heads import ablate, copying_scores, icl_score, per_token_loss
 from qkv.training import load_checkpoint, read_state, train, validation_windows
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -101,7 +101,6 @@ def ablation(out: Path, seed: int) -> dict:
     state = read_state(out)
     last = state["evaluations"][-1]["scores"]
     pm = torch.tensor(last["induction"])
-    copying = torch.tensor(last["copying"])
     H = pm.shape[1]
     order = pm.flatten().argsort(descending=True).tolist()
     top = [divmod(i, H) for i in order[:2]]
@@ -109,6 +108,7 @@ def ablation(out: Path, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     drawn = [divmod(rest[i], H) for i in torch.randperm(len(rest), generator=g)[:2].tolist()]
     model = load_checkpoint(out)
+    copying = copying_scores(model)
     x, y = validation_windows(out, WINDOWS)
     base = icl(per_token_loss(model, x, y))
     found = {"icl": base, "top": top, "random": drawn}

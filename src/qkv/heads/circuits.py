@@ -141,65 +141,95 @@ def copying_scores(model: Any) -> torch.Tensor:
     raises that token's logit), −1 when it lowers it, near 0 for a circuit that does neither.
 
     Computed from the D × D matrix W_V^h · W_E · W_U · W_O^h, which has the same nonzero
-    eigenvalues, in float64. Layer norms and biases are left out (exact for the
-    attention-only models without layer norm of the induction experiments).
+    eigenvalues, in float64. A layer norm before the head and the one before the
+    unembedding are folded in as the linear maps they are up to a positive scale per token
+    (centring, then the gain: RMSNorm's gain alone); biases are left out.
 
     Args:
         model: a :class:`qkv.models.GPT`, or a Hugging Face model whose attention modules
             have ``v_proj`` and ``o_proj`` linear layers (Llama, Mistral, Qwen, … — GQA
-            included).
+            included; their ``input_layernorm`` and final ``norm`` gains folded in).
 
     Returns:
         (L, H) float64 tensor in [−1, 1].
     """
-    embed, unembed, layers = _ov_weights(model)
-    rows = []
-    for w_v, w_o in layers:  # per head: (D, C), (C, D)
-        row = []
-        for v, o in zip(w_v, w_o, strict=True):
-            small = v.double() @ embed.T.double() @ unembed.double() @ o.double()
-            eig = torch.linalg.eigvals(small)
-            row.append((eig.sum().real / eig.abs().sum().clamp_min(1e-300)).item())
-        rows.append(row)
+    with torch.no_grad():
+        embed, unembed, layers = _ov_weights(model)
+        rows = []
+        for w_v, w_o in layers:  # per head: (D, C), (C, D)
+            row = []
+            for v, o in zip(w_v, w_o, strict=True):
+                eig = torch.linalg.eigvals(v @ embed.T @ unembed @ o)
+                row.append((eig.sum().real / eig.abs().sum().clamp_min(1e-300)).item())
+            rows.append(row)
     return torch.tensor(rows, dtype=torch.float64)
 
 
+def _norm_map(norm: Any, width: int) -> torch.Tensor:
+    """The (C, C) linear part of a norm, up to its positive per-token scale: LayerNorm
+    centres then multiplies by its gain, RMSNorm only multiplies; anything else (none,
+    Identity) is the identity."""
+    eye = torch.eye(width, dtype=torch.float64)
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (width,):
+        return eye
+    gain = torch.diag(weight.double())
+    if isinstance(norm, torch.nn.LayerNorm):
+        return gain @ (eye - torch.full((width, width), 1.0 / width, dtype=torch.float64))
+    return gain
+
+
 def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list, list]]]:
-    """(W_E (V, C), W_U (V, C), per layer (each head's W_V (D, C), each head's W_O (C, D)))."""
-    with torch.no_grad():
-        blocks = getattr(model, "blocks", None)
-        if blocks is not None and hasattr(model, "wte"):  # a qkv GPT
-            layers = []
-            for block in blocks:
-                attn = block.attn
-                if not hasattr(attn, "W_value"):
-                    raise ValueError(f"{type(attn).__name__} has no value projection to score")
-                layers.append(
-                    _split(
-                        attn.W_value.weight,
-                        attn.out_proj.weight,
-                        attn.num_heads,
-                        attn.num_kv_heads,
-                        attn.head_dim,
-                    )
+    """(W_E (V, C), W_U (V, C) after the final norm, per layer (each head's W_V (D, C) after
+    the layer's norm, each head's W_O (C, D))), float64."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is not None and hasattr(model, "wte"):  # a qkv GPT
+        C = model.wte.weight.shape[1]
+        layers = []
+        for block in blocks:
+            attn = block.attn
+            if not hasattr(attn, "W_value"):
+                raise ValueError(f"{type(attn).__name__} has no value projection to score")
+            w_v = attn.W_value.weight.double() @ _norm_map(block.ln_1, C)
+            layers.append(
+                _split(
+                    w_v,
+                    attn.out_proj.weight.double(),
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
                 )
-            return model.wte.weight, model.lm_head.weight, layers
-        config = getattr(model, "config", None)
-        attns = [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj")]
-        if config is None or not attns or not hasattr(model, "get_output_embeddings"):
-            raise ValueError(
-                f"copying scores read a qkv GPT or a Hugging Face model whose attention "
-                f"has v_proj and o_proj; {type(model).__name__} is neither"
             )
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layers = [_split(a.v_proj.weight, a.o_proj.weight, heads, kv_heads, dim) for a in attns]
-        return (
-            model.get_input_embeddings().weight,
-            model.get_output_embeddings().weight,
-            layers,
+        unembed = model.lm_head.weight.double() @ _norm_map(model.ln_f, C)
+        return model.wte.weight.double(), unembed, layers
+    config = getattr(model, "config", None)
+    owners = [
+        m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m.self_attn, "v_proj")
+    ]
+    attns = [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj")]
+    if config is None or not attns or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(
+            f"copying scores read a qkv GPT or a Hugging Face model whose attention "
+            f"has v_proj and o_proj; {type(model).__name__} is neither"
         )
+    embed = model.get_input_embeddings().weight.double()
+    C = embed.shape[1]
+    norms = {id(m.self_attn): getattr(m, "input_layernorm", None) for m in owners}
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = [
+        _split(
+            a.v_proj.weight.double() @ _norm_map(norms.get(id(a)), C),
+            a.o_proj.weight.double(),
+            heads,
+            kv_heads,
+            dim,
+        )
+        for a in attns
+    ]
+    final = getattr(getattr(model, "base_model", model), "norm", None)
+    return embed, model.get_output_embeddings().weight.double() @ _norm_map(final, C), layers
 
 
 def _split(
