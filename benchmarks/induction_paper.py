@@ -111,10 +111,20 @@ def ablation(out: Path, seed: int) -> dict:
     copying = copying_scores(model)
     x, y = validation_windows(out, WINDOWS)
     base = icl(per_token_loss(model, x, y))
-    found = {"icl": base, "top": top, "random": drawn}
-    for name, heads in (("top", top), ("random", drawn)):
-        with ablate(model, heads):
-            found[f"icl_without_{name}"] = icl(per_token_loss(model, x, y))
+    # every head called an induction head, against as many of the others (all, if fewer)
+    induction = [divmod(i, H) for i in order if pm.flatten()[i] >= THRESHOLD]
+    others = [divmod(i, H) for i in order if pm.flatten()[i] < THRESHOLD]
+    others = [others[i] for i in torch.randperm(len(others), generator=g)[: len(induction)]]
+    found = {"icl": base, "top": top, "random": drawn, "induction": induction, "others": others}
+    for name, heads in (
+        ("top", top),
+        ("random", drawn),
+        ("induction", induction),
+        ("others", others),
+    ):
+        if heads:
+            with ablate(model, heads):
+                found[f"icl_without_{name}"] = icl(per_token_loss(model, x, y))
     found["copying_top"] = [copying[layer, head].item() for layer, head in top]
     found["copying_rest"] = statistics.fmean(copying.flatten()[i].item() for i in rest)
     return found
@@ -161,12 +171,20 @@ def do_report(root: Path) -> None:
         for seed in runs.get(name, {}):
             a = ablation(run_dir(root, name, seed), seed)
             report[f"{name}/{seed}"] = a
-            print(
+            line = (
                 f"{name} seed {seed}: ICL {a['icl']:+.3f}; without top {a['top']}: "
                 f"{a['icl_without_top']:+.3f}; without random {a['random']}: "
-                f"{a['icl_without_random']:+.3f}; copying of top {a['copying_top']}, "
-                f"mean of the others {a['copying_rest']:+.3f}"
+                f"{a['icl_without_random']:+.3f}; copying of top "
+                f"{[round(c, 3) for c in a['copying_top']]}, mean of the others "
+                f"{a['copying_rest']:+.3f}"
             )
+            if a["induction"]:
+                line += (
+                    f"; without all {len(a['induction'])} induction heads: "
+                    f"{a['icl_without_induction']:+.3f}, without as many others "
+                    f"{a['others']}: {a['icl_without_others']:+.3f}"
+                )
+            print(line)
     (root / "report.json").write_text(json.dumps({"runs": runs, "ablation": report}, default=str))
     _plot_phase_change(runs)
     _plot_loss_by_position(root, runs)
