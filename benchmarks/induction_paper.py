@@ -42,14 +42,9 @@ THRESHOLD = 0.4
 WINDOWS = 256
 
 
-def band(positions: int) -> int:
-    """Each end of the ICL score averaged over this many positions either side."""
-    return max(1, positions // 32)
-
-
 def icl(losses: torch.Tensor | list[float]) -> float:
-    t = torch.as_tensor(losses, dtype=torch.float64)
-    return icl_score(t, band=band(len(t)))
+    """The ICL score with its default band (each end averaged over ±P/32 positions)."""
+    return icl_score(torch.as_tensor(losses, dtype=torch.float64))
 
 
 def run_dir(root: Path, name: str, seed: int) -> Path:

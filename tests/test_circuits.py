@@ -68,6 +68,11 @@ def test_icl_score_is_late_minus_early():
     assert heads.icl_score(losses) == 9.0
     assert heads.icl_score(losses, early=2, late=5) == 3.0
     assert heads.icl_score(losses, early=2, late=8, band=1) == 6.0  # 8 - 2 on averages
+    long = torch.arange(64, dtype=torch.float64) ** 2  # the default band: 64 // 32 = 2
+    assert heads.icl_score(long) == pytest.approx(
+        long[61:64].mean().item() - long[4:9].mean().item()
+    )
+    assert heads.icl_score(long, band=0) == long[63].item() - long[6].item()
     for bad in ({"early": 5, "late": 5}, {"early": 0, "late": 11}, {"band": -1}):
         with pytest.raises(ValueError):
             heads.icl_score(losses, **bad)

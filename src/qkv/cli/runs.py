@@ -35,8 +35,8 @@ def run_heads(args: argparse.Namespace) -> None:
         if ablation is not None:
             early, late = ablation["icl_positions"]
             print(
-                f"held-out windows: {ablation['windows']}; "
-                f"ICL score = loss at position {late} − at {early}"
+                f"held-out windows: {ablation['windows']}; ICL score = loss at position "
+                f"{late} − at {early}, each averaged over ±{ablation['band']} positions"
             )
             for name, r in ablation["rows"].items():
                 print(f"{name:>24}: loss {r['loss']:.4f}, ICL {r['icl']:+.4f}")
@@ -53,7 +53,14 @@ def run_heads(args: argparse.Namespace) -> None:
 def _ablation(args: argparse.Namespace, model: torch.nn.Module) -> dict:
     """The held-out loss and ICL score of the model, and with the heads of ``--ablate``
     removed (docs/induction.md)."""
-    from ..heads import ablate, icl_positions, icl_score, parse_heads, per_token_loss
+    from ..heads import (
+        ablate,
+        icl_band,
+        icl_positions,
+        icl_score,
+        parse_heads,
+        per_token_loss,
+    )
     from ..training import validation_windows
 
     chosen = parse_heads(args.ablate)
@@ -71,6 +78,7 @@ def _ablation(args: argparse.Namespace, model: torch.nn.Module) -> dict:
         },
         "windows": len(x),
         "icl_positions": list(icl_positions(len(before))),
+        "band": icl_band(len(before)),
     }
 
 

@@ -106,8 +106,17 @@ def icl_positions(positions: int) -> tuple[int, int]:
     return max(0, round(late / 10)), late
 
 
+def icl_band(positions: int) -> int:
+    """The default band of :func:`icl_score` for ``positions`` losses: positions // 32."""
+    return positions // 32
+
+
 def icl_score(
-    losses: torch.Tensor, *, early: int | None = None, late: int | None = None, band: int = 0
+    losses: torch.Tensor,
+    *,
+    early: int | None = None,
+    late: int | None = None,
+    band: int | None = None,
 ) -> float:
     """The in-context-learning score: ``losses[late] − losses[early]`` (negative: the
     model predicts better with more context).
@@ -115,9 +124,12 @@ def icl_score(
     Args:
         losses: (P,) from :func:`per_token_loss`.
         early, late: positions; default :func:`icl_positions`.
-        band: average each end over the positions within ``band`` of it (less noise).
+        band: average each end over the positions within ``band`` of it, which takes the
+            noise of single positions off the score; default :func:`icl_band` (0 below
+            32 positions; 0 is the paper's single positions).
     """
     P = losses.shape[-1]
+    band = icl_band(P) if band is None else band
     e, l_ = icl_positions(P)
     early, late = e if early is None else early, l_ if late is None else late
     if not 0 <= early < late < P:
@@ -372,6 +384,7 @@ __all__ = [
     "ablate",
     "copying_scores",
     "head_means",
+    "icl_band",
     "icl_positions",
     "icl_score",
     "logits_of",
