@@ -196,8 +196,14 @@ def _plot_phase_change(runs: dict) -> None:
     for col, name in enumerate(shown):
         for seed, r in runs[name].items():
             hist = r["history"]
+            every = max(1, len(hist) // 400)  # the training loss averaged over this many steps
+            losses = torch.tensor([h["loss"] for h in hist])
+            kept = len(losses) // every * every
             axes[0, col].plot(
-                [h["step"] for h in hist], [h["loss"] for h in hist], lw=0.5, label=f"seed {seed}"
+                [hist[i + every - 1]["step"] for i in range(0, kept, every)],
+                losses[:kept].reshape(-1, every).mean(1).tolist(),
+                lw=0.7,
+                label=f"seed {seed}",
             )
             axes[1, col].plot(r["steps"], r["icl"], "o-", ms=2)
             axes[2, col].plot(r["steps"], r["prefix_matching"], "o-", ms=2)
@@ -221,7 +227,7 @@ def _plot_loss_by_position(root: Path, runs: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [n for n in ("words-1l", "words-2l") if runs.get(n)]
+    shown = [n for n in ("words-1l", "words-2l", "repeats-2l") if runs.get(n)]
     if not shown:
         return
     fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 3.8), squeeze=False)
@@ -229,15 +235,22 @@ def _plot_loss_by_position(root: Path, runs: dict) -> None:
         evals = read_state(run_dir(root, name, min(runs[name])))["evaluations"]
         picked = [*evals[:: max(1, len(evals) // 8)], evals[-1]]
         cmap = plt.get_cmap("viridis")
+        # positions in bins of equal width on the log scale: one point per bin, the mean
+        edges = sorted({round(v) for v in torch.logspace(0, 8, 25, base=2).tolist()})
         for i, e in enumerate(picked):
+            t = torch.tensor(e["token_loss"])
+            bins = [(a, b) for a, b in zip([0, *edges], edges) if b <= len(t) and b > a]
             ax.plot(
-                e["token_loss"],
+                [(a + b - 1) / 2 + 1 for a, b in bins],
+                [t[a:b].mean().item() for a, b in bins],
+                "o-",
+                ms=2,
                 lw=0.8,
                 color=cmap(i / max(1, len(picked) - 1)),
                 label=f"step {e['step']}",
             )
         ax.set_xscale("log")
-        ax.set_xlabel("token index")
+        ax.set_xlabel("token index (mean over bins of equal log width)")
         ax.set_ylabel("held-out loss (nats)")
         ax.set_title(f"{name}, seed {min(runs[name])}")
         ax.legend(fontsize=6)
