@@ -247,6 +247,7 @@ def test_a_damaged_checkpoint_gets_one_line_in_every_command(tmp_path, capsys, h
 
 
 def test_generate_refuses_a_prompt_outside_the_vocabulary(tmp_path, capsys):
+    from qkv.models import GPTConfig
     from qkv.training import PRESETS, TrainConfig, train
 
     tcfg = PRESETS["induction"][1]
@@ -256,7 +257,18 @@ def test_generate_refuses_a_prompt_outside_the_vocabulary(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["generate", "--checkpoint", str(out), "--prompt", "hello"])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and "outside this model's vocabulary of 64 tokens" in err
+    assert stop.value.code == 2 and "trained on 'repeated_segments', not bytes" in err
+    # A byte model with a vocabulary of 128 (trained on ASCII) refuses bytes past it.
+    text = tmp_path / "ascii.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    ascii_model = GPTConfig(vocab_size=128, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    cfg = TrainConfig(steps=2, batch_size=4, warmup=1, eval_interval=2, eval_windows=4)
+    out = tmp_path / "ascii"
+    train(out, text=text, model_config=ascii_model, train_config=cfg, progress=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--checkpoint", str(out), "--prompt", "café"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "outside this model's vocabulary of 128 tokens" in err
 
 
 def test_a_bare_qkv_prints_help_and_version(capsys):
