@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.record import editing
-from .patterns import _device
+from .patterns import _device, evaluating
 
 #: how heads are named on a command line: "1.2,1.3" is layer 1 head 2 and layer 1 head 3
 Heads = Iterable[tuple[int, int]]
@@ -81,21 +81,14 @@ def per_token_loss(
         )
     if tokens.shape[1] < 1:
         raise ValueError("windows need at least two tokens")
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
     device = _device(model)
     total = torch.zeros(tokens.shape[1], dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            for i in range(0, len(tokens), batch_size):
-                x, y = tokens[i : i + batch_size].to(device), targets[i : i + batch_size]
-                logits = logits_of(model, x).float().cpu()
-                loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
-                total += loss.double().sum(dim=0)
-    finally:
-        if was_training:
-            model.train()
+    with evaluating(model):
+        for i in range(0, len(tokens), batch_size):
+            x, y = tokens[i : i + batch_size].to(device), targets[i : i + batch_size]
+            logits = logits_of(model, x).float().cpu()
+            loss = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+            total += loss.double().sum(dim=0)
     return total / len(tokens)
 
 
@@ -284,19 +277,12 @@ def head_means(model: Any, tokens: torch.Tensor, *, batch_size: int = 32) -> lis
             sums[layer] += part
         return out
 
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        with torch.no_grad(), editing(collect):
-            for i in range(0, len(tokens), batch_size):
-                calls["n"] = 0
-                x = tokens[i : i + batch_size]
-                logits_of(model, x.to(_device(model)))
-                count += x.numel()
-    finally:
-        if was_training:
-            model.train()
+    with evaluating(model), editing(collect):
+        for i in range(0, len(tokens), batch_size):
+            calls["n"] = 0
+            x = tokens[i : i + batch_size]
+            logits_of(model, x.to(_device(model)))
+            count += x.numel()
     if not sums:
         raise ValueError(f"{type(model).__name__} made no qkv.attention call")
     return [s / count for s in sums]

@@ -273,17 +273,24 @@ def head_scores(
     return {name: torch.stack([s[name] for s in per_layer]) for name in SCORES}
 
 
-def run(model: Any, tokens: torch.Tensor) -> Recorder:
-    """Run ``model(tokens)`` in eval mode without gradients and record its attention."""
+@contextlib.contextmanager
+def evaluating(model: Any) -> Iterator[None]:
+    """The block runs ``model`` in eval mode without gradients; its mode is restored after."""
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
-        with torch.no_grad(), record() as calls:
-            model(tokens.to(_device(model)))
+        with torch.no_grad():
+            yield
     finally:
         if was_training:
             model.train()
+
+
+def run(model: Any, tokens: torch.Tensor) -> Recorder:
+    """Run ``model(tokens)`` in eval mode without gradients and record its attention."""
+    with evaluating(model), record() as calls:
+        model(tokens.to(_device(model)))
     if not len(calls):
         raise ValueError(
             f"{type(model).__name__} made no qkv.attention call: its attention "
@@ -316,6 +323,7 @@ __all__ = [
     "SCORES",
     "Call",
     "Recorder",
+    "evaluating",
     "head_scores",
     "record",
     "repeated_tokens",

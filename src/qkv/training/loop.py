@@ -103,18 +103,10 @@ def evaluate(
 def _loss_on(
     model: GPT, x: torch.Tensor, y: torch.Tensor, batch_size: int = 32, autocast: str | None = None
 ) -> float:
-    """Mean next-token loss of inputs x against targets y, both (N, T)."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    with torch.no_grad(), _autocast(autocast):
-        for i in range(0, len(x), batch_size):
-            logits = model(x[i : i + batch_size])
-            total += F.cross_entropy(
-                logits.flatten(0, 1).float(), y[i : i + batch_size].flatten(), reduction="sum"
-            ).item()
-    model.train(was_training)
-    return total / y.numel()
+    """Mean next-token loss of inputs x against targets y, both (N, T): the mean of
+    :func:`qkv.heads.per_token_loss` (every position holds N windows)."""
+    with _autocast(autocast):
+        return per_token_loss(model, x, y, batch_size=batch_size).mean().item()
 
 
 def _autocast(kind: str | None) -> Any:
