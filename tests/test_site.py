@@ -78,6 +78,8 @@ def test_the_site_builds_strictly_with_every_page(site):
     assert "Two commands" in index  # the README is the home page
     api = (site_dir / "api" / "heads.html").read_text(encoding="utf-8")
     assert "per_token_loss" in api and "The next-token loss at each position" in api
+    for page in (site_dir / "api").glob("*.html"):  # Sphinx roles are not left as text
+        assert ":func:" not in page.read_text(encoding="utf-8"), page.name
     assert seconds < 120  # the target is a minute; this bounds a runaway build
 
 

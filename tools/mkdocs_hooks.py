@@ -4,7 +4,9 @@
   CONTRIBUTING.md, their links rewritten for the site: ``docs/x.md`` becomes ``x.md``, a
   link to another file of the repository becomes its path in code (the site holds no copy).
 - ``api/*.md``: the API reference, one page per entry of :data:`API`, each object rendered
-  by mkdocstrings from its docstring.
+  by mkdocstrings from its docstring. The docstrings name other objects with Sphinx roles
+  (``:func:`x```, read by ``help()`` and IDEs as plain text); on the site the role is
+  dropped and the name stays in code.
 
 The repository's files stay the single source: nothing here is copied into ``docs/``.
 """
@@ -90,3 +92,11 @@ def on_files(files: Files, config: Any) -> Files:
             File.generated(config, f"api/{name}.md", content=f"# {title}\n\n{intro}\n\n{body}\n")
         )
     return files
+
+
+#: a Sphinx role before an inline code span, as mkdocstrings renders ``:func:`x```
+_ROLE = re.compile(r":(?:func|class|mod|data|meth|attr|exc|obj):(?=<code>)")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    return _ROLE.sub("", html)
