@@ -123,3 +123,28 @@ def score_zoo(dtype=torch.float64):
         "alibi>softcap": scores.alibi(slopes).then(scores.softcap(1.5)),
         "bias>alibi": scores.chain(scores.bias(bias), scores.alibi(slopes)),
     }
+
+
+def tiny_llama(model_class: str, vocab_size: int, attn_implementation: str = "qkv"):
+    """A 2-layer Llama of width 32 with GQA (4 query heads, 2 key/value heads), seeded, in
+    eval mode, qkv registered: ``model_class`` names a transformers class (``LlamaModel``,
+    ``LlamaForCausalLM``)."""
+    import copy
+
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from qkv.integrations import huggingface
+
+    huggingface.register()
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    cls = getattr(transformers, model_class)
+    return cls._from_config(copy.deepcopy(config), attn_implementation=attn_implementation).eval()

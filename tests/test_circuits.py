@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from qkv import heads
 from qkv.models import GPT, GPTConfig
+from tests.helpers import tiny_llama
 
 
 def gpt(**kw):
@@ -20,24 +21,8 @@ def tokens(n=6, t=24, vocab=40, seed=1):
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-def llama(**kw):
-    transformers = pytest.importorskip("transformers")
-    from qkv.integrations import huggingface
-
-    huggingface.register()
-    config = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **kw,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(
-        copy.deepcopy(config), attn_implementation="qkv"
-    ).eval()
+def llama():
+    return tiny_llama("LlamaForCausalLM", vocab_size=40)
 
 
 def test_per_token_loss_is_the_cross_entropy_at_each_position():

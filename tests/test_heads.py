@@ -1,13 +1,12 @@
 """qkv.heads: recording attention through qkv, the head scores, one query step by step."""
 
-import copy
-
 import pytest
 import torch
 
 import qkv
 from qkv import heads, masks, scores
 from qkv.models import GPT, GPTConfig
+from tests.helpers import tiny_llama
 
 
 def small_gpt(**kw):
@@ -130,25 +129,8 @@ def test_one_query_step_by_step_agrees_with_the_kernel():
 
 
 def test_huggingface_models_are_scored_through_qkv():
-    transformers = pytest.importorskip("transformers")
-    from qkv.integrations import huggingface
-
-    huggingface.register()
-    config = transformers.LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaModel._from_config(
-        copy.deepcopy(config), attn_implementation="qkv"
-    ).eval()
-    eager = transformers.LlamaModel._from_config(
-        copy.deepcopy(config), attn_implementation="eager"
-    ).eval()
+    model = tiny_llama("LlamaModel", vocab_size=50)
+    eager = tiny_llama("LlamaModel", vocab_size=50, attn_implementation="eager")
     eager.load_state_dict(model.state_dict())
     ids = heads.repeated_tokens(50, 8, batch=2)
     found = heads.head_scores(model, tokens=ids)
