@@ -292,8 +292,24 @@ def _saved(state: dict[str, Any], bar: _Progress) -> dict[str, Any]:
     return {**state, "seconds": state["seconds"] + bar.elapsed()}
 
 
-class _Text:
-    """Bytes of a corpus: random windows to train on, fixed validation windows."""
+class _Windows:
+    """A corpus split in two: random windows of ``train`` to train on, fixed windows of
+    ``val`` held out."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+
+    def batch(
+        self, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_batch(self.train, batch_size, block_size, generator)
+
+    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return eval_windows(self.val, count, block_size)
+
+
+class _Text(_Windows):
+    """Bytes of a corpus."""
 
     unit = "byte"
 
@@ -301,18 +317,11 @@ class _Text:
         self.corpus = load_corpus(text)
         check_context(self.corpus, block_size)
         self.source = self.corpus.source
-
-    def batch(
-        self, batch_size: int, block_size: int, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_batch(self.corpus.train, batch_size, block_size, generator)
-
-    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return eval_windows(self.corpus.val, count, block_size)
+        self.train, self.val = self.corpus.train, self.corpus.val
 
 
-class _Words:
-    """Words of a corpus (:func:`load_words`): random windows, fixed validation windows."""
+class _Words(_Windows):
+    """Words of a corpus (:func:`load_words`)."""
 
     unit = "token"
 
@@ -324,14 +333,7 @@ class _Words:
                 f"a context of {block_size}"
             )
         self.source = f"words of {self.corpus.source}"
-
-    def batch(
-        self, batch_size: int, block_size: int, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_batch(self.corpus.train, batch_size, block_size, generator)
-
-    def held_out(self, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return eval_windows(self.corpus.val, count, block_size)
+        self.train, self.val = self.corpus.train, self.corpus.val
 
 
 class _Repeats(RepeatedSegments):
