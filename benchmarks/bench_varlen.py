@@ -12,12 +12,15 @@ D = 64, float32 and bfloat16, forward and forward + backward:
 alone through ``qkv.attention`` and against SDPA over the right-padded (16, 8, 4096, 64)
 batch with a dense (causal and padding) bool mask. Medians of interleaved rounds; ratios in
 the same run. Paged: 32 sequences of 16–1,024 tokens (log-uniform, seed 0) held in pages
-of 16 tokens, memory against a contiguous cache of batch × max; and one decode step of a
-MultiHeadAttention (E = 384, 6 heads: the default GPT preset's shape) over 8 sequences of
-1,024 cached tokens, on a paged batch (its pages gathered per step) against a KVCache.
+of 16 tokens, memory against a contiguous cache of batch × max; a decode step's attention
+over their pages (read in place by ``qkv.paged_attention``, or gathered first, or SDPA over a
+contiguous padded copy); and one decode step of a MultiHeadAttention (E = 384, 6 heads: the
+default GPT preset's shape) over 8 sequences of 1,024 cached tokens, on a paged batch against
+a KVCache.
 """
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -106,71 +109,118 @@ def paged(rounds: int = 30) -> None:
     rng = np.random.default_rng(0)
     ns = [int(n) for n in np.exp(rng.uniform(np.log(16), np.log(1024), 32))]
     E, Hh, P = 384, 6, 16
-    pool = qkv.PagedKVCache(4096, P, Hh, E // Hh)
+    D = E // Hh
+    pool = qkv.PagedKVCache(4096, P, Hh, D)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
     for n in ns:
-        s = pool.new_sequence()
-        pool.append([s], torch.zeros(1, Hh, n, E // Hh), torch.zeros(1, Hh, n, E // Hh))
+        seqs.append(pool.new_sequence())
+        pool.append([seqs[-1]], torch.randn(1, Hh, n, D, generator=g), torch.randn(1, Hh, n, D))
     held, contiguous = pool.pages_in_use * P, len(ns) * max(ns)
     print(
         f"32 sequences, {sum(ns)} tokens: paged holds {held} token slots "
         f"({held / sum(ns):.3f}× the tokens), a contiguous cache {contiguous} "
         f"({contiguous / sum(ns):.2f}×)"
     )
+    _paged_attention(pool, seqs, rounds)
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(E, E, num_heads=Hh, causal=True).eval()
     B, L = 8, 1024
     prompt = torch.randn(B, L, E)
     kv = mha.new_cache(B, L + rounds + 8)
-    pages = qkv.PagedKVCache(B * (L + rounds + 8) // P + B, P, Hh, E // Hh)
-    paged_batch = pages.batch([pages.new_sequence() for _ in range(B)])
+    pages = qkv.PagedKVCache(B * (L + rounds + 8) // P + B, P, Hh, D)
+    seqs = [pages.new_sequence() for _ in range(B)]
     with torch.no_grad():
-        mha(prompt, cache=kv), mha(prompt, cache=paged_batch)
+        mha(prompt, cache=kv), mha(prompt, cache=pages.batch(seqs))
         times: dict[str, list[float]] = {"contiguous": [], "paged": []}
         x = torch.randn(B, 1, E)
         for r in range(rounds):
-            for name, cache in (("contiguous", kv), ("paged", paged_batch))[:: 1 if r % 2 else -1]:
+            cases = (("contiguous", lambda: kv), ("paged", lambda: pages.batch(seqs)))
+            for name, cache in cases[:: 1 if r % 2 else -1]:
                 t0 = time.perf_counter()
-                mha(x, cache=cache)
+                mha(x, cache=cache())
                 times[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(t) for n, t in times.items()}
     print(
-        f"decode step, B={B}, {L} cached: contiguous {med['contiguous'] * 1e3:.2f} ms, "
-        f"paged {med['paged'] * 1e3:.2f} ms ({med['paged'] / med['contiguous']:.2f}×)"
+        f"MultiHeadAttention decode step, B={B}, {L} cached: contiguous KVCache "
+        f"{med['contiguous'] * 1e3:.2f} ms, paged {med['paged'] * 1e3:.2f} ms "
+        f"({med['paged'] / med['contiguous']:.2f}×)"
     )
 
 
-def generate() -> None:
+def _paged_attention(pool, seqs, rounds: int) -> None:
+    """One decode step's attention over the 32 ragged sequences' pages (H = 6, D = 64):
+    read in place by ``qkv.paged_attention``, against gathering the pages first
+    (``PagedKVCache.gather`` + ``qkv.attention`` with a padding mask) and against SDPA over
+    a contiguous padded copy with a dense mask (the copy made outside the timing)."""
+    print("| dtype | in place (paged_attention) | gather + attention | SDPA, contiguous |")
+    print("|---|---|---|---|")
+    B, H = len(seqs), pool.keys.shape[0]
+    tables, lengths = pool.block_tables(seqs)
+    k_contig, v_contig, _ = pool.gather(seqs)
+    k_contig, v_contig = k_contig.clone(), v_contig.clone()
+    valid = torch.arange(k_contig.shape[2])[None, :] < lengths[:, None]  # (B, L)
+    for dtype in (torch.float32, torch.bfloat16):
+        src = pool if dtype == torch.float32 else _cast(pool, dtype)
+        kp, vp = src.pages()
+        q = torch.randn(B, H, pool.keys.shape[3]).to(dtype)
+        kc, vc = k_contig.to(dtype), v_contig.to(dtype)
+        mask = qkv.masks.padding(lengths)
+        cases = {
+            "in place": lambda: qkv.paged_attention(q, kp, vp, tables, lengths),
+            "gather": lambda: qkv.attention(q[:, :, None], *src.gather(seqs)[:2], mask=mask),
+            "sdpa": lambda: F.scaled_dot_product_attention(
+                q[:, :, None], kc, vc, attn_mask=valid[:, None, None]
+            ),
+        }
+        with torch.no_grad():
+            med = {n: t * 1e3 for n, t in _rounds(cases, rounds)[0].items()}
+        print(
+            f"| {str(dtype).removeprefix('torch.')} | {med['in place']:.2f} ms | "
+            f"{med['gather']:.2f} ms ({med['gather'] / med['in place']:.2f}×) | "
+            f"{med['sdpa']:.2f} ms ({med['sdpa'] / med['in place']:.2f}×) |"
+        )
+
+
+def _cast(pool, dtype):
+    """A copy of the pool (same sequences and pages) in another dtype."""
+    other = copy.copy(pool)
+    other.keys, other.values = pool.keys.to(dtype), pool.values.to(dtype)
+    other._scratch = {}
+    return other
+
+
+def generate(rounds: int = 3) -> None:
     """32 prompts of 16–128 tokens (the default preset's window is 256), 128 new tokens each,
-    greedy, on the default preset's untrained GPT: decoded together (a list of prompts, the
-    paged cache) against one at a time (each on its own contiguous cache)."""
+    greedy, on the default preset's untrained GPT: decoded together (a list of prompts:
+    packed prefill, the paged cache) against one at a time (each on its own contiguous
+    cache). Medians of interleaved rounds."""
     from qkv.models import GPT
     from qkv.training import PRESETS
 
     torch.manual_seed(0)
     model = GPT(PRESETS["cpu-10min"][0]).eval()
-    rng = np.random.default_rng(0)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (int(n),), generator=g) for n in rng.integers(16, 129, 32)]
+    prompts = _prompts(low=0)
     new = 128
-    t0 = time.perf_counter()
-    together = model.generate(prompts, new, temperature=0.0)
-    t_together = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    alone = [model.generate(p[None], new, temperature=0.0)[0] for p in prompts]
-    t_alone = time.perf_counter() - t0
-    same = all(torch.equal(a, b) for a, b in zip(together, alone))
+    cases = {
+        "together": lambda: model.generate(prompts, new, temperature=0.0),
+        "alone": lambda: [model.generate(p[None], new, temperature=0.0)[0] for p in prompts],
+    }
+    med, outs = _rounds(cases, rounds)
+    same = all(torch.equal(a, b) for a, b in zip(outs["together"], outs["alone"]))
     tokens = len(prompts) * new
     print(
-        f"32 prompts, {new} new tokens each: together {tokens / t_together:.0f} tokens/s, "
-        f"one at a time {tokens / t_alone:.0f} tokens/s "
-        f"({t_alone / t_together:.2f}×); same tokens: {same}"
+        f"32 prompts, {new} new tokens each: together {tokens / med['together']:.0f} tokens/s, "
+        f"one at a time {tokens / med['alone']:.0f} tokens/s "
+        f"({med['alone'] / med['together']:.2f}×); same tokens: {same}"
     )
 
 
-def hf() -> None:
+def hf(rounds: int = 5) -> None:
     """The default preset's shape as a GPT-2 (learned positions: what from_huggingface
     converts), random weights: 32 prompts of 16–128 tokens, 128 new tokens, greedy; qkv's
-    ragged generation against transformers' generate over the left-padded batch (sdpa)."""
+    ragged generation against transformers' generate over the left-padded batch (sdpa).
+    Medians of interleaved rounds."""
     import transformers
 
     from qkv.models import GPT
@@ -188,42 +238,61 @@ def hf() -> None:
     )
     hf_model = transformers.GPT2LMHeadModel(config).eval()
     ours = GPT.from_huggingface(hf_model).eval()
-    rng = np.random.default_rng(0)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 256, (int(n),), generator=g) for n in rng.integers(16, 129, 32)]
+    prompts = _prompts(low=1)
     new, T = 128, max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), T, dtype=torch.long)
     mask = torch.zeros(len(prompts), T, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, T - len(p) :], mask[i, T - len(p) :] = p, 1
-    t0 = time.perf_counter()
-    together = ours.generate(prompts, new, temperature=0.0)
-    t_ours = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        theirs = hf_model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            do_sample=False,
-            min_new_tokens=new,
-            pad_token_id=0,
-        )
-    t_hf = time.perf_counter() - t0
-    same = sum(torch.equal(a[len(p) :], b[T:]) for a, b, p in zip(together, theirs, prompts))
+
+    def theirs():
+        with torch.no_grad():
+            return hf_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+
+    cases = {"qkv": lambda: ours.generate(prompts, new, temperature=0.0), "hf": theirs}
+    med, outs = _rounds(cases, rounds)
+    same = sum(torch.equal(a[len(p) :], b[T:]) for a, b, p in zip(outs["qkv"], outs["hf"], prompts))
     tokens = len(prompts) * new
     print(
-        f"32 prompts, {new} new tokens: qkv {tokens / t_ours:.0f} tokens/s, transformers "
-        f"{tokens / t_hf:.0f} tokens/s ({t_hf / t_ours:.2f}×); {same} of 32 continuations "
-        "identical"
+        f"32 prompts, {new} new tokens: qkv {tokens / med['qkv']:.0f} tokens/s, transformers "
+        f"{tokens / med['hf']:.0f} tokens/s ({med['hf'] / med['qkv']:.2f}×); {same} of 32 "
+        "continuations identical"
     )
+
+
+def _prompts(low: int) -> list[torch.Tensor]:
+    """32 prompts of 16–128 random tokens (low..255), seed 0."""
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(low, 256, (int(n),), generator=g) for n in rng.integers(16, 129, 32)]
+
+
+def _rounds(cases, rounds: int):
+    """Median seconds of each case over interleaved rounds (after one warm-up), and each
+    case's last output."""
+    times: dict[str, list[float]] = {n: [] for n in cases}
+    outs = {}
+    for r in range(rounds + 1):
+        for name in list(cases) if r % 2 == 0 else list(reversed(cases)):
+            t0 = time.perf_counter()
+            outs[name] = cases[name]()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}, outs
 
 
 def cascade(rounds: int = 30) -> None:
     """A decode step of a MultiHeadAttention (E = 384, 6 heads) for 32 requests that share
     a 1,024-token prompt (forked pages, the prefix read once: cascade) against the same
-    requests each holding its own copy of the prompt (every page gathered), and against a
-    contiguous KVCache."""
+    requests each holding its own copy of the prompt (each reads its own pages, in place),
+    and against a contiguous KVCache."""
     torch.manual_seed(0)
     E, Hh, P, B, L = 384, 6, 16, 32, 1024
     mha = qkv.MultiHeadAttention(E, E, num_heads=Hh, causal=True, rope=qkv.RoPE(E // Hh)).eval()
@@ -242,22 +311,17 @@ def cascade(rounds: int = 30) -> None:
         for cache in (shared.batch(forked), copies.batch(separate), contiguous):
             mha(own, cache=cache)
         cases = {
-            "cascade": shared.batch(forked),
-            "gathered": copies.batch(separate),
-            "contiguous": contiguous,
+            "cascade": lambda: shared.batch(forked),
+            "own copies": lambda: copies.batch(separate),
+            "contiguous": lambda: contiguous,
         }
-        times: dict[str, list[float]] = {n: [] for n in cases}
         x = torch.randn(B, 1, E)
-        for r in range(rounds):
-            for name in list(cases) if r % 2 == 0 else list(reversed(cases)):
-                t0 = time.perf_counter()
-                mha(x, cache=cases[name])
-                times[name].append(time.perf_counter() - t0)
-    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+        steps = {n: (lambda c=c: mha(x, cache=c())) for n, c in cases.items()}
+        med = {n: t * 1e3 for n, t in _rounds(steps, rounds)[0].items()}
     print(
         f"decode step, {B} requests sharing {L} tokens: cascade {med['cascade']:.2f} ms, "
-        f"every page gathered {med['gathered']:.2f} ms "
-        f"({med['cascade'] / med['gathered']:.2f}×), contiguous KVCache "
+        f"each its own copy {med['own copies']:.2f} ms "
+        f"({med['cascade'] / med['own copies']:.2f}×), contiguous KVCache "
         f"{med['contiguous']:.2f} ms ({med['cascade'] / med['contiguous']:.2f}×); pages held "
         f"{shared.pages_in_use} shared against {copies.pages_in_use}"
     )

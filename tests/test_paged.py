@@ -248,36 +248,113 @@ def test_cascade_attention_equals_attention_over_prefix_and_suffix(suffix):
         assert (a is None and (b is None or not b.any())) or (a - b).abs().max() < 1e-10
 
 
-def test_decoding_a_shared_prompt_reads_its_pages_once_and_equals_each_alone():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decoding_a_shared_prompt_reads_its_pages_once_and_equals_each_alone(
+    monkeypatch, dtype, sinks
+):
     torch.manual_seed(0)
     mha = (
-        qkv.MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=qkv.RoPE(4))
-        .double()
+        qkv.MultiHeadAttention(
+            16, 16, num_heads=4, num_kv_heads=2, causal=True, rope=qkv.RoPE(4), sinks=sinks
+        )
+        .to(dtype)
         .eval()
     )
-    p = qkv.PagedKVCache(32, 4, 2, 4, dtype=torch.float64)
+    if sinks:
+        torch.nn.init.normal_(mha.sinks)
+    p = qkv.PagedKVCache(32, 4, 2, 4, dtype=dtype)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randn(1, 13, 16, generator=g, dtype=torch.float64)
     first = p.new_sequence()
     with torch.no_grad():
-        mha(prompt, cache=p.batch([first]))
+        mha(prompt.to(dtype), cache=p.batch([first]))
         seqs = [first] + [p.fork(first) for _ in range(2)]
         own = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in (1, 3, 2)]
         for s, x in zip(seqs, own):  # each its own continuation: lengths 14, 16, 15
-            mha(x, cache=p.batch([s]))
+            mha(x.to(dtype), cache=p.batch([s]))
         assert p.shared_prefix(seqs) == 3
         step = torch.randn(3, 1, 16, generator=g, dtype=torch.float64)
         calls = []
-        real = qkv.nn.mha.cascade_attention
-        qkv.nn.mha.cascade_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
-        try:
-            got = mha(step, cache=p.batch(seqs))
-        finally:
-            qkv.nn.mha.cascade_attention = real
+        real = qkv.nn.paged.cascade_attention
+        monkeypatch.setattr(
+            qkv.nn.paged, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        )
+        got = mha(step.to(dtype), cache=p.batch(seqs))
         assert calls  # the cascade ran
         for b, x in enumerate(own):
             alone = mha.new_cache(1, 32)
-            mha(prompt, cache=alone)
-            mha(x, cache=alone)
-            want = mha(step[b : b + 1], cache=alone)
-            assert (got[b : b + 1] - want).abs().max() < 1e-12
+            mha(prompt.to(dtype), cache=alone)
+            mha(x.to(dtype), cache=alone)
+            want = mha(step[b : b + 1].to(dtype), cache=alone)
+            assert (got[b : b + 1] - want).abs().max() < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_packed_prefill_equals_each_prompt_alone_and_fills_its_pages(causal, sinks):
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(
+        16, 16, num_heads=4, num_kv_heads=2, causal=causal, rope=qkv.RoPE(4), sinks=sinks
+    ).double()
+    if sinks:
+        torch.nn.init.normal_(mha.sinks)
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 9, 4]
+    prompts = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in lengths]
+    p = pool(num_pages=16, page_size=4, D=4)
+    seqs = [p.new_sequence() for _ in lengths]
+    with torch.no_grad():
+        got = mha(torch.cat(prompts, dim=1), cache=p.packed(seqs, lengths))
+        step = torch.randn(4, 1, 16, generator=g, dtype=torch.float64)
+        after = mha(step, cache=p.batch(seqs))  # a decode step on the pages it filled
+    assert p.lengths(seqs).tolist() == [n + 1 for n in lengths]
+    starts = [0, 5, 6, 15]
+    for b, (x, n, s0) in enumerate(zip(prompts, lengths, starts)):
+        alone = mha.new_cache(1, 16)
+        want = mha(x, cache=alone)
+        assert (got[:, s0 : s0 + n] - want).abs().max() < 1e-12
+        assert (after[b : b + 1] - mha(step[b : b + 1], cache=alone)).abs().max() < 1e-12
+
+
+def test_packed_prefill_refusals():
+    mha = qkv.MultiHeadAttention(16, 16, num_heads=4, num_kv_heads=2, causal=True).double()
+    p = pool(num_pages=16, page_size=4, D=4)
+    a, b = p.new_sequence(), p.new_sequence()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="takes 5 tokens; got 6"):
+        mha(x, cache=p.packed([a, b], [2, 3]))
+    with pytest.raises(ValueError, match="takes no layout, context, mask or dropout"):
+        mha(x, cache=p.packed([a, b], [2, 4]), mask=qkv.masks.causal())
+    with pytest.raises(ValueError, match="one length >= 1 per sequence"):
+        p.packed([a, b], [6, 0])
+    p.append([a], torch.randn(1, 2, 3, 4).double(), torch.randn(1, 2, 3, 4).double())
+    with pytest.raises(ValueError, match="these already hold"):
+        p.packed([a, b], [2, 4])
+    with pytest.raises(ValueError, match="attended per sequence"):
+        p.packed([b], [2]).append(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    model = small_gpt()
+    caches = model.new_paged_caches(8, 4)
+    seqs = [caches.new_sequence() for _ in range(2)]
+    with pytest.raises(ValueError, match=r"a packed prefill takes idx \(1, total\)"):
+        model(torch.zeros(2, 3, dtype=torch.long), caches=caches.packed(seqs, [3, 3]))
+
+
+def test_the_layers_of_a_model_share_one_book_of_pages():
+    model = small_gpt()
+    caches = model.new_paged_caches(num_pages=8, page_size=4)
+    a = caches.new_sequence()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5, 6]]), caches=caches.batch([a]))
+    child = caches.fork(a)  # a full page shared, the partly filled second copied per layer
+    tables = [pool.block_table(child) for pool in caches.pools]
+    assert tables[0] == tables[1] and tables[0][0] == caches.pools[0].block_table(a)[0]
+    for layer in caches.pools:
+        copied, source = tables[0][1], layer.block_table(a)[1]
+        assert torch.equal(layer.keys[:, copied, :2], layer.keys[:, source, :2])
+    batch = caches.batch([a])
+    batch[0].store(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    with pytest.raises(ValueError, match="went out of step"):
+        batch[1].store(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    with pytest.raises(ValueError, match="empty pools of one number and size of pages"):
+        qkv.nn.PagedCaches([pool(num_pages=4), pool(num_pages=5)])

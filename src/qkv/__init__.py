@@ -22,7 +22,7 @@ from .nn import (
     SelfAttention,
 )
 from .tuning import Tuning, tuned, tuning
-from .varlen import cascade_attention, varlen_attention
+from .varlen import cascade_attention, paged_attention, varlen_attention
 
 try:  # pyproject.toml holds the one source, read from the installed package's metadata
     __version__ = _metadata.version("qkv")
@@ -52,6 +52,7 @@ __all__ = [
     "merge_attention",
     "models",
     "numpy",
+    "paged_attention",
     "scores",
     "tuned",
     "tuning",

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from .core.record import editors, listeners
 from .functional import Backend, attention
+from .kernels import paged
 from .lse import merge_attention
-from .masks import Mask, MaskLike, causal, predicate, sliding_window
+from .masks import Mask, MaskLike, causal, padding, predicate, sliding_window
 from .scores import ScoreMod
 
-__all__ = ["cascade_attention", "varlen_attention"]
+__all__ = ["cascade_attention", "paged_attention", "varlen_attention"]
 
 
 def varlen_attention(
@@ -105,6 +107,26 @@ def varlen_attention(
             raise ValueError(
                 "with block_table the keys are pages: give seqused_k and cu_seq_k=None"
             )
+        if (
+            mask is None
+            and score_mod is None
+            and backend == "auto"
+            and seqused_k is not None
+            and tuple(window_size) in ((-1, -1), (-1, 0))
+            and _one_query_each(query, cu_seq_q, max_q)
+        ):  # a decode step: one query per sequence, at its end, sees every key it holds
+            _check_tensors(query, key[0], value[0], enable_gqa)
+            lse_too = bool(getattr(return_aux, "lse", False))
+            return paged_attention(
+                query,
+                key,
+                value,
+                block_table,
+                seqused_k,
+                scale=scale,
+                sinks=sinks,
+                return_lse=lse_too,
+            )
         key, value, cu_seq_k = _unpaged(key, value, block_table, seqused_k)
         seqused_k = None
     _check_tensors(query, key, value, enable_gqa)
@@ -166,15 +188,104 @@ def varlen_attention(
     return out, lse_all
 
 
+def paged_attention(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A decode step over a paged KV cache: each sequence's newest query attends every key
+    the sequence holds, read in its pages through the block table — vLLM's PagedAttention
+    and FlashAttention's ``block_table``, on a CPU.
+
+    float32 and bfloat16 run qkv's native kernel (``kernels/_paged.c``), which reads each
+    page where it lies; elsewhere — another dtype, a gradient to record, the kernel not
+    built, a :func:`qkv.heads.record` or :func:`qkv.heads.ablate` block open — the pages are
+    gathered into one padded tensor and :func:`qkv.attention` runs on it with
+    ``masks.padding(lengths)``. Both give the same numbers to rounding (tested against the
+    float64 oracle).
+
+    Args:
+        query: (B, H, D), one query per sequence, the last of its tokens (it sees all of
+            them: a causal mask changes nothing here).
+        key_pages: (num_pages, P, H_kv, D), pages of P tokens (torch's and FlashAttention's
+            layout; any strides with D contiguous, so :class:`qkv.PagedKVCache`'s pool
+            ``pool.keys.permute(1, 2, 0, 3)`` is read as it is). value_pages: (…, D_v).
+        block_table: (B, max_pages) integers: sequence b's pages in order; entries past the
+            pages its length needs are not read (any value).
+        lengths: (B,) integers, 0 .. max_pages · P: the tokens each sequence holds
+            (``seqused_k``).
+        scale, sinks: as in :func:`qkv.attention`.
+        return_lse: also return the (B, H) log-sum-exp.
+
+    Returns:
+        out (B, H, D_v), and lse (B, H) with ``return_lse``. A sequence with no token gives
+        out 0 and lse -inf (the sink's logit with sinks).
+
+    Example:
+        >>> import torch, qkv
+        >>> pages_k, pages_v = torch.randn(10, 4, 2, 8), torch.randn(10, 4, 2, 8)
+        >>> table = torch.tensor([[3, 7, 0], [5, 1, 2]])   # two sequences' pages
+        >>> lengths = torch.tensor([6, 11])
+        >>> q = torch.randn(2, 4, 8)                        # 4 query heads over 2 kv heads
+        >>> out = qkv.paged_attention(q, pages_k, pages_v, table, lengths)
+        >>> k0 = pages_k[[3, 7]].reshape(8, 2, 8)[:6].transpose(0, 1)   # sequence 0's keys
+        >>> v0 = pages_v[[3, 7]].reshape(8, 2, 8)[:6].transpose(0, 1)
+        >>> alone = qkv.attention(q[:1, :, None], k0[None], v0[None])[0, :, 0]
+        >>> torch.allclose(out[0], alone, atol=1e-6)
+        True
+    """
+    table, lengths = _page_shapes(query, key_pages, value_pages, block_table, lengths)
+    D = query.shape[-1]
+    scale_ = float(D**-0.5) if scale is None else scale
+    if (
+        not listeners()
+        and not editors()
+        and not torch.compiler.is_compiling()
+        and isinstance(scale_, float)
+        and 0 < scale_ < float("inf")
+        and paged.supports(query, key_pages, value_pages, sinks)
+    ):  # the kernel checks the lengths and pages it reads; where one is wrong, say which
+        done = paged.decode(query, key_pages, value_pages, table, lengths, scale_, sinks=sinks)
+        if done is not None:
+            return done if return_lse else done[0]
+    needed = _pages_needed(table, lengths, key_pages.shape[0], key_pages.shape[1])
+    # The gather: each sequence's pages, in order, into one padded (B, H_kv, L, ·) tensor.
+    P = key_pages.shape[1]
+    longest = int(lengths.max()) if len(lengths) else 0
+    n = -(-longest // P)
+    index = torch.where(needed, table, 0)[:, :n].to(key_pages.device)
+
+    def gathered(pages: torch.Tensor) -> torch.Tensor:
+        x = pages[index]  # (B, n, P, H_kv, ·)
+        return x.reshape(x.shape[0], n * P, *x.shape[3:])[:, :longest].transpose(1, 2)
+
+    k, v = gathered(key_pages), gathered(value_pages)
+    mask = padding(lengths) if bool((lengths < longest).any()) else None
+    out, lse = attention(
+        query[:, :, None], k, v, mask=mask, scale=scale, sinks=sinks, return_lse=True
+    )
+    return (out[:, :, 0], lse[:, :, 0]) if return_lse else out[:, :, 0]
+
+
 def cascade_attention(
     query: torch.Tensor,
-    prefix_key: torch.Tensor,
-    prefix_value: torch.Tensor,
+    prefix_key: torch.Tensor | None,
+    prefix_value: torch.Tensor | None,
     key: torch.Tensor,
     value: torch.Tensor,
     *,
     mask: MaskLike = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    prefix_table: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch whose sequences share a prefix, reading the prefix once.
@@ -192,7 +303,13 @@ def cascade_attention(
         mask: over the suffix keys only, (B, H, T_q, L_s) broadcastable or a qkv mask at the
             suffix's positions (e.g. ``padding(lengths)`` for suffixes of different lengths);
             every query sees the whole prefix.
-        scale: as in :func:`qkv.attention`.
+        scale, sinks: as in :func:`qkv.attention` (a sink counts once, in the suffix part).
+        block_table, lengths: the suffixes in pages instead (a decode step, T_q = 1):
+            ``key``/``value`` are pages (num_pages, P, H_kv, ·) and each suffix is read in
+            place by :func:`paged_attention` (``lengths`` its tokens; no ``mask``).
+        prefix_table: with ``block_table``, the prefix in those pages too, (n,) pages of
+            full P tokens, read in place once for the whole batch (``prefix_key`` and
+            ``prefix_value`` None).
 
     Returns:
         out (B, H, T_q, D_v), and the (B, H, T_q) log-sum-exp with ``return_lse``.
@@ -207,29 +324,84 @@ def cascade_attention(
         >>> torch.allclose(qkv.cascade_attention(q, pk, pv, k, v), whole, atol=1e-5)
         True
     """
-    if query.ndim != 4 or prefix_key.ndim != 3 or key.ndim != 4:
+    paged_suffix = block_table is not None
+    in_pages = prefix_table is not None
+    if (prefix_key is None or prefix_value is None) != in_pages or (in_pages and not paged_suffix):
+        raise ValueError(
+            "give the prefix as prefix_key and prefix_value, or (with block_table) as "
+            "prefix_table: one of the two"
+        )
+    prefix_shape = () if prefix_key is None else tuple(prefix_key.shape)
+    if query.ndim != 4 or len(prefix_shape) not in (0, 3) or key.ndim != 4:
         raise ValueError(
             "cascade_attention takes query (B, H, T_q, D), prefix_key (H_kv, L_p, D) and key "
-            f"(B, H_kv, L_s, D); got {tuple(query.shape)}, {tuple(prefix_key.shape)} and "
-            f"{tuple(key.shape)}"
+            f"(B, H_kv, L_s, D) or pages; got {tuple(query.shape)}, {prefix_shape} "
+            f"and {tuple(key.shape)}"
+        )
+    if paged_suffix and (query.shape[2] != 1 or mask is not None or lengths is None):
+        raise ValueError(
+            "a suffix in pages (block_table=) takes one query per sequence, lengths=, no mask"
         )
     B, H, T_q, D = query.shape
-    # The prefix, once: the batch's queries as B·T_q rows of one sequence (query head h of
-    # batch b is row b·T_q + t of head h), no mask: every query sees the whole prefix.
-    rows = query.transpose(0, 1).reshape(1, H, B * T_q, D)
-    out_p, lse_p = attention(
-        rows, prefix_key[None], prefix_value[None], scale=scale, return_lse=True
-    )
-    out_p = out_p.reshape(H, B, T_q, -1).transpose(0, 1)  # (B, H, T_q, D_v)
-    lse_p = lse_p.reshape(H, B, T_q).transpose(0, 1)
-    if key.shape[2] == 0:
+    if prefix_key is not None and prefix_value is not None:
+        # The prefix, once: the batch's queries as B·T_q rows of one sequence (query head
+        # h of batch b is row b·T_q + t of head h), no mask: every query sees all of it.
+        rows = query.transpose(0, 1).reshape(1, H, B * T_q, D)
+        out_p, lse_p = attention(
+            rows, prefix_key[None], prefix_value[None], scale=scale, return_lse=True
+        )
+        out_p = out_p.reshape(H, B, T_q, -1).transpose(0, 1)  # (B, H, T_q, D_v)
+        lse_p = lse_p.reshape(H, B, T_q).transpose(0, 1)
+    else:
+        assert prefix_table is not None
+        out_p, lse_p = _prefix_in_pages(query, key, value, prefix_table, scale)
+    if paged_suffix:
+        assert block_table is not None and lengths is not None
+        out_s, lse_s = paged_attention(
+            query[:, :, 0],
+            key,
+            value,
+            block_table,
+            lengths,
+            scale=scale,
+            sinks=sinks,
+            return_lse=True,
+        )
+        out, lse = merge_attention([out_p, out_s[:, :, None]], [lse_p, lse_s[:, :, None]])
+    elif key.shape[2] == 0 and sinks is None:
         out, lse = out_p, lse_p
     else:
         # The suffix keys sit after the prefix: bottom-right alignment of the suffix alone
         # is the same relation between each query and its suffix keys.
-        out_s, lse_s = attention(query, key, value, mask=mask, scale=scale, return_lse=True)
+        out_s, lse_s = attention(
+            query, key, value, mask=mask, scale=scale, sinks=sinks, return_lse=True
+        )
         out, lse = merge_attention([out_p, out_s], [lse_p, lse_s])
     return (out, lse) if return_lse else out
+
+
+def _prefix_in_pages(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix_table: torch.Tensor,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's B queries (B, H, 1, D) over a prefix of pages, read once: one sequence
+    whose query heads are the batch's, grouped by key/value head ((H_kv, B, G) in order, so
+    the paged kernel's head h reads key/value head h // (B · G)). (B, H, 1, D_v), (B, H, 1)."""
+    B, H, _, D = query.shape
+    H_kv = key.shape[2]
+    G = H // H_kv
+    table = torch.as_tensor(prefix_table).reshape(1, -1)
+    rows = query[:, :, 0].reshape(B, H_kv, G, D).transpose(0, 1).reshape(1, H_kv * B * G, D)
+    length = torch.tensor([table.shape[1] * key.shape[1]])
+    out, lse = paged_attention(rows, key, value, table, length, scale=scale, return_lse=True)
+
+    def back(x: torch.Tensor) -> torch.Tensor:  # (1, H_kv·B·G, ·) -> (B, H, 1, ·)
+        return x.reshape(H_kv, B, G, -1).transpose(0, 1).reshape(B, H, 1, -1)
+
+    return back(out), back(lse[..., None])[..., 0]
 
 
 def _unpaged(
@@ -261,6 +433,73 @@ def _unpaged(
     vs = [value[p].reshape(-1, *value.shape[2:])[:n] for p, n in zip(pages, used)]
     cu = torch.tensor([0, *itertools.accumulate(used)])
     return torch.cat(ks), torch.cat(vs), cu
+
+
+def _one_query_each(query: Any, cu_seq_q: Any, max_q: int) -> bool:
+    """Whether cu_seq_q gives every sequence exactly one query (a decode step)."""
+    return (
+        isinstance(query, torch.Tensor)
+        and isinstance(cu_seq_q, torch.Tensor)
+        and query.ndim == 3
+        and cu_seq_q.shape == (query.shape[0] + 1,)
+        and max_q >= 1
+        and bool((cu_seq_q == torch.arange(len(cu_seq_q), device=cu_seq_q.device)).all())
+    )
+
+
+def _page_shapes(
+    query: Any, key_pages: Any, value_pages: Any, block_table: Any, lengths: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged call's shapes checked (reading no values); the block table and lengths as
+    tensors."""
+    if not (isinstance(query, torch.Tensor) and query.ndim == 3):
+        raise ValueError(
+            f"query must be (B, H, D), one query per sequence; got "
+            f"{tuple(getattr(query, 'shape', ()))}"
+        )
+    B, H, D = query.shape
+    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if not (isinstance(x, torch.Tensor) and x.ndim == 4):
+            raise ValueError(
+                f"{name} must be pages (num_pages, page_size, H_kv, ·); got "
+                f"{tuple(getattr(x, 'shape', ()))}"
+            )
+    _, _, H_kv, D_k = key_pages.shape
+    if value_pages.shape[:3] != key_pages.shape[:3] or D_k != D or H % H_kv:
+        raise ValueError(
+            f"key_pages must be (num_pages, P, H_kv, {D}) with H_kv dividing H = {H}, and "
+            f"value_pages (num_pages, P, H_kv, D_v); got {tuple(key_pages.shape)} and "
+            f"{tuple(value_pages.shape)}"
+        )
+    table = torch.as_tensor(block_table)
+    lengths = torch.as_tensor(lengths)
+    if table.ndim != 2 or table.shape[0] != B or table.is_floating_point():
+        raise ValueError(
+            f"block_table must be (B, max_pages) integers with B = {B}; got "
+            f"{tuple(table.shape)} {table.dtype}"
+        )
+    if lengths.shape != (B,) or lengths.is_floating_point():
+        raise ValueError(f"lengths must be (B,) = ({B},) integers; got {tuple(lengths.shape)}")
+    return table, lengths
+
+
+def _pages_needed(
+    table: torch.Tensor, lengths: torch.Tensor, num_pages: int, P: int
+) -> torch.Tensor:
+    """Which entries of the block table the lengths need, (B, max_pages), each checked to
+    be a page of the pool (and each length to fit its table)."""
+    if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > table.shape[1] * P):
+        raise ValueError(
+            f"lengths must be 0 .. max_pages · page_size = {table.shape[1] * P}; "
+            f"got {lengths.tolist()}"
+        )
+    pages_used = (lengths.to(table.device) + P - 1) // P
+    needed = torch.arange(table.shape[1], device=table.device)[None, :] < pages_used[:, None]
+    if bool((needed & ((table < 0) | (table >= num_pages))).any()):
+        raise ValueError(
+            f"block_table names a page outside the pool's {num_pages} for a token a sequence holds"
+        )
+    return needed
 
 
 def _check_tensors(query: Any, key: Any, value: Any, enable_gqa: bool) -> None:

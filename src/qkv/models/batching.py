@@ -1,7 +1,8 @@
 """Continuous batching: prompts of different lengths decoded together on a paged KV cache.
 
 A :class:`Batcher` holds the requests in flight. :meth:`Batcher.add` prefills a prompt into
-its own pages (a request can join between any two steps); :meth:`Batcher.step` gives every
+its own pages, :meth:`Batcher.extend` many prompts packed in one forward pass (requests can
+join between any two steps); :meth:`Batcher.step` gives every
 request in flight its next token in one forward pass over the ragged batch, each sequence at
 its own positions; a request leaves at its own end token or length, and its pages go back to
 the pool for the next one.
@@ -11,6 +12,8 @@ Legend: B requests in flight · V vocabulary · T tokens.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,29 +80,45 @@ class Batcher:
         self._requests: dict[int, _Request] = {}
         self._next = 0
 
-    @torch.no_grad()
     def add(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
         """Prefill a prompt ((T,) token ids, T >= 1) into its own pages; its id."""
-        if not isinstance(prompt, torch.Tensor) or prompt.ndim != 1 or len(prompt) == 0:
-            raise ValueError(
-                f"a prompt must be a non-empty (T,) tensor of token ids; got "
-                f"{tuple(getattr(prompt, 'shape', ()))}"
-            )
+        return self.extend([prompt], max_new_tokens)[0]
+
+    @torch.no_grad()
+    def extend(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[int]:
+        """Prefill prompts ((T_i,) token ids, each T_i >= 1) together, packed in one forward
+        pass (:class:`qkv.nn.PackedBatch`: each attends its own tokens); their ids."""
         window = self.model.config.block_size
-        if len(prompt) + max_new_tokens > window:
-            raise ValueError(
-                f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones exceed the "
-                f"context window of {window} (a paged batch does not slide it)"
-            )
-        seq = self.caches.new_sequence()
-        logits = self.model(
-            prompt[None].to(self.model.lm_head.weight.device), caches=self.caches.batch([seq])
-        )
-        rid, self._next = self._next, self._next + 1
-        self._requests[rid] = _Request(seq, prompt.tolist(), max_new_tokens, logits[0, -1])
-        if max_new_tokens == 0:
-            self._finish(self._requests[rid])
-        return rid
+        for prompt in prompts:
+            if not isinstance(prompt, torch.Tensor) or prompt.ndim != 1 or len(prompt) == 0:
+                raise ValueError(
+                    f"a prompt must be a non-empty (T,) tensor of token ids; got "
+                    f"{tuple(getattr(prompt, 'shape', ()))}"
+                )
+            if len(prompt) + max_new_tokens > window:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens and {max_new_tokens} new ones exceed "
+                    f"the context window of {window} (a paged batch does not slide it)"
+                )
+        if not prompts:
+            return []
+        seqs = [self.caches.new_sequence() for _ in prompts]
+        lengths = [len(p) for p in prompts]
+        packed = torch.cat(list(prompts))[None].to(self.model.lm_head.weight.device)
+        try:
+            logits = self.model(packed, caches=self.caches.packed(seqs, lengths))[0]
+        except Exception:
+            for seq in seqs:  # nothing half-made stays in the pool
+                self.caches.free(seq)
+            raise
+        ids = []
+        for seq, prompt, end in zip(seqs, prompts, itertools.accumulate(lengths)):
+            rid, self._next = self._next, self._next + 1
+            self._requests[rid] = _Request(seq, prompt.tolist(), max_new_tokens, logits[end - 1])
+            if max_new_tokens == 0:
+                self._finish(self._requests[rid])
+            ids.append(rid)
+        return ids
 
     @property
     def active(self) -> list[int]:

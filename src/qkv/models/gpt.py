@@ -25,7 +25,7 @@ from torch import nn
 from ..distributed import Layout
 from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
-from ..nn.paged import PagedBatch, PagedCaches, PagedKVCache
+from ..nn.paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
@@ -191,14 +191,19 @@ class GPT(nn.Module):
             raise ValueError(
                 f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}"
             )
-        _B, T = idx.shape
-        ragged = caches is not None and isinstance(caches[0], PagedBatch)
-        if ragged:  # each sequence at its own positions
-            assert caches is not None and isinstance(caches[0], PagedBatch)
-            rows = caches[0].positions(T).to(idx.device)  # (B, T)
-            start = int(caches[0].row_lengths.max())
+        B, T = idx.shape
+        first = None if caches is None else caches[0]
+        ragged = isinstance(first, (PagedBatch, PackedBatch))
+        if isinstance(first, PagedBatch):  # each sequence at its own positions
+            rows = first.positions(T).to(idx.device)  # (B, T)
+            start = int(first.row_lengths.max())
+        elif isinstance(first, PackedBatch):  # prompts one after another: (1, total)
+            if B != 1:
+                raise ValueError(f"a packed prefill takes idx (1, total); got {tuple(idx.shape)}")
+            rows = first.positions(T).to(idx.device)  # (1, total)
+            start, T = 0, first.longest
         else:
-            start = 0 if caches is None else caches[0].length
+            start = 0 if first is None else first.length
         end = start + T if layout is None else layout.T
         if end > self.config.block_size:
             raise ValueError(
@@ -267,7 +272,7 @@ class GPT(nn.Module):
                 generator=generator,
                 stop_token=stop_token,
             )
-            ids = [batcher.add(p, max_new_tokens) for p in prompts]
+            ids = batcher.extend(prompts, max_new_tokens)
             batcher.run()
             return [batcher.result(i) for i in ids]
         finally:
@@ -321,11 +326,12 @@ class GPT(nn.Module):
     ) -> torch.Tensor | list[torch.Tensor]:
         """Continue each sequence of idx (B, T) by max_new_tokens tokens: (B, T + new).
 
-        Given a list of prompts ((T_i,) tensors of different lengths), they are decoded
-        together on a paged KV cache (:class:`qkv.models.Batcher`), each at its own
-        positions, each stopping at its own ``stop_token`` or after max_new_tokens; the
-        result is a list of (T_i + new_i,) tensors, the same greedy tokens as generating
-        each alone. The prompt and its new tokens must fit the context window there.
+        Given a list of prompts ((T_i,) tensors of different lengths), they are prefilled
+        together, packed (varlen), and decoded together on a paged KV cache
+        (:class:`qkv.models.Batcher`), each at its own positions, each stopping at its own
+        ``stop_token`` or after max_new_tokens; the result is a list of (T_i + new_i,)
+        tensors, the same greedy tokens as generating each alone. The prompt and its new
+        tokens must fit the context window there.
 
         With ``use_cache`` the prompt is prefilled into one KV cache per layer and every
         later step feeds one token; without, every step recomputes the whole context (the

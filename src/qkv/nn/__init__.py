@@ -4,7 +4,7 @@ attention with GQA, RoPE and a KV cache."""
 from .cache import Cache, KVCache
 from .mha import MultiHeadAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
-from .paged import PagedBatch, PagedCaches, PagedKVCache
+from .paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from .rope import RoPE
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PackedBatch",
     "PagedBatch",
     "PagedCaches",
     "PagedKVCache",

@@ -16,11 +16,10 @@ from torch import nn
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
-from ..masks import Mask, padding
-from ..varlen import cascade_attention
+from ..masks import Mask
 from .cache import Cache, KVCache
 from .modules import AttentionModule, check_input, split_heads
-from .paged import PagedBatch
+from .paged import PackedBatch, PagedBatch
 from .rope import RoPE
 
 
@@ -168,7 +167,8 @@ class MultiHeadAttention(AttentionModule):
                 (B, T_q, T_k) / (B, H, T_q, T_k) tensor, True = may attend.
             cache: a :class:`qkv.KVCache` (see :meth:`new_cache`), or a batch of a
                 :class:`qkv.PagedKVCache`, to decode token by token or in chunks: x holds
-                only the new tokens.
+                only the new tokens. A :class:`qkv.nn.PackedBatch`: x (1, total, E) holds
+                the prompts of new sequences one after another, each attending its own.
             layout: context parallelism: x holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout` (RoPE rotates them at their absolute
                 positions); ``schedule`` ("allgather" or "ring") and ``group`` as in
@@ -181,12 +181,20 @@ class MultiHeadAttention(AttentionModule):
             and context is None
             and mask is None
             and dropout_p == 0
-            and self.sinks is None
             and x.ndim == 3
             and x.shape[1] == 1
-            and cache.shared_pages()
-        ):
-            return self.merge(self._cascade(x, cache), like=x)
+        ):  # a decode step: keys and values stored, attended in their pages (no gather)
+            q, k, v = self.project(x, positions=cache.positions(1).to(x.device))
+            cache.store(k, v)
+            return self.merge(cache.attend(q, sinks=self.sinks), like=x)
+        if isinstance(cache, PackedBatch):  # many prompts prefilled at once, packed
+            if layout is not None or context is not None or mask is not None or dropout_p:
+                raise ValueError(
+                    "a packed prefill (PackedBatch) takes no layout, context, mask or dropout"
+                )
+            q, k, v = self.project(x, positions=cache.positions(x.shape[-2]).to(x.device))
+            cache.store(k, v)
+            return self.merge(cache.attend(q, k, v, self.causal, sinks=self.sinks), like=x)
         if layout is None:
             q, k, v = self.project(x, context, cache)
             mask = self.attention_mask(mask)
@@ -219,20 +227,6 @@ class MultiHeadAttention(AttentionModule):
             sinks=self.sinks,
         )
         return self.merge(out, like=x)
-
-    def _cascade(self, x: torch.Tensor, cache: PagedBatch) -> torch.Tensor:
-        """A decode step of sequences that share a prefix of pages: the prefix read once
-        for the whole batch, each suffix apart, merged exactly
-        (:func:`qkv.cascade_attention`). One new token per sequence: it sees every key."""
-        q, k, v = self.project(x, positions=cache.positions(1).to(x.device))
-        cache.pool.append(cache.seqs, k, v)
-        shared = cache.shared_pages()
-        prefix_k, prefix_v = cache.pool.prefix(cache.seqs[0], shared)
-        k, v, lengths = cache.pool.gather(cache.seqs, skip=shared)
-        suffix = padding(lengths) if bool((lengths < k.shape[2]).any()) else None
-        out = cascade_attention(q, prefix_k, prefix_v, k, v, mask=suffix)
-        assert isinstance(out, torch.Tensor)
-        return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty :class:`qkv.KVCache` for this module, on its device and dtype."""

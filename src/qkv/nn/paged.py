@@ -11,17 +11,120 @@ D head dim · D_v value dim.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..masks import Mask, padding, predicate
+from ..varlen import cascade_attention, paged_attention, varlen_attention
 from .cache import check_appended, check_sizes
 
 
 def _like(data: Any, ref: Any) -> Any:
     return torch.as_tensor(data, device=ref.device) if isinstance(ref, torch.Tensor) else data
+
+
+class _Book:
+    """Which pages each sequence holds — block tables, lengths, reference counts and the
+    free list — for one pool, or for the pools of every layer of a model at once (they move
+    in step, so one book serves them all: :class:`PagedCaches`)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        self.refs: dict[int, int] = {}  # page -> how many sequences hold it
+        self.free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self.next = 0
+
+    def table(self, seq: int) -> list[int]:
+        if seq not in self.tables:
+            raise KeyError(f"no live sequence {seq} in this PagedKVCache")
+        return self.tables[seq]
+
+    def length(self, seq: int) -> int:
+        self.table(seq)
+        return self.lengths[seq]
+
+    def new_sequence(self) -> int:
+        seq, self.next = self.next, self.next + 1
+        self.tables[seq], self.lengths[seq] = [], 0
+        return seq
+
+    def release(self, seq: int) -> None:
+        for page in reversed(self.table(seq)):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                del self.refs[page]
+                self.free.append(page)
+        del self.tables[seq], self.lengths[seq]
+
+    def take(self) -> int:
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]:
+        """A child sharing seq's full pages; and (from, to) when its partly filled last
+        page must be copied into a page of the child's own."""
+        table, length = self.table(seq), self.length(seq)
+        full = length // self.page_size
+        if len(table) > full and not self.free:
+            raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
+        child = self.new_sequence()
+        self.tables[child] = list(table[:full])
+        for page in table[:full]:
+            self.refs[page] += 1
+        copy = None
+        if len(table) > full:
+            copy = (table[full], self.take())
+            self.tables[child].append(copy[1])
+        self.lengths[child] = length
+        return child, copy
+
+    def shared_prefix(self, seqs: Sequence[int]) -> int:
+        if not seqs:
+            return 0
+        tables = [self.table(s) for s in seqs]
+        first = tables[0]
+        # only full pages count: at most the shortest sequence's
+        n = min(self.lengths[s] for s in seqs) // self.page_size
+        for t in tables[1:]:
+            if t[:n] != first[:n]:  # (a list comparison: one C loop per table)
+                n = next(i for i, (a, b) in enumerate(zip(t, first)) if a != b)
+        return n
+
+    def reserve(self, seqs: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """counts[b] more tokens for sequence seqs[b]: pages taken as needed, lengths
+        advanced; the slots (page · P + offset) the new tokens go to, sequence by sequence.
+        A pool too small raises and changes nothing."""
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence appears twice in {list(seqs)}")
+        P, tables, lengths = self.page_size, self.tables, self.lengths
+        for s in seqs:
+            self.table(s)
+        needed = sum(-(-(lengths[s] + n) // P) - len(tables[s]) for s, n in zip(seqs, counts))
+        if needed > len(self.free):
+            raise ValueError(
+                f"PagedKVCache full: appending {sum(counts)} tokens to {len(seqs)} sequences "
+                f"needs {needed} more pages of {P} tokens; {len(self.free)} of "
+                f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
+            )
+        slots: list[int] = []
+        for s, n in zip(seqs, counts):
+            table, start = tables[s], lengths[s]
+            while len(table) * P < start + n:
+                table.append(self.take())
+            slots += [table[i // P] * P + i % P for i in range(start, start + n)]
+            lengths[s] = start + n
+        return slots
+
+    def block_tables(self, seqs: Sequence[int], skip: int = 0) -> list[list[int]]:
+        tables = [self.table(s)[skip:] for s in seqs]
+        n = max((len(t) for t in tables), default=0)
+        return [t + [0] * (n - len(t)) for t in tables]
 
 
 class PagedKVCache:
@@ -65,11 +168,7 @@ class PagedKVCache:
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
-        self._refs: dict[int, int] = {}  # page -> how many sequences hold it
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
-        self._tables: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        self._next = 0
+        self._book = _Book(num_pages, page_size)
 
     @property
     def page_size(self) -> int:
@@ -81,102 +180,65 @@ class PagedKVCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - len(self._book.free)
 
     @property
     def tokens(self) -> int:
         """Tokens held by every live sequence together."""
-        return sum(self._lengths.values())
+        return sum(self._book.lengths.values())
 
     def new_sequence(self) -> int:
         """A new, empty sequence's id (it holds no page until it holds a token)."""
-        seq, self._next = self._next, self._next + 1
-        self._tables[seq], self._lengths[seq] = [], 0
-        return seq
+        return self._book.new_sequence()
 
     def free(self, seq: int) -> None:
         """End a sequence: each of its pages goes back to the pool, to be reused, once no
         other sequence holds it (pages shared by :meth:`fork` are counted)."""
-        for page in reversed(self._table(seq)):
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                del self._refs[page]
-                self._free.append(page)
-        del self._tables[seq], self._lengths[seq]
+        self._book.release(seq)
 
     def fork(self, seq: int) -> int:
         """A new sequence that starts as a copy of ``seq`` (a shared prompt): its full pages
         are shared, not copied (counted, freed with the last holder); a partly filled last
         page is copied, so that each sequence appends to a page of its own."""
-        table, length = self._table(seq), self._length(seq)
-        full = length // self.page_size
-        if len(table) > full and not self._free:
-            raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
-        child = self.new_sequence()
-        self._tables[child] = list(table[:full])
-        for page in table[:full]:
-            self._refs[page] += 1
-        if len(table) > full:  # the partly filled last page: a copy of its own
-            page = self._take()
-            self.keys[:, page] = self.keys[:, table[full]]
-            self.values[:, page] = self.values[:, table[full]]
-            self._tables[child].append(page)
-        self._lengths[child] = length
+        child, copy = self._book.fork(seq)
+        if copy is not None:
+            self._copy_page(*copy)
         return child
+
+    def _copy_page(self, source: int, target: int) -> None:
+        self.keys[:, target] = self.keys[:, source]
+        self.values[:, target] = self.values[:, source]
 
     def shared_prefix(self, seqs: Sequence[int]) -> int:
         """How many leading pages every one of these sequences holds in common (each full)."""
-        tables = [self._table(s) for s in seqs]
-        n = 0
-        while (
-            tables
-            and all(len(t) > n and t[n] == tables[0][n] for t in tables)
-            and all(self._length(s) >= (n + 1) * self.page_size for s in seqs)
-        ):
-            n += 1
-        return n
-
-    def _take(self) -> int:
-        page = self._free.pop()
-        self._refs[page] = 1
-        return page
+        return self._book.shared_prefix(seqs)
 
     def block_table(self, seq: int) -> list[int]:
         """The pages of a sequence, in order."""
-        return list(self._table(seq))
+        return list(self._book.table(seq))
 
     def lengths(self, seqs: Sequence[int]) -> torch.Tensor:
         """Tokens held by each sequence, (B,)."""
-        return torch.tensor([self._length(s) for s in seqs], dtype=torch.long)
+        return torch.tensor([self._book.length(s) for s in seqs], dtype=torch.long)
 
     def append(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after each sequence's
         cached tokens, row b for sequence ``seqs[b]``; pages are taken from the pool as
         needed. A pool too small raises (nothing is stored), never truncates."""
         self._check(seqs, key, value)
-        T, P = key.shape[2], self.page_size
-        needed = sum(-(-(self._length(s) + T) // P) - len(self._table(s)) for s in seqs)
-        if needed > len(self._free):
-            raise ValueError(
-                f"PagedKVCache full: appending {T} tokens to {len(seqs)} sequences needs "
-                f"{needed} more pages of {P} tokens; {len(self._free)} of "
-                f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
-            )
-        pages, slots = [], []
-        for s in seqs:
-            table, start = self._table(s), self._length(s)
-            while len(table) * P < start + T:
-                table.append(self._take())
-            pages += [table[i // P] for i in range(start, start + T)]
-            slots += [i % P for i in range(start, start + T)]
-            self._lengths[s] = start + T
-        at = [torch.tensor(x, dtype=torch.long, device=self.keys.device) for x in (pages, slots)]
-        H_kv = self.keys.shape[0]
-        self.keys[:, at[0], at[1]] = key.transpose(0, 1).reshape(H_kv, -1, key.shape[3])
-        self.values[:, at[0], at[1]] = value.transpose(0, 1).reshape(H_kv, -1, value.shape[3])
+        slots = self._book.reserve(seqs, [key.shape[2]] * len(seqs))
+        self.write(torch.tensor(slots, dtype=torch.long, device=self.keys.device), key, value)
+
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """(B, H_kv, T, ·) keys and values into the slots (page · P + offset, (B · T,),
+        row-major) reserved for them."""
+        H_kv, pages, P = self.keys.shape[:3]
+        for pool, x in ((self.keys, key), (self.values, value)):
+            flat = pool.view(H_kv, pages * P, pool.shape[3])
+            flat.index_copy_(1, slots, x.transpose(0, 1).reshape(H_kv, -1, x.shape[3]))
 
     def gather(
-        self, seqs: Sequence[int], skip: int = 0
+        self, seqs: Sequence[int], skip: int = 0, lengths: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
         longest length, and ``lengths`` (B,): past its own length a row holds whatever its
@@ -186,12 +248,14 @@ class PagedKVCache:
         writes into a buffer the pool keeps and reuses (a fresh 10 MB each step was a page
         fault per 4 KB: a decode step took 4× as long): the tensors returned are then valid
         until the pool's next gather. ``skip`` leaves out each sequence's first pages (a
-        shared prefix read apart): lengths then count what is left."""
-        lengths = self.lengths(seqs) - skip * self.page_size
+        shared prefix read apart): lengths then count what is left. ``lengths`` (what each
+        sequence holds, by default all of it) reads fewer tokens."""
+        held = self.lengths(seqs) if lengths is None else lengths
+        lengths = held - skip * self.page_size
         L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
         n = -(-L // P)
         # Each sequence's pages, padded with page 0 (read past its length, masked there).
-        index = [(self._table(s)[skip:] + [0] * n)[:n] for s in seqs]
+        index = [(self._book.table(s)[skip:] + [0] * n)[:n] for s in seqs]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
 
         def pages(pool: torch.Tensor, name: str) -> torch.Tensor:
@@ -204,7 +268,7 @@ class PagedKVCache:
     def prefix(self, seq: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of a sequence's first ``pages`` pages, (H_kv, pages·P, ·):
         a shared prefix, gathered once for every sequence that holds it."""
-        table = self._table(seq)[:pages]
+        table = self._book.table(seq)[:pages]
         flat = torch.tensor(table, dtype=torch.long, device=self.keys.device)
 
         def part(pool: torch.Tensor, name: str) -> torch.Tensor:
@@ -212,6 +276,19 @@ class PagedKVCache:
             return self._select(pool, flat, name).view(H_kv, pages * self.page_size, width)
 
         return part(self.keys, "prefix_keys"), part(self.values, "prefix_values")
+
+    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's keys and values as (num_pages, P, H_kv, D) and (…, D_v) views (the
+        layout :func:`qkv.paged_attention` and torch's ``block_table`` take), no copy."""
+        return self.keys.permute(1, 2, 0, 3), self.values.permute(1, 2, 0, 3)
+
+    def block_tables(self, seqs: Sequence[int], skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences' block tables as one (B, max_pages) tensor (short tables padded
+        with page 0, never read) and their lengths (B,); ``skip`` leaves out each
+        sequence's first pages, as in :meth:`gather`."""
+        index = self._book.block_tables(seqs, skip)
+        table = torch.tensor(index, dtype=torch.long, device=self.keys.device)
+        return table.view(len(seqs), -1), self.lengths(seqs) - skip * self.page_size
 
     def _select(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
         """pool's pages ``flat``, (H_kv, len(flat), P, ·); into a reused buffer when no
@@ -229,16 +306,13 @@ class PagedKVCache:
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
         (``length``, ``append``): what :class:`qkv.MultiHeadAttention` and the GPT take."""
-        return PagedBatch(self, list(seqs))
+        return PagedBatch(self, list(seqs), _Pass(self._book, list(seqs)))
 
-    def _table(self, seq: int) -> list[int]:
-        if seq not in self._tables:
-            raise KeyError(f"no live sequence {seq} in this PagedKVCache")
-        return self._tables[seq]
-
-    def _length(self, seq: int) -> int:
-        self._table(seq)
-        return self._lengths[seq]
+    def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> PackedBatch:
+        """New sequences of these lengths as one packed prefill's cache
+        (:class:`PackedBatch`): :class:`qkv.MultiHeadAttention` takes their tokens one
+        after another, (1, sum(lengths), E)."""
+        return PackedBatch(self, list(seqs), list(lengths), _Pass(self._book, list(seqs)))
 
     def _check(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
@@ -246,13 +320,68 @@ class PagedKVCache:
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a sequence appears twice in {list(seqs)}")
         for s in seqs:
-            self._table(s)
+            self._book.table(s)
 
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(pages={self.pages_in_use}/{self.num_pages} in use, "
-            f"page_size={self.page_size}, sequences={len(self._tables)}, tokens={self.tokens})"
+            f"page_size={self.page_size}, sequences={len(self._book.tables)}, "
+            f"tokens={self.tokens})"
         )
+
+
+class _Append:
+    """One append of ``counts[b]`` tokens to each sequence b, reserved in the book once for
+    every layer: the lengths before and after, the slots the tokens go to, and (made when
+    first asked) the block tables attention reads."""
+
+    def __init__(self, book: _Book, seqs: list[int], counts: tuple[int, ...]) -> None:
+        self.book, self.seqs, self.counts = book, seqs, counts
+        self.before = torch.tensor([book.length(s) for s in seqs], dtype=torch.long)
+        self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
+        self.after = self.before + torch.tensor(counts, dtype=torch.long)
+        self._tables: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The pages the batch shares (leading, full), and past them each sequence's block
+        table (B, max_pages) and length (B,)."""
+        if self._tables is None:
+            shared = self.book.shared_prefix(self.seqs) if len(self.seqs) > 1 else 0
+            table = torch.tensor(self.book.block_tables(self.seqs, shared), dtype=torch.long)
+            self._tables = (
+                shared,
+                table.view(len(self.seqs), -1),
+                self.after - shared * self.book.page_size,
+            )
+        return self._tables
+
+
+class _Pass:
+    """The bookkeeping of a forward pass over a paged batch, done once for every layer:
+    each layer's k-th append uses the k-th :class:`_Append` (made by the first layer that
+    gets there), so the layers' pools, which share one book, stay in step."""
+
+    def __init__(self, book: _Book, seqs: list[int]) -> None:
+        self.book, self.seqs = book, seqs
+        self.appends: list[_Append] = []
+
+    def append(self, k: int, counts: tuple[int, ...]) -> _Append:
+        if k < len(self.appends):
+            done = self.appends[k]
+            if done.counts != counts:
+                raise ValueError(
+                    f"the layers of a paged batch went out of step: append {k} was of "
+                    f"{sum(done.counts)} tokens in one layer and {sum(counts)} in another"
+                )
+            return done
+        self.appends.append(_Append(self.book, self.seqs, counts))
+        return self.appends[-1]
+
+    def held(self, k: int) -> torch.Tensor:
+        """The tokens each sequence holds in a layer that has made k appends."""
+        if k < len(self.appends):
+            return self.appends[k].before
+        return torch.tensor([self.book.length(s) for s in self.seqs], dtype=torch.long)
 
 
 class PagedBatch:
@@ -261,15 +390,17 @@ class PagedBatch:
     and value (padded to the longest sequence), ``length`` is the tokens cached when every
     sequence holds as many. Sequences of different lengths (a ragged batch) sit at their own
     positions: :meth:`positions` and :meth:`row_mask` say where, and
-    :class:`qkv.MultiHeadAttention` and the GPT read them."""
+    :class:`qkv.MultiHeadAttention` and the GPT read them. A decode step stores its keys and
+    values (:meth:`store`) and attends them where they lie (:meth:`attend`)."""
 
-    def __init__(self, pool: PagedKVCache, seqs: list[int]) -> None:
-        self.pool, self.seqs = pool, seqs
+    def __init__(self, pool: PagedKVCache, seqs: list[int], plan: _Pass) -> None:
+        self.pool, self.seqs, self._plan = pool, seqs, plan
+        self._appends = 0  # made through this batch (this layer)
 
     @property
     def row_lengths(self) -> torch.Tensor:
         """Tokens cached per sequence, (B,)."""
-        return self.pool.lengths(self.seqs)
+        return self._plan.held(self._appends)
 
     def positions(self, T: int) -> torch.Tensor:
         """The absolute positions of T new tokens per sequence, (B, T): after each one's
@@ -298,9 +429,45 @@ class PagedBatch:
 
         return predicate(ragged_causal, "ragged_causal")
 
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append (B, H_kv, T, ·) keys and values to the sequences, with no gather."""
+        self.pool._check(self.seqs, key, value)
+        done = self._plan.append(self._appends, (key.shape[2],) * len(self.seqs))
+        self.pool.write(done.slots.to(self.pool.keys.device), key, value)
+        self._appends += 1
+
+    def attend(self, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step's attention, after :meth:`store`: each sequence's one query
+        (B, H, 1, D) over every key it holds, read in its pages
+        (:func:`qkv.paged_attention`); a prefix of pages the batch shares
+        (:meth:`PagedKVCache.fork`) is read once for all (:func:`qkv.cascade_attention`).
+        (B, H, 1, D_v)."""
+        if not self._appends:
+            raise ValueError("attend reads what store wrote: store this step's keys first")
+        shared, tables, lengths = self._plan.appends[self._appends - 1].tables()
+        k_pages, v_pages = self.pool.pages()
+        if not shared:
+            out = paged_attention(q[:, :, 0], k_pages, v_pages, tables, lengths, sinks=sinks)
+            assert isinstance(out, torch.Tensor)
+            return out[:, :, None]
+        prefix = torch.tensor(self.pool.block_table(self.seqs[0])[:shared])
+        out = cascade_attention(
+            q,
+            None,
+            None,
+            k_pages,
+            v_pages,
+            sinks=sinks,
+            block_table=tables,
+            lengths=lengths,
+            prefix_table=prefix,
+        )
+        assert isinstance(out, torch.Tensor)
+        return out
+
     @property
     def length(self) -> int:
-        lengths = set(self.pool.lengths(self.seqs).tolist())
+        lengths = set(self.row_lengths.tolist())
         if len(lengths) > 1:
             raise ValueError(
                 f"the sequences of this batch hold different numbers of tokens "
@@ -309,30 +476,144 @@ class PagedBatch:
         return lengths.pop() if lengths else 0
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pool.append(self.seqs, key, value)
-        k, v, _ = self.pool.gather(self.seqs)
+        self.store(key, value)
+        k, v, _ = self.pool.gather(self.seqs, lengths=self.row_lengths)
         return k, v
 
 
+class PackedBatch:
+    """New sequences prefilled together, packed: their prompts one after another in one row
+    (1, total), each token at its own sequence's position, each sequence attending its own
+    tokens only (:func:`qkv.varlen_attention`, causal per sequence) and its keys and values
+    stored in its own pages. What :class:`qkv.MultiHeadAttention` and the GPT take for a
+    prefill of many prompts in one forward pass (:meth:`PagedCaches.packed`)."""
+
+    def __init__(
+        self, pool: PagedKVCache, seqs: list[int], lengths: list[int], plan: _Pass
+    ) -> None:
+        held = [pool._book.length(s) for s in seqs]
+        if any(held):
+            raise ValueError(
+                f"a packed prefill starts new sequences; these already hold {held} tokens"
+            )
+        if any(n < 1 for n in lengths) or len(lengths) != len(seqs):
+            raise ValueError(f"a packed prefill takes one length >= 1 per sequence; got {lengths}")
+        self.pool, self.seqs, self.lengths, self._plan = pool, seqs, lengths, plan
+        self._appends = 0
+        self.cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        self.total, self.longest = int(self.cu[-1]), max(lengths)
+
+    def positions(self, T: int) -> torch.Tensor:
+        """Each packed token's position in its own sequence, (1, total)."""
+        if self.total != T:
+            raise ValueError(
+                f"a packed prefill of {self.lengths} takes {self.total} tokens; got {T}"
+            )
+        return torch.cat([torch.arange(n) for n in self.lengths])[None]
+
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The packed (1, H_kv, total, ·) keys and values into each sequence's pages."""
+        H_kv = self.pool.keys.shape[0]
+        check_appended(
+            key,
+            value,
+            1,
+            H_kv,
+            self.pool.keys.shape[3],
+            self.pool.values.shape[3],
+            self.pool.keys,
+            "the pool",
+            " (packed)",
+        )
+        done = self._plan.append(self._appends, tuple(self.lengths))
+        self.pool.write(done.slots.to(self.pool.keys.device), key, value)
+        self._appends += 1
+
+    @property
+    def length(self) -> int:
+        return 0  # new sequences: nothing cached before the prefill
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ValueError(
+            "a packed prefill is attended per sequence (PackedBatch.attend, as "
+            "qkv.MultiHeadAttention does), not as one batch's cache"
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed (1, H, total, D) queries over the packed keys and values, each sequence
+        to its own: (1, H, total, D_v)."""
+
+        def packed(x: torch.Tensor) -> torch.Tensor:
+            return x[0].transpose(0, 1)  # (total, heads, ·)
+
+        cu = self.cu.to(q.device)
+        out = varlen_attention(
+            packed(q),
+            packed(k),
+            packed(v),
+            cu,
+            cu,
+            self.longest,
+            self.longest,
+            window_size=(-1, 0) if causal else (-1, -1),
+            enable_gqa=True,
+            sinks=sinks,
+        )
+        assert isinstance(out, torch.Tensor)
+        return out.transpose(0, 1)[None]
+
+
 class PagedCaches:
-    """One :class:`PagedKVCache` per layer of a model, used in step: a sequence is created,
-    appended to and freed in every layer at once (:meth:`qkv.models.GPT.new_paged_caches`)."""
+    """One :class:`PagedKVCache` per layer of a model, used in step: one book of pages for
+    all of them (a sequence holds the same pages in every layer), so a sequence is created,
+    forked and freed once, and a forward pass reserves its tokens' slots once for every
+    layer (:meth:`qkv.models.GPT.new_paged_caches`). Use the pools through it, not apart."""
 
     def __init__(self, pools: Sequence[PagedKVCache]) -> None:
         self.pools = list(pools)
+        if not self.pools:
+            raise ValueError("PagedCaches needs at least one pool")
+        first = self.pools[0]
+        if any(
+            (p.num_pages, p.page_size) != (first.num_pages, first.page_size) or p._book.tables
+            for p in self.pools
+        ):
+            raise ValueError("PagedCaches takes empty pools of one number and size of pages")
+        self._book = first._book
+        for pool in self.pools:
+            pool._book = self._book
 
     def new_sequence(self) -> int:
-        ids = {pool.new_sequence() for pool in self.pools}
-        assert len(ids) == 1, "the layers' pools went out of step"
-        return ids.pop()
+        return self._book.new_sequence()
 
     def free(self, seq: int) -> None:
-        for pool in self.pools:
-            pool.free(seq)
+        self._book.release(seq)
+
+    def fork(self, seq: int) -> int:
+        """A new sequence sharing ``seq``'s pages in every layer (:meth:`PagedKVCache.fork`)."""
+        child, copy = self._book.fork(seq)
+        if copy is not None:
+            for pool in self.pools:
+                pool._copy_page(*copy)
+        return child
 
     def batch(self, seqs: Sequence[int]) -> list[PagedBatch]:
-        """These sequences as a model's caches: one batch per layer."""
-        return [pool.batch(seqs) for pool in self.pools]
+        """These sequences as a model's caches: one batch per layer, sharing one pass."""
+        plan = _Pass(self._book, list(seqs))
+        return [PagedBatch(pool, list(seqs), plan) for pool in self.pools]
+
+    def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> list[PackedBatch]:
+        """New sequences of these lengths as a model's caches for one packed prefill: the
+        model takes their prompts concatenated, (1, sum(lengths))."""
+        plan = _Pass(self._book, list(seqs))
+        return [PackedBatch(pool, list(seqs), list(lengths), plan) for pool in self.pools]
 
     @property
     def pages_in_use(self) -> int:

@@ -1,0 +1,87 @@
+"""qkv's native decode step over a paged KV cache (``_paged.c``, built at install): one query
+per sequence attends its keys in their pages, read through the block table, with no gather
+into a contiguous copy. float32 and bfloat16 (accumulated in float32); where it is not built,
+:func:`qkv.paged_attention` gathers the pages and calls :func:`qkv.attention` instead
+(docs/ragged.md#attention-over-pages).
+
+Legend: B sequences · H query heads · H_kv key/value heads · D head dim · D_v value dim ·
+P page size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import _paged  # type: ignore[attr-defined]
+except ImportError:  # not built (no C compiler at install): the gather path runs
+    _paged = None
+
+
+def available() -> bool:
+    """Whether the native paged decode kernel is built."""
+    return _paged is not None
+
+
+def supports(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+) -> bool:
+    """Whether :func:`decode` runs these tensors: built, on the CPU, one float dtype of float32
+    or bfloat16, each row (the last dim) contiguous, and no gradient to record (the kernel has
+    no backward)."""
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    return (
+        _paged is not None
+        and q.device.type == k.device.type == v.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and all(x.stride(-1) == 1 for x in (q, k, v))
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs))
+    )
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One query per sequence over its pages: ``out`` (B, H, D_v) in q's dtype and ``lse``
+    (B, H) float32; None, having read nothing, where a length is past its table or a page
+    it needs is outside the pool (the caller says which).
+
+    Args:
+        q: (B, H, D).
+        k, v: pages as (pages, P, H_kv, D) and (…, D_v) views: any strides with the last
+            dim contiguous (qkv's pool (H_kv, pages, P, D) permuted, or torch's layout).
+        table: (B, max_pages) integers: sequence b's pages in order.
+        lengths: (B,) integers: the tokens sequence b holds.
+        scale: multiplies the scores.
+        sinks: (H,) logits of a key with no value in every row's softmax, or None.
+    """
+    assert _paged is not None and supports(q, k, v, sinks), "check paged.supports first"
+    B, H, D = q.shape
+    num_pages, P, H_kv, D_v = k.shape[0], k.shape[1], k.shape[2], v.shape[3]
+    table32 = table.to(torch.int32).contiguous()
+    lengths32 = lengths.to(torch.int32).contiguous()
+    out = torch.empty(B, H, D_v)
+    lse = torch.empty(B, H)
+    sink = None if sinks is None else sinks.float().contiguous()
+    fine = _paged.decode(
+        (q.data_ptr(), q.stride(0), q.stride(1)),
+        (k.data_ptr(), k.stride(0), k.stride(1), k.stride(2)),
+        (v.data_ptr(), v.stride(0), v.stride(1), v.stride(2)),
+        (table32.data_ptr(), table32.shape[1], num_pages),
+        lengths32.data_ptr(),
+        0 if sink is None else sink.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        (B, H, H_kv, D, D_v, P),
+        float(scale),
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return (out.to(q.dtype), lse) if fine else None
