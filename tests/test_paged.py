@@ -250,9 +250,8 @@ def test_cascade_attention_equals_attention_over_prefix_and_suffix(suffix):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_decoding_a_shared_prompt_reads_its_pages_once_and_equals_each_alone(
-    monkeypatch, dtype, sinks
-):
+@pytest.mark.parametrize("T", [1, 3])  # a decode step, a chunk
+def test_shared_prefixes_nested_are_read_once_and_equal_each_alone(monkeypatch, dtype, sinks, T):
     torch.manual_seed(0)
     mha = (
         qkv.MultiHeadAttention(
@@ -263,30 +262,39 @@ def test_decoding_a_shared_prompt_reads_its_pages_once_and_equals_each_alone(
     )
     if sinks:
         torch.nn.init.normal_(mha.sinks)
-    p = qkv.PagedKVCache(32, 4, 2, 4, dtype=dtype)
+    p = qkv.PagedKVCache(40, 4, 2, 4, dtype=dtype)
     g = torch.Generator().manual_seed(7)
-    prompt = torch.randn(1, 13, 16, generator=g, dtype=torch.float64)
-    first = p.new_sequence()
+
+    def x_(n):
+        return torch.randn(1, n, 16, generator=g, dtype=torch.float64).to(dtype)
+
+    prompt, more = x_(13), x_(7)  # a system prompt for all; more of it for two
+    history = {}
     with torch.no_grad():
-        mha(prompt.to(dtype), cache=p.batch([first]))
-        seqs = [first] + [p.fork(first) for _ in range(2)]
-        own = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in (1, 3, 2)]
-        for s, x in zip(seqs, own):  # each its own continuation: lengths 14, 16, 15
-            mha(x.to(dtype), cache=p.batch([s]))
-        assert p.shared_prefix(seqs) == 3
-        step = torch.randn(3, 1, 16, generator=g, dtype=torch.float64)
-        calls = []
-        real = qkv.nn.paged.cascade_attention
+        first = p.new_sequence()
+        mha(prompt, cache=p.batch([first]))
+        late = [p.fork(first), p.fork(first)]  # at 13 tokens: 3 full pages shared
+        mha(more, cache=p.batch([first]))
+        seqs = [first, p.fork(first), *late]  # the second shares 5 full pages with the first
+        own = [x_(n) for n in (1, 3, 2, 4)]
+        for i, (s, x) in enumerate(zip(seqs, own)):
+            mha(x, cache=p.batch([s]))
+            history[i] = [prompt, more, x] if i < 2 else [prompt, x]
+        step = torch.randn(4, T, 16, generator=g, dtype=torch.float64).to(dtype)
+        read = []
+        real = qkv.nn.paged._shared
         monkeypatch.setattr(
-            qkv.nn.paged, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+            qkv.nn.paged,
+            "_shared",
+            lambda q, k, v, pages: read.append(len(pages)) or real(q, k, v, pages),
         )
-        got = mha(step.to(dtype), cache=p.batch(seqs))
-        assert calls  # the cascade ran
-        for b, x in enumerate(own):
-            alone = mha.new_cache(1, 32)
-            mha(prompt.to(dtype), cache=alone)
-            mha(x.to(dtype), cache=alone)
-            want = mha(step[b : b + 1].to(dtype), cache=alone)
+        got = mha(step, cache=p.batch(seqs))
+        assert sorted(read) == [2, 3]  # the 3 pages all share, the 2 more the first two share
+        for b in range(4):
+            alone = mha.new_cache(1, 40)
+            for x in history[b]:
+                mha(x, cache=alone)
+            want = mha(step[b : b + 1], cache=alone)
             assert (got[b : b + 1] - want).abs().max() < (1e-12 if dtype == torch.float64 else 1e-5)
 
 

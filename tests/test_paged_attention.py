@@ -3,6 +3,8 @@ float64 oracle on each sequence's keys, and equals the gather path, for float32 
 GQA/MQA, odd sizes, D_v != D, sinks, empty sequences, pages in any order; bad tables are
 errors; the result does not depend on the thread count."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,8 @@ from qkv.kernels import paged
 from tests.helpers import oracle
 from tests.tolerances import LOW_PRECISION
 
+if os.environ.get("QKV_REQUIRE_NATIVE") and not paged.available():  # CI: it must build
+    raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native paged kernel was not built")
 native = pytest.mark.skipif(not paged.available(), reason="native paged kernel not built")
 
 

@@ -275,17 +275,14 @@ def paged_attention(
 
 def cascade_attention(
     query: torch.Tensor,
-    prefix_key: torch.Tensor | None,
-    prefix_value: torch.Tensor | None,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     *,
     mask: MaskLike = None,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None,
-    prefix_table: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a batch whose sequences share a prefix, reading the prefix once.
@@ -304,12 +301,6 @@ def cascade_attention(
             suffix's positions (e.g. ``padding(lengths)`` for suffixes of different lengths);
             every query sees the whole prefix.
         scale, sinks: as in :func:`qkv.attention` (a sink counts once, in the suffix part).
-        block_table, lengths: the suffixes in pages instead (a decode step, T_q = 1):
-            ``key``/``value`` are pages (num_pages, P, H_kv, ·) and each suffix is read in
-            place by :func:`paged_attention` (``lengths`` its tokens; no ``mask``).
-        prefix_table: with ``block_table``, the prefix in those pages too, (n,) pages of
-            full P tokens, read in place once for the whole batch (``prefix_key`` and
-            ``prefix_value`` None).
 
     Returns:
         out (B, H, T_q, D_v), and the (B, H, T_q) log-sum-exp with ``return_lse``.
@@ -324,51 +315,22 @@ def cascade_attention(
         >>> torch.allclose(qkv.cascade_attention(q, pk, pv, k, v), whole, atol=1e-5)
         True
     """
-    paged_suffix = block_table is not None
-    in_pages = prefix_table is not None
-    if (prefix_key is None or prefix_value is None) != in_pages or (in_pages and not paged_suffix):
-        raise ValueError(
-            "give the prefix as prefix_key and prefix_value, or (with block_table) as "
-            "prefix_table: one of the two"
-        )
-    prefix_shape = () if prefix_key is None else tuple(prefix_key.shape)
-    if query.ndim != 4 or len(prefix_shape) not in (0, 3) or key.ndim != 4:
+    if query.ndim != 4 or prefix_key.ndim != 3 or key.ndim != 4:
         raise ValueError(
             "cascade_attention takes query (B, H, T_q, D), prefix_key (H_kv, L_p, D) and key "
-            f"(B, H_kv, L_s, D) or pages; got {tuple(query.shape)}, {prefix_shape} "
-            f"and {tuple(key.shape)}"
-        )
-    if paged_suffix and (query.shape[2] != 1 or mask is not None or lengths is None):
-        raise ValueError(
-            "a suffix in pages (block_table=) takes one query per sequence, lengths=, no mask"
+            f"(B, H_kv, L_s, D); got {tuple(query.shape)}, {tuple(prefix_key.shape)} and "
+            f"{tuple(key.shape)}"
         )
     B, H, T_q, D = query.shape
-    if prefix_key is not None and prefix_value is not None:
-        # The prefix, once: the batch's queries as B·T_q rows of one sequence (query head
-        # h of batch b is row b·T_q + t of head h), no mask: every query sees all of it.
-        rows = query.transpose(0, 1).reshape(1, H, B * T_q, D)
-        out_p, lse_p = attention(
-            rows, prefix_key[None], prefix_value[None], scale=scale, return_lse=True
-        )
-        out_p = out_p.reshape(H, B, T_q, -1).transpose(0, 1)  # (B, H, T_q, D_v)
-        lse_p = lse_p.reshape(H, B, T_q).transpose(0, 1)
-    else:
-        assert prefix_table is not None
-        out_p, lse_p = _prefix_in_pages(query, key, value, prefix_table, scale)
-    if paged_suffix:
-        assert block_table is not None and lengths is not None
-        out_s, lse_s = paged_attention(
-            query[:, :, 0],
-            key,
-            value,
-            block_table,
-            lengths,
-            scale=scale,
-            sinks=sinks,
-            return_lse=True,
-        )
-        out, lse = merge_attention([out_p, out_s[:, :, None]], [lse_p, lse_s[:, :, None]])
-    elif key.shape[2] == 0 and sinks is None:
+    # The prefix, once: the batch's queries as B·T_q rows of one sequence (query head h of
+    # batch b is row b·T_q + t of head h), no mask: every query sees the whole prefix.
+    rows = query.transpose(0, 1).reshape(1, H, B * T_q, D)
+    out_p, lse_p = attention(
+        rows, prefix_key[None], prefix_value[None], scale=scale, return_lse=True
+    )
+    out_p = out_p.reshape(H, B, T_q, -1).transpose(0, 1)  # (B, H, T_q, D_v)
+    lse_p = lse_p.reshape(H, B, T_q).transpose(0, 1)
+    if key.shape[2] == 0 and sinks is None:
         out, lse = out_p, lse_p
     else:
         # The suffix keys sit after the prefix: bottom-right alignment of the suffix alone
@@ -378,30 +340,6 @@ def cascade_attention(
         )
         out, lse = merge_attention([out_p, out_s], [lse_p, lse_s])
     return (out, lse) if return_lse else out
-
-
-def _prefix_in_pages(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix_table: torch.Tensor,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch's B queries (B, H, 1, D) over a prefix of pages, read once: one sequence
-    whose query heads are the batch's, grouped by key/value head ((H_kv, B, G) in order, so
-    the paged kernel's head h reads key/value head h // (B · G)). (B, H, 1, D_v), (B, H, 1)."""
-    B, H, _, D = query.shape
-    H_kv = key.shape[2]
-    G = H // H_kv
-    table = torch.as_tensor(prefix_table).reshape(1, -1)
-    rows = query[:, :, 0].reshape(B, H_kv, G, D).transpose(0, 1).reshape(1, H_kv * B * G, D)
-    length = torch.tensor([table.shape[1] * key.shape[1]])
-    out, lse = paged_attention(rows, key, value, table, length, scale=scale, return_lse=True)
-
-    def back(x: torch.Tensor) -> torch.Tensor:  # (1, H_kv·B·G, ·) -> (B, H, 1, ·)
-        return x.reshape(H_kv, B, G, -1).transpose(0, 1).reshape(B, H, 1, -1)
-
-    return back(out), back(lse[..., None])[..., 0]
 
 
 def _unpaged(

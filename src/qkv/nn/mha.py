@@ -182,11 +182,10 @@ class MultiHeadAttention(AttentionModule):
             and mask is None
             and dropout_p == 0
             and x.ndim == 3
-            and x.shape[1] == 1
-        ):  # a decode step: keys and values stored, attended in their pages (no gather)
-            q, k, v = self.project(x, positions=cache.positions(1).to(x.device))
+        ):  # stored, then attended where they lie; shared prefixes read once (cascade)
+            q, k, v = self.project(x, positions=cache.positions(x.shape[1]).to(x.device))
             cache.store(k, v)
-            return self.merge(cache.attend(q, sinks=self.sinks), like=x)
+            return self.merge(cache.attend(q, self.causal, sinks=self.sinks), like=x)
         if isinstance(cache, PackedBatch):  # many prompts prefilled at once, packed
             if layout is not None or context is not None or mask is not None or dropout_p:
                 raise ValueError(

@@ -17,9 +17,14 @@ from typing import Any
 
 import torch
 
+from ..functional import attention
+from ..lse import merge_attention
 from ..masks import Mask, padding, predicate
-from ..varlen import cascade_attention, paged_attention, varlen_attention
+from ..masks import causal as causal_mask
+from ..varlen import paged_attention, varlen_attention
 from .cache import check_appended, check_sizes
+
+Node = tuple[list[int], list[int]]  # rows of a batch, the full pages they all hold there
 
 
 def _like(data: Any, ref: Any) -> Any:
@@ -121,10 +126,44 @@ class _Book:
             lengths[s] = start + n
         return slots
 
-    def block_tables(self, seqs: Sequence[int], skip: int = 0) -> list[list[int]]:
-        tables = [self.table(s)[skip:] for s in seqs]
+    def block_tables(self, seqs: Sequence[int], skip: int | Sequence[int] = 0) -> list[list[int]]:
+        skips = [skip] * len(seqs) if isinstance(skip, int) else skip
+        tables = [self.table(s)[k:] for s, k in zip(seqs, skips)]
         n = max((len(t) for t in tables), default=0)
         return [t + [0] * (n - len(t)) for t in tables]
+
+    def prefix_tree(self, seqs: Sequence[int]) -> tuple[list[Node], list[int]]:
+        """The prefixes these sequences share, as a tree: nodes (rows of seqs, the full pages
+        they all hold there, in order) — all of them sharing a system prompt is one node,
+        groups sharing more below it are nodes of their own — and for each row the page
+        its own keys start at (past every node it is in)."""
+        P = self.page_size
+        tables = [self.table(s) for s in seqs]
+        full = [self.lengths[s] // P for s in seqs]  # only full pages are shared
+        nodes: list[Node] = []
+        starts = [0] * len(seqs)
+
+        def split(rows: list[int], depth: int) -> None:
+            first = tables[rows[0]]
+            end = min(full[r] for r in rows)
+            for r in rows[1:]:
+                mine, theirs = tables[r][depth:end], first[depth:end]
+                if mine != theirs:  # (a list comparison: one C loop)
+                    end = depth + next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            if end > depth:
+                nodes.append((rows, first[depth:end]))
+            groups: dict[int, list[int]] = {}
+            for r in rows:
+                starts[r] = end
+                if full[r] > end:
+                    groups.setdefault(tables[r][end], []).append(r)
+            for group in groups.values():
+                if len(group) > 1:
+                    split(group, end)
+
+        if len(seqs) > 1:
+            split(list(range(len(seqs))), 0)
+        return nodes, starts
 
 
 class PagedKVCache:
@@ -238,7 +277,10 @@ class PagedKVCache:
             flat.index_copy_(1, slots, x.transpose(0, 1).reshape(H_kv, -1, x.shape[3]))
 
     def gather(
-        self, seqs: Sequence[int], skip: int = 0, lengths: torch.Tensor | None = None
+        self,
+        seqs: Sequence[int],
+        skip: int | Sequence[int] = 0,
+        lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
         longest length, and ``lengths`` (B,): past its own length a row holds whatever its
@@ -248,14 +290,16 @@ class PagedKVCache:
         writes into a buffer the pool keeps and reuses (a fresh 10 MB each step was a page
         fault per 4 KB: a decode step took 4× as long): the tensors returned are then valid
         until the pool's next gather. ``skip`` leaves out each sequence's first pages (a
-        shared prefix read apart): lengths then count what is left. ``lengths`` (what each
-        sequence holds, by default all of it) reads fewer tokens."""
+        shared prefix read apart; one number, or one per sequence): lengths then count what
+        is left. ``lengths`` (what each sequence holds, by default all of it) reads fewer
+        tokens."""
         held = self.lengths(seqs) if lengths is None else lengths
-        lengths = held - skip * self.page_size
+        skips = [skip] * len(seqs) if isinstance(skip, int) else list(skip)
+        lengths = held - torch.tensor(skips, dtype=torch.long) * self.page_size
         L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
         n = -(-L // P)
         # Each sequence's pages, padded with page 0 (read past its length, masked there).
-        index = [(self._book.table(s)[skip:] + [0] * n)[:n] for s in seqs]
+        index = [(t + [0] * n)[:n] for t in self._book.block_tables(seqs, skips)]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
 
         def pages(pool: torch.Tensor, name: str) -> torch.Tensor:
@@ -340,20 +384,13 @@ class _Append:
         self.before = torch.tensor([book.length(s) for s in seqs], dtype=torch.long)
         self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
         self.after = self.before + torch.tensor(counts, dtype=torch.long)
-        self._tables: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._tree: tuple[list[Node], list[int]] | None = None
 
-    def tables(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The pages the batch shares (leading, full), and past them each sequence's block
-        table (B, max_pages) and length (B,)."""
-        if self._tables is None:
-            shared = self.book.shared_prefix(self.seqs) if len(self.seqs) > 1 else 0
-            table = torch.tensor(self.book.block_tables(self.seqs, shared), dtype=torch.long)
-            self._tables = (
-                shared,
-                table.view(len(self.seqs), -1),
-                self.after - shared * self.book.page_size,
-            )
-        return self._tables
+    def tree(self) -> tuple[list[Node], list[int]]:
+        """:meth:`_Book.prefix_tree` of the batch after this append (made once)."""
+        if self._tree is None:
+            self._tree = self.book.prefix_tree(self.seqs)
+        return self._tree
 
 
 class _Pass:
@@ -416,18 +453,7 @@ class PagedBatch:
         keys (and, ``causal``, to those up to each of its queries), for keys padded to the
         longest sequence and queries at the default bottom-right place; None when every
         sequence holds as many tokens (nothing to add)."""
-        lengths = self.row_lengths
-        longest = int(lengths.max())
-        if bool((lengths == longest).all()):
-            return None
-        if not causal or T_q == 1:  # one query per row sees every key of its row
-            return padding(lengths)
-        shift = (longest - lengths).numpy()  # how far each row's queries sit before the last
-
-        def ragged_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return kv + _like(shift, kv)[b] <= q
-
-        return predicate(ragged_causal, "ragged_causal")
+        return _ragged_mask(self.row_lengths, T_q, causal)
 
     def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append (B, H_kv, T, ·) keys and values to the sequences, with no gather."""
@@ -436,33 +462,50 @@ class PagedBatch:
         self.pool.write(done.slots.to(self.pool.keys.device), key, value)
         self._appends += 1
 
-    def attend(self, q: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """A decode step's attention, after :meth:`store`: each sequence's one query
-        (B, H, 1, D) over every key it holds, read in its pages
-        (:func:`qkv.paged_attention`); a prefix of pages the batch shares
-        (:meth:`PagedKVCache.fork`) is read once for all (:func:`qkv.cascade_attention`).
-        (B, H, 1, D_v)."""
+    def attend(
+        self, q: torch.Tensor, causal: bool = True, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention after :meth:`store`: each sequence's T new queries (B, H, T, D), the
+        last T of its tokens, over the keys it holds (``causal``: each up to itself), where
+        they lie. A prefix of pages sequences share (:meth:`PagedKVCache.fork`; nested:
+        a system prompt for all, more for some) is read once for all who share it, its part
+        merged by log-sum-exp (cascade attention); the rest of each sequence's keys are read
+        in place for a decode step (:func:`qkv.paged_attention`), gathered for T > 1.
+        (B, H, T, D_v)."""
         if not self._appends:
             raise ValueError("attend reads what store wrote: store this step's keys first")
-        shared, tables, lengths = self._plan.appends[self._appends - 1].tables()
+        done = self._plan.appends[self._appends - 1]
+        nodes, starts = done.tree()
         k_pages, v_pages = self.pool.pages()
-        if not shared:
-            out = paged_attention(q[:, :, 0], k_pages, v_pages, tables, lengths, sinks=sinks)
-            assert isinstance(out, torch.Tensor)
-            return out[:, :, None]
-        prefix = torch.tensor(self.pool.block_table(self.seqs[0])[:shared])
-        out = cascade_attention(
-            q,
-            None,
-            None,
-            k_pages,
-            v_pages,
-            sinks=sinks,
-            block_table=tables,
-            lengths=lengths,
-            prefix_table=prefix,
-        )
-        assert isinstance(out, torch.Tensor)
+        own = done.after - torch.tensor(starts) * self.pool.page_size  # past the nodes
+        T = q.shape[2]
+        if T == 1:
+            tables = torch.tensor(self.pool._book.block_tables(self.seqs, starts))
+            result = paged_attention(
+                q[:, :, 0],
+                k_pages,
+                v_pages,
+                tables.view(len(self.seqs), -1),
+                own,
+                sinks=sinks,
+                return_lse=bool(nodes),
+            )
+            if not nodes:
+                assert isinstance(result, torch.Tensor)
+                return result[:, :, None]
+            out, lse = (x[:, :, None] for x in result)
+        else:
+            k, v, _ = self.pool.gather(self.seqs, starts, lengths=done.after)
+            mask = _ragged_mask(own, T, causal)
+            if mask is None and causal:  # rows of one length: causal, bottom-right
+                mask = causal_mask()
+            out, lse = attention(q, k, v, mask=mask, sinks=sinks, return_lse=True)
+        for rows, pages in nodes:  # each shared prefix, once for the rows that share it
+            at = torch.tensor(rows)
+            part, part_lse = _shared(q[at], k_pages, v_pages, pages)
+            merged, merged_lse = merge_attention([out[at], part], [lse[at], part_lse])
+            out = out.index_copy(0, at, merged.to(out.dtype))
+            lse = lse.index_copy(0, at, merged_lse.to(lse.dtype))
         return out
 
     @property
@@ -621,3 +664,42 @@ class PagedCaches:
 
     def __repr__(self) -> str:
         return f"PagedCaches({len(self.pools)} layers, {self.pools[0]!r} each)"
+
+
+def _ragged_mask(lengths: torch.Tensor, T_q: int, causal: bool) -> Mask | None:
+    """Rows of ``lengths`` keys each, padded to the longest, the last T_q of each row its
+    queries (bottom-right): the mask keeping each to its own keys (``causal``: up to
+    itself); None when every row is as long (nothing to add)."""
+    longest = int(lengths.max())
+    if bool((lengths == longest).all()):
+        return None
+    if not causal or T_q == 1:  # one query per row sees every key of its row
+        return padding(lengths)
+    shift = (longest - lengths).numpy()  # how far each row's queries sit before the last
+
+    def ragged_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return kv + _like(shift, kv)[b] <= q
+
+    return predicate(ragged_causal, "ragged_causal")
+
+
+def _shared(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, pages: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """R sequences' queries (R, H, T, D) over a prefix of pages they share, read once: one
+    sequence of the pages whose query heads are all R·T queries, grouped by key/value head
+    ((H_kv, R, G, T) in order: :func:`qkv.paged_attention` reads key/value head
+    h // (R · G · T) for head h). Every query sees the whole prefix (it comes before them).
+    (R, H, T, D_v) and the (R, H, T) log-sum-exp."""
+    R, H, T, D = q.shape
+    H_kv = k_pages.shape[2]
+    G = H // H_kv
+    rows = q.reshape(R, H_kv, G, T, D).transpose(0, 1).reshape(1, H_kv * R * G * T, D)
+    table = torch.tensor([pages])
+    length = torch.tensor([len(pages) * k_pages.shape[1]])
+    out, lse = paged_attention(rows, k_pages, v_pages, table, length, return_lse=True)
+
+    def back(x: torch.Tensor) -> torch.Tensor:  # (1, H_kv·R·G·T, C) -> (R, H, T, C)
+        return x.reshape(H_kv, R, G, T, -1).transpose(0, 1).reshape(R, H, T, -1)
+
+    return back(out), back(lse[..., None])[..., 0]
