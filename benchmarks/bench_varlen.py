@@ -216,7 +216,7 @@ def generate(rounds: int = 3) -> None:
     )
 
 
-def hf(rounds: int = 5) -> None:
+def hf(rounds: int = 9) -> None:
     """The default preset's shape as a GPT-2 (learned positions: what from_huggingface
     converts), random weights: 32 prompts of 16–128 tokens, 128 new tokens, greedy; qkv's
     ragged generation against transformers' generate over the left-padded batch (sdpa).

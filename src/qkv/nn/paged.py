@@ -385,12 +385,23 @@ class _Append:
         self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
         self.after = self.before + torch.tensor(counts, dtype=torch.long)
         self._tree: tuple[list[Node], list[int]] | None = None
+        self._own: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tree(self) -> tuple[list[Node], list[int]]:
         """:meth:`_Book.prefix_tree` of the batch after this append (made once)."""
         if self._tree is None:
             self._tree = self.book.prefix_tree(self.seqs)
         return self._tree
+
+    def own(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's pages past the prefixes it shares, as a (B, max_pages) block table,
+        and their tokens (B,); int32, made once for every layer."""
+        if self._own is None:
+            _, starts = self.tree()
+            table = torch.tensor(self.book.block_tables(self.seqs, starts), dtype=torch.int32)
+            held = self.after - torch.tensor(starts) * self.book.page_size
+            self._own = table.view(len(self.seqs), -1), held.to(torch.int32)
+        return self._own
 
 
 class _Pass:
@@ -476,19 +487,12 @@ class PagedBatch:
             raise ValueError("attend reads what store wrote: store this step's keys first")
         done = self._plan.appends[self._appends - 1]
         nodes, starts = done.tree()
+        tables, own = done.own()  # each sequence's pages past the nodes
         k_pages, v_pages = self.pool.pages()
-        own = done.after - torch.tensor(starts) * self.pool.page_size  # past the nodes
         T = q.shape[2]
         if T == 1:
-            tables = torch.tensor(self.pool._book.block_tables(self.seqs, starts))
             result = paged_attention(
-                q[:, :, 0],
-                k_pages,
-                v_pages,
-                tables.view(len(self.seqs), -1),
-                own,
-                sinks=sinks,
-                return_lse=bool(nodes),
+                q[:, :, 0], k_pages, v_pages, tables, own, sinks=sinks, return_lse=bool(nodes)
             )
             if not nodes:
                 assert isinstance(result, torch.Tensor)
@@ -496,7 +500,7 @@ class PagedBatch:
             out, lse = (x[:, :, None] for x in result)
         else:
             k, v, _ = self.pool.gather(self.seqs, starts, lengths=done.after)
-            mask = _ragged_mask(own, T, causal)
+            mask = _ragged_mask(own.long(), T, causal)
             if mask is None and causal:  # rows of one length: causal, bottom-right
                 mask = causal_mask()
             out, lse = attention(q, k, v, mask=mask, sinks=sinks, return_lse=True)
