@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .core.record import editors, listeners
+from .core import dispatch
 from .functional import Backend, attention
 from .kernels import paged
 from .lse import merge_attention
@@ -241,19 +241,12 @@ def paged_attention(
         True
     """
     table, lengths = _page_shapes(query, key_pages, value_pages, block_table, lengths)
-    D = query.shape[-1]
-    scale_ = float(D**-0.5) if scale is None else scale
-    if (
-        not listeners()
-        and not editors()
-        and not torch.compiler.is_compiling()
-        and isinstance(scale_, float)
-        and 0 < scale_ < float("inf")
-        and paged.supports(query, key_pages, value_pages, sinks)
-    ):  # the kernel checks the lengths and pages it reads; where one is wrong, say which
-        done = paged.decode(query, key_pages, value_pages, table, lengths, scale_, sinks=sinks)
+    native = dispatch.paged(query, key_pages, value_pages, scale, sinks)
+    if native is not None:  # the kernel checks the lengths and pages it reads
+        done = paged.decode(query, key_pages, value_pages, table, lengths, native, sinks=sinks)
         if done is not None:
             return done if return_lse else done[0]
+        # a length or a page out of range: the checks below say which
     needed = _pages_needed(table, lengths, key_pages.shape[0], key_pages.shape[1])
     # The gather: each sequence's pages, in order, into one padded (B, H_kv, L, ·) tensor.
     P = key_pages.shape[1]

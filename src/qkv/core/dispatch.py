@@ -57,10 +57,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels import paged as paged_kernel
 from ..masks import Mask
 from ..scores import ScoreMod
 from ..tuning import Tuning
 from .planning import block_codes, make_tiled_plan
+from .record import editors, listeners
 from .rules import RULES, Ask, Dispatch, Rule, sdpa_mode, sdpa_takes, tiled_path
 
 __all__ = [
@@ -217,3 +219,24 @@ def plain(query: Any, key: Any, value: Any, mask: Any, scale: Any, tuning: Tunin
     if type(scale) is not float or not 0.0 < scale < math.inf:
         return None
     return scale
+
+
+def paged(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    scale: Any,
+    sinks: torch.Tensor | None,
+) -> float | None:
+    """Whether a decode step over pages (:func:`qkv.paged_attention`) runs the native paged
+    kernel, which reads the pages in place: the scale to give it, or None where the pages
+    are gathered and :func:`qkv.attention` runs instead — a ``heads.record()`` or
+    ``ablate`` block open (the kernel keeps no weights and edits nothing), a graph being
+    traced, a scale that is not a positive float, or tensors the kernel cannot take
+    (:func:`qkv.kernels.paged.supports`: dtype, device, layout, a gradient to record)."""
+    if listeners() or editors() or torch.compiler.is_compiling():
+        return None
+    scale_ = float(query.shape[-1] ** -0.5) if scale is None else scale
+    if type(scale_) is not float or not 0.0 < scale_ < math.inf:
+        return None
+    return scale_ if paged_kernel.supports(query, key_pages, value_pages, sinks) else None

@@ -11,7 +11,6 @@ D head dim · D_v value dim.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,149 +20,14 @@ from ..functional import attention
 from ..lse import merge_attention
 from ..masks import Mask, padding, predicate
 from ..masks import causal as causal_mask
-from ..varlen import paged_attention, varlen_attention
+from ..varlen import paged_attention
+from .book import Book, Pass
 from .cache import check_appended, check_sizes
-
-Node = tuple[list[int], list[int]]  # rows of a batch, the full pages they all hold there
+from .packed import PackedBatch
 
 
 def _like(data: Any, ref: Any) -> Any:
     return torch.as_tensor(data, device=ref.device) if isinstance(ref, torch.Tensor) else data
-
-
-class _Book:
-    """Which pages each sequence holds — block tables, lengths, reference counts and the
-    free list — for one pool, or for the pools of every layer of a model at once (they move
-    in step, so one book serves them all: :class:`PagedCaches`)."""
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.num_pages, self.page_size = num_pages, page_size
-        self.refs: dict[int, int] = {}  # page -> how many sequences hold it
-        self.free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
-        self.tables: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}
-        self.next = 0
-
-    def table(self, seq: int) -> list[int]:
-        if seq not in self.tables:
-            raise KeyError(f"no live sequence {seq} in this PagedKVCache")
-        return self.tables[seq]
-
-    def length(self, seq: int) -> int:
-        self.table(seq)
-        return self.lengths[seq]
-
-    def new_sequence(self) -> int:
-        seq, self.next = self.next, self.next + 1
-        self.tables[seq], self.lengths[seq] = [], 0
-        return seq
-
-    def release(self, seq: int) -> None:
-        for page in reversed(self.table(seq)):
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                del self.refs[page]
-                self.free.append(page)
-        del self.tables[seq], self.lengths[seq]
-
-    def take(self) -> int:
-        page = self.free.pop()
-        self.refs[page] = 1
-        return page
-
-    def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]:
-        """A child sharing seq's full pages; and (from, to) when its partly filled last
-        page must be copied into a page of the child's own."""
-        table, length = self.table(seq), self.length(seq)
-        full = length // self.page_size
-        if len(table) > full and not self.free:
-            raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
-        child = self.new_sequence()
-        self.tables[child] = list(table[:full])
-        for page in table[:full]:
-            self.refs[page] += 1
-        copy = None
-        if len(table) > full:
-            copy = (table[full], self.take())
-            self.tables[child].append(copy[1])
-        self.lengths[child] = length
-        return child, copy
-
-    def shared_prefix(self, seqs: Sequence[int]) -> int:
-        if not seqs:
-            return 0
-        tables = [self.table(s) for s in seqs]
-        first = tables[0]
-        # only full pages count: at most the shortest sequence's
-        n = min(self.lengths[s] for s in seqs) // self.page_size
-        for t in tables[1:]:
-            if t[:n] != first[:n]:  # (a list comparison: one C loop per table)
-                n = next(i for i, (a, b) in enumerate(zip(t, first)) if a != b)
-        return n
-
-    def reserve(self, seqs: Sequence[int], counts: Sequence[int]) -> list[int]:
-        """counts[b] more tokens for sequence seqs[b]: pages taken as needed, lengths
-        advanced; the slots (page · P + offset) the new tokens go to, sequence by sequence.
-        A pool too small raises and changes nothing."""
-        if len(set(seqs)) != len(seqs):
-            raise ValueError(f"a sequence appears twice in {list(seqs)}")
-        P, tables, lengths = self.page_size, self.tables, self.lengths
-        for s in seqs:
-            self.table(s)
-        needed = sum(-(-(lengths[s] + n) // P) - len(tables[s]) for s, n in zip(seqs, counts))
-        if needed > len(self.free):
-            raise ValueError(
-                f"PagedKVCache full: appending {sum(counts)} tokens to {len(seqs)} sequences "
-                f"needs {needed} more pages of {P} tokens; {len(self.free)} of "
-                f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
-            )
-        slots: list[int] = []
-        for s, n in zip(seqs, counts):
-            table, start = tables[s], lengths[s]
-            while len(table) * P < start + n:
-                table.append(self.take())
-            slots += [table[i // P] * P + i % P for i in range(start, start + n)]
-            lengths[s] = start + n
-        return slots
-
-    def block_tables(self, seqs: Sequence[int], skip: int | Sequence[int] = 0) -> list[list[int]]:
-        skips = [skip] * len(seqs) if isinstance(skip, int) else skip
-        tables = [self.table(s)[k:] for s, k in zip(seqs, skips)]
-        n = max((len(t) for t in tables), default=0)
-        return [t + [0] * (n - len(t)) for t in tables]
-
-    def prefix_tree(self, seqs: Sequence[int]) -> tuple[list[Node], list[int]]:
-        """The prefixes these sequences share, as a tree: nodes (rows of seqs, the full pages
-        they all hold there, in order) — all of them sharing a system prompt is one node,
-        groups sharing more below it are nodes of their own — and for each row the page
-        its own keys start at (past every node it is in)."""
-        P = self.page_size
-        tables = [self.table(s) for s in seqs]
-        full = [self.lengths[s] // P for s in seqs]  # only full pages are shared
-        nodes: list[Node] = []
-        starts = [0] * len(seqs)
-
-        def split(rows: list[int], depth: int) -> None:
-            first = tables[rows[0]]
-            end = min(full[r] for r in rows)
-            for r in rows[1:]:
-                mine, theirs = tables[r][depth:end], first[depth:end]
-                if mine != theirs:  # (a list comparison: one C loop)
-                    end = depth + next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
-            if end > depth:
-                nodes.append((rows, first[depth:end]))
-            groups: dict[int, list[int]] = {}
-            for r in rows:
-                starts[r] = end
-                if full[r] > end:
-                    groups.setdefault(tables[r][end], []).append(r)
-            for group in groups.values():
-                if len(group) > 1:
-                    split(group, end)
-
-        if len(seqs) > 1:
-            split(list(range(len(seqs))), 0)
-        return nodes, starts
 
 
 class PagedKVCache:
@@ -207,7 +71,7 @@ class PagedKVCache:
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
-        self._book = _Book(num_pages, page_size)
+        self._book = Book(num_pages, page_size)
 
     @property
     def page_size(self) -> int:
@@ -309,18 +173,6 @@ class PagedKVCache:
 
         return pages(self.keys, "keys"), pages(self.values, "values"), lengths
 
-    def prefix(self, seq: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of a sequence's first ``pages`` pages, (H_kv, pages·P, ·):
-        a shared prefix, gathered once for every sequence that holds it."""
-        table = self._book.table(seq)[:pages]
-        flat = torch.tensor(table, dtype=torch.long, device=self.keys.device)
-
-        def part(pool: torch.Tensor, name: str) -> torch.Tensor:
-            H_kv, width = pool.shape[0], pool.shape[3]
-            return self._select(pool, flat, name).view(H_kv, pages * self.page_size, width)
-
-        return part(self.keys, "prefix_keys"), part(self.values, "prefix_values")
-
     def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's keys and values as (num_pages, P, H_kv, D) and (…, D_v) views (the
         layout :func:`qkv.paged_attention` and torch's ``block_table`` take), no copy."""
@@ -350,13 +202,13 @@ class PagedKVCache:
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
         (``length``, ``append``): what :class:`qkv.MultiHeadAttention` and the GPT take."""
-        return PagedBatch(self, list(seqs), _Pass(self._book, list(seqs)))
+        return PagedBatch(self, list(seqs), Pass(self._book, list(seqs)))
 
     def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> PackedBatch:
         """New sequences of these lengths as one packed prefill's cache
         (:class:`PackedBatch`): :class:`qkv.MultiHeadAttention` takes their tokens one
         after another, (1, sum(lengths), E)."""
-        return PackedBatch(self, list(seqs), list(lengths), _Pass(self._book, list(seqs)))
+        return PackedBatch(self, list(seqs), list(lengths), Pass(self._book, list(seqs)))
 
     def _check(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
@@ -374,64 +226,6 @@ class PagedKVCache:
         )
 
 
-class _Append:
-    """One append of ``counts[b]`` tokens to each sequence b, reserved in the book once for
-    every layer: the lengths before and after, the slots the tokens go to, and (made when
-    first asked) the block tables attention reads."""
-
-    def __init__(self, book: _Book, seqs: list[int], counts: tuple[int, ...]) -> None:
-        self.book, self.seqs, self.counts = book, seqs, counts
-        self.before = torch.tensor([book.length(s) for s in seqs], dtype=torch.long)
-        self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
-        self.after = self.before + torch.tensor(counts, dtype=torch.long)
-        self._tree: tuple[list[Node], list[int]] | None = None
-        self._own: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def tree(self) -> tuple[list[Node], list[int]]:
-        """:meth:`_Book.prefix_tree` of the batch after this append (made once)."""
-        if self._tree is None:
-            self._tree = self.book.prefix_tree(self.seqs)
-        return self._tree
-
-    def own(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's pages past the prefixes it shares, as a (B, max_pages) block table,
-        and their tokens (B,); int32, made once for every layer."""
-        if self._own is None:
-            _, starts = self.tree()
-            table = torch.tensor(self.book.block_tables(self.seqs, starts), dtype=torch.int32)
-            held = self.after - torch.tensor(starts) * self.book.page_size
-            self._own = table.view(len(self.seqs), -1), held.to(torch.int32)
-        return self._own
-
-
-class _Pass:
-    """The bookkeeping of a forward pass over a paged batch, done once for every layer:
-    each layer's k-th append uses the k-th :class:`_Append` (made by the first layer that
-    gets there), so the layers' pools, which share one book, stay in step."""
-
-    def __init__(self, book: _Book, seqs: list[int]) -> None:
-        self.book, self.seqs = book, seqs
-        self.appends: list[_Append] = []
-
-    def append(self, k: int, counts: tuple[int, ...]) -> _Append:
-        if k < len(self.appends):
-            done = self.appends[k]
-            if done.counts != counts:
-                raise ValueError(
-                    f"the layers of a paged batch went out of step: append {k} was of "
-                    f"{sum(done.counts)} tokens in one layer and {sum(counts)} in another"
-                )
-            return done
-        self.appends.append(_Append(self.book, self.seqs, counts))
-        return self.appends[-1]
-
-    def held(self, k: int) -> torch.Tensor:
-        """The tokens each sequence holds in a layer that has made k appends."""
-        if k < len(self.appends):
-            return self.appends[k].before
-        return torch.tensor([self.book.length(s) for s in self.seqs], dtype=torch.long)
-
-
 class PagedBatch:
     """Sequences of a :class:`PagedKVCache` seen as one batch's cache, as
     :class:`qkv.KVCache` is: ``append`` stores the new tokens and returns every cached key
@@ -441,7 +235,7 @@ class PagedBatch:
     :class:`qkv.MultiHeadAttention` and the GPT read them. A decode step stores its keys and
     values (:meth:`store`) and attends them where they lie (:meth:`attend`)."""
 
-    def __init__(self, pool: PagedKVCache, seqs: list[int], plan: _Pass) -> None:
+    def __init__(self, pool: PagedKVCache, seqs: list[int], plan: Pass) -> None:
         self.pool, self.seqs, self._plan = pool, seqs, plan
         self._appends = 0  # made through this batch (this layer)
 
@@ -454,10 +248,6 @@ class PagedBatch:
         """The absolute positions of T new tokens per sequence, (B, T): after each one's
         own cached tokens."""
         return self.row_lengths[:, None] + torch.arange(T)[None, :]
-
-    def shared_pages(self) -> int:
-        """Leading pages every sequence of this batch shares (:meth:`PagedKVCache.fork`)."""
-        return self.pool.shared_prefix(self.seqs) if len(self.seqs) > 1 else 0
 
     def row_mask(self, T_q: int, causal: bool) -> Mask | None:
         """After an append of T_q tokens, the mask that keeps each sequence to its own
@@ -528,95 +318,6 @@ class PagedBatch:
         return k, v
 
 
-class PackedBatch:
-    """New sequences prefilled together, packed: their prompts one after another in one row
-    (1, total), each token at its own sequence's position, each sequence attending its own
-    tokens only (:func:`qkv.varlen_attention`, causal per sequence) and its keys and values
-    stored in its own pages. What :class:`qkv.MultiHeadAttention` and the GPT take for a
-    prefill of many prompts in one forward pass (:meth:`PagedCaches.packed`)."""
-
-    def __init__(
-        self, pool: PagedKVCache, seqs: list[int], lengths: list[int], plan: _Pass
-    ) -> None:
-        held = [pool._book.length(s) for s in seqs]
-        if any(held):
-            raise ValueError(
-                f"a packed prefill starts new sequences; these already hold {held} tokens"
-            )
-        if any(n < 1 for n in lengths) or len(lengths) != len(seqs):
-            raise ValueError(f"a packed prefill takes one length >= 1 per sequence; got {lengths}")
-        self.pool, self.seqs, self.lengths, self._plan = pool, seqs, lengths, plan
-        self._appends = 0
-        self.cu = torch.tensor([0, *itertools.accumulate(lengths)])
-        self.total, self.longest = int(self.cu[-1]), max(lengths)
-
-    def positions(self, T: int) -> torch.Tensor:
-        """Each packed token's position in its own sequence, (1, total)."""
-        if self.total != T:
-            raise ValueError(
-                f"a packed prefill of {self.lengths} takes {self.total} tokens; got {T}"
-            )
-        return torch.cat([torch.arange(n) for n in self.lengths])[None]
-
-    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The packed (1, H_kv, total, ·) keys and values into each sequence's pages."""
-        H_kv = self.pool.keys.shape[0]
-        check_appended(
-            key,
-            value,
-            1,
-            H_kv,
-            self.pool.keys.shape[3],
-            self.pool.values.shape[3],
-            self.pool.keys,
-            "the pool",
-            " (packed)",
-        )
-        done = self._plan.append(self._appends, tuple(self.lengths))
-        self.pool.write(done.slots.to(self.pool.keys.device), key, value)
-        self._appends += 1
-
-    @property
-    def length(self) -> int:
-        return 0  # new sequences: nothing cached before the prefill
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise ValueError(
-            "a packed prefill is attended per sequence (PackedBatch.attend, as "
-            "qkv.MultiHeadAttention does), not as one batch's cache"
-        )
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Packed (1, H, total, D) queries over the packed keys and values, each sequence
-        to its own: (1, H, total, D_v)."""
-
-        def packed(x: torch.Tensor) -> torch.Tensor:
-            return x[0].transpose(0, 1)  # (total, heads, ·)
-
-        cu = self.cu.to(q.device)
-        out = varlen_attention(
-            packed(q),
-            packed(k),
-            packed(v),
-            cu,
-            cu,
-            self.longest,
-            self.longest,
-            window_size=(-1, 0) if causal else (-1, -1),
-            enable_gqa=True,
-            sinks=sinks,
-        )
-        assert isinstance(out, torch.Tensor)
-        return out.transpose(0, 1)[None]
-
-
 class PagedCaches:
     """One :class:`PagedKVCache` per layer of a model, used in step: one book of pages for
     all of them (a sequence holds the same pages in every layer), so a sequence is created,
@@ -653,13 +354,13 @@ class PagedCaches:
 
     def batch(self, seqs: Sequence[int]) -> list[PagedBatch]:
         """These sequences as a model's caches: one batch per layer, sharing one pass."""
-        plan = _Pass(self._book, list(seqs))
+        plan = Pass(self._book, list(seqs))
         return [PagedBatch(pool, list(seqs), plan) for pool in self.pools]
 
     def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> list[PackedBatch]:
         """New sequences of these lengths as a model's caches for one packed prefill: the
         model takes their prompts concatenated, (1, sum(lengths))."""
-        plan = _Pass(self._book, list(seqs))
+        plan = Pass(self._book, list(seqs))
         return [PackedBatch(pool, list(seqs), list(lengths), plan) for pool in self.pools]
 
     @property

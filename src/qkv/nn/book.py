@@ -1,0 +1,212 @@
+"""The bookkeeping of a paged KV cache: which pages each sequence holds, and what one forward
+pass appends.
+
+A :class:`Book` is one pool's block tables, lengths, page reference counts and free list —
+or every layer's pool of a model at once, since their sequences hold the same pages in every
+layer. A :class:`Pass` is a forward pass over a batch of sequences: each of its appends is
+reserved in the book once (an :class:`Append`: slots, lengths before and after, the prefix
+tree and block tables attention reads) and used by every layer.
+
+Legend: B sequences in a batch · P page size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Node = tuple[list[int], list[int]]  # rows of a batch, the full pages they all hold there
+
+
+class Book:
+    """Which pages each sequence holds — block tables, lengths, reference counts and the
+    free list — for one pool, or for the pools of every layer of a model at once (they move
+    in step, so one book serves them all: :class:`PagedCaches`)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages, self.page_size = num_pages, page_size
+        self.refs: dict[int, int] = {}  # page -> how many sequences hold it
+        self.free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self.next = 0
+
+    def table(self, seq: int) -> list[int]:
+        if seq not in self.tables:
+            raise KeyError(f"no live sequence {seq} in this PagedKVCache")
+        return self.tables[seq]
+
+    def length(self, seq: int) -> int:
+        self.table(seq)
+        return self.lengths[seq]
+
+    def new_sequence(self) -> int:
+        seq, self.next = self.next, self.next + 1
+        self.tables[seq], self.lengths[seq] = [], 0
+        return seq
+
+    def release(self, seq: int) -> None:
+        for page in reversed(self.table(seq)):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                del self.refs[page]
+                self.free.append(page)
+        del self.tables[seq], self.lengths[seq]
+
+    def take(self) -> int:
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]:
+        """A child sharing seq's full pages; and (from, to) when its partly filled last
+        page must be copied into a page of the child's own."""
+        table, length = self.table(seq), self.length(seq)
+        full = length // self.page_size
+        if len(table) > full and not self.free:
+            raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
+        child = self.new_sequence()
+        self.tables[child] = list(table[:full])
+        for page in table[:full]:
+            self.refs[page] += 1
+        copy = None
+        if len(table) > full:
+            copy = (table[full], self.take())
+            self.tables[child].append(copy[1])
+        self.lengths[child] = length
+        return child, copy
+
+    def shared_prefix(self, seqs: Sequence[int]) -> int:
+        if not seqs:
+            return 0
+        tables = [self.table(s) for s in seqs]
+        first = tables[0]
+        # only full pages count: at most the shortest sequence's
+        n = min(self.lengths[s] for s in seqs) // self.page_size
+        for t in tables[1:]:
+            if t[:n] != first[:n]:  # (a list comparison: one C loop per table)
+                n = next(i for i, (a, b) in enumerate(zip(t, first)) if a != b)
+        return n
+
+    def reserve(self, seqs: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """counts[b] more tokens for sequence seqs[b]: pages taken as needed, lengths
+        advanced; the slots (page · P + offset) the new tokens go to, sequence by sequence.
+        A pool too small raises and changes nothing."""
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"a sequence appears twice in {list(seqs)}")
+        P, tables, lengths = self.page_size, self.tables, self.lengths
+        for s in seqs:
+            self.table(s)
+        needed = sum(-(-(lengths[s] + n) // P) - len(tables[s]) for s, n in zip(seqs, counts))
+        if needed > len(self.free):
+            raise ValueError(
+                f"PagedKVCache full: appending {sum(counts)} tokens to {len(seqs)} sequences "
+                f"needs {needed} more pages of {P} tokens; {len(self.free)} of "
+                f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
+            )
+        slots: list[int] = []
+        for s, n in zip(seqs, counts):
+            table, start = tables[s], lengths[s]
+            while len(table) * P < start + n:
+                table.append(self.take())
+            slots += [table[i // P] * P + i % P for i in range(start, start + n)]
+            lengths[s] = start + n
+        return slots
+
+    def block_tables(self, seqs: Sequence[int], skip: int | Sequence[int] = 0) -> list[list[int]]:
+        skips = [skip] * len(seqs) if isinstance(skip, int) else skip
+        tables = [self.table(s)[k:] for s, k in zip(seqs, skips)]
+        n = max((len(t) for t in tables), default=0)
+        return [t + [0] * (n - len(t)) for t in tables]
+
+    def prefix_tree(self, seqs: Sequence[int]) -> tuple[list[Node], list[int]]:
+        """The prefixes these sequences share, as a tree: nodes (rows of seqs, the full pages
+        they all hold there, in order) — all of them sharing a system prompt is one node,
+        groups sharing more below it are nodes of their own — and for each row the page
+        its own keys start at (past every node it is in)."""
+        P = self.page_size
+        tables = [self.table(s) for s in seqs]
+        full = [self.lengths[s] // P for s in seqs]  # only full pages are shared
+        nodes: list[Node] = []
+        starts = [0] * len(seqs)
+
+        def split(rows: list[int], depth: int) -> None:
+            first = tables[rows[0]]
+            end = min(full[r] for r in rows)
+            for r in rows[1:]:
+                mine, theirs = tables[r][depth:end], first[depth:end]
+                if mine != theirs:  # (a list comparison: one C loop)
+                    end = depth + next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            if end > depth:
+                nodes.append((rows, first[depth:end]))
+            groups: dict[int, list[int]] = {}
+            for r in rows:
+                starts[r] = end
+                if full[r] > end:
+                    groups.setdefault(tables[r][end], []).append(r)
+            for group in groups.values():
+                if len(group) > 1:
+                    split(group, end)
+
+        if len(seqs) > 1:
+            split(list(range(len(seqs))), 0)
+        return nodes, starts
+
+
+class Append:
+    """One append of ``counts[b]`` tokens to each sequence b, reserved in the book once for
+    every layer: the lengths before and after, the slots the tokens go to, and (made when
+    first asked) the block tables attention reads."""
+
+    def __init__(self, book: Book, seqs: list[int], counts: tuple[int, ...]) -> None:
+        self.book, self.seqs, self.counts = book, seqs, counts
+        self.before = torch.tensor([book.length(s) for s in seqs], dtype=torch.long)
+        self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
+        self.after = self.before + torch.tensor(counts, dtype=torch.long)
+        self._tree: tuple[list[Node], list[int]] | None = None
+        self._own: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tree(self) -> tuple[list[Node], list[int]]:
+        """:meth:`Book.prefix_tree` of the batch after this append (made once)."""
+        if self._tree is None:
+            self._tree = self.book.prefix_tree(self.seqs)
+        return self._tree
+
+    def own(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's pages past the prefixes it shares, as a (B, max_pages) block table,
+        and their tokens (B,); int32, made once for every layer."""
+        if self._own is None:
+            _, starts = self.tree()
+            table = torch.tensor(self.book.block_tables(self.seqs, starts), dtype=torch.int32)
+            held = self.after - torch.tensor(starts) * self.book.page_size
+            self._own = table.view(len(self.seqs), -1), held.to(torch.int32)
+        return self._own
+
+
+class Pass:
+    """The bookkeeping of a forward pass over a paged batch, done once for every layer:
+    each layer's k-th append uses the k-th :class:`Append` (made by the first layer that
+    gets there), so the layers' pools, which share one book, stay in step."""
+
+    def __init__(self, book: Book, seqs: list[int]) -> None:
+        self.book, self.seqs = book, seqs
+        self.appends: list[Append] = []
+
+    def append(self, k: int, counts: tuple[int, ...]) -> Append:
+        if k < len(self.appends):
+            done = self.appends[k]
+            if done.counts != counts:
+                raise ValueError(
+                    f"the layers of a paged batch went out of step: append {k} was of "
+                    f"{sum(done.counts)} tokens in one layer and {sum(counts)} in another"
+                )
+            return done
+        self.appends.append(Append(self.book, self.seqs, counts))
+        return self.appends[-1]
+
+    def held(self, k: int) -> torch.Tensor:
+        """The tokens each sequence holds in a layer that has made k appends."""
+        if k < len(self.appends):
+            return self.appends[k].before
+        return torch.tensor([self.book.length(s) for s in self.seqs], dtype=torch.long)

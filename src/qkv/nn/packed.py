@@ -1,0 +1,106 @@
+"""A packed prefill: the prompts of new sequences one after another in one forward pass,
+each attending its own tokens, their keys and values written to each one's pages.
+
+Legend: H query heads · H_kv key/value heads · D head dim · D_v value dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..varlen import varlen_attention
+from .book import Pass
+from .cache import check_appended
+
+if TYPE_CHECKING:
+    from .paged import PagedKVCache
+
+
+class PackedBatch:
+    """New sequences prefilled together, packed: their prompts one after another in one row
+    (1, total), each token at its own sequence's position, each sequence attending its own
+    tokens only (:func:`qkv.varlen_attention`, causal per sequence) and its keys and values
+    stored in its own pages. What :class:`qkv.MultiHeadAttention` and the GPT take for a
+    prefill of many prompts in one forward pass (:meth:`PagedCaches.packed`)."""
+
+    def __init__(self, pool: PagedKVCache, seqs: list[int], lengths: list[int], plan: Pass) -> None:
+        held = [plan.book.length(s) for s in seqs]
+        if any(held):
+            raise ValueError(
+                f"a packed prefill starts new sequences; these already hold {held} tokens"
+            )
+        if any(n < 1 for n in lengths) or len(lengths) != len(seqs):
+            raise ValueError(f"a packed prefill takes one length >= 1 per sequence; got {lengths}")
+        self.pool, self.seqs, self.lengths, self._plan = pool, seqs, lengths, plan
+        self._appends = 0
+        self.cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        self.total, self.longest = int(self.cu[-1]), max(lengths)
+
+    def positions(self, T: int) -> torch.Tensor:
+        """Each packed token's position in its own sequence, (1, total)."""
+        if self.total != T:
+            raise ValueError(
+                f"a packed prefill of {self.lengths} takes {self.total} tokens; got {T}"
+            )
+        return torch.cat([torch.arange(n) for n in self.lengths])[None]
+
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The packed (1, H_kv, total, ·) keys and values into each sequence's pages."""
+        H_kv = self.pool.keys.shape[0]
+        check_appended(
+            key,
+            value,
+            1,
+            H_kv,
+            self.pool.keys.shape[3],
+            self.pool.values.shape[3],
+            self.pool.keys,
+            "the pool",
+            " (packed)",
+        )
+        done = self._plan.append(self._appends, tuple(self.lengths))
+        self.pool.write(done.slots.to(self.pool.keys.device), key, value)
+        self._appends += 1
+
+    @property
+    def length(self) -> int:
+        return 0  # new sequences: nothing cached before the prefill
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ValueError(
+            "a packed prefill is attended per sequence (PackedBatch.attend, as "
+            "qkv.MultiHeadAttention does), not as one batch's cache"
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed (1, H, total, D) queries over the packed keys and values, each sequence
+        to its own: (1, H, total, D_v)."""
+
+        def packed(x: torch.Tensor) -> torch.Tensor:
+            return x[0].transpose(0, 1)  # (total, heads, ·)
+
+        cu = self.cu.to(q.device)
+        out = varlen_attention(
+            packed(q),
+            packed(k),
+            packed(v),
+            cu,
+            cu,
+            self.longest,
+            self.longest,
+            window_size=(-1, 0) if causal else (-1, -1),
+            enable_gqa=True,
+            sinks=sinks,
+        )
+        assert isinstance(out, torch.Tensor)
+        return out.transpose(0, 1)[None]
