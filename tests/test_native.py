@@ -73,7 +73,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
 def calls(monkeypatch):
     """Record the native calls ``qkv.attention`` makes, forward and backward."""
     seen = []
-    for name in ("attend", "backward"):
+    for name in ("attend", "attend_many", "backward"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, real=real: seen.append(1) or real(*a))
     return seen
@@ -100,6 +100,33 @@ def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(
     finite = np.isfinite(want_lse)
     assert np.array_equal(np.isfinite(lse.numpy()), finite)
     np.testing.assert_allclose(lse.double().numpy()[finite], want_lse[finite], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
+def test_a_forward_pass_is_one_native_call_with_the_same_bits_at_any_thread_count(
+    name, monkeypatch, tune
+):
+    """Every call of the pass goes to the kernel at once (one parallel region: a busy
+    machine's descheduled thread holds up one work item, not one barrier per call); each
+    output row is one work item's, so the bits do not depend on the threads."""
+    tune(**small_tiles(), fused_span=24, group=4, shared_min=8)  # many calls, some merged
+    q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=torch.bfloat16, seed=3)
+    mask = mask_zoo(2, 75, 61)[name]
+    batches = []
+    real = native.attend_many
+    monkeypatch.setattr(
+        native, "attend_many", lambda jobs, *a: batches.append(len(jobs)) or real(jobs, *a)
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+        torch.set_num_threads(2)
+        two = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(batches) == 2 and batches[0] > 1  # one native call a pass, of many calls
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 def test_long_rows_stay_within_their_own_rounding(monkeypatch):

@@ -299,11 +299,10 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
 }
 
 /* Each thread takes work items until none is left. */
-static void worker(Job *j) {
-    for (int64_t it; (it = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED)) < j->items;) {
-        int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
-        for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
-    }
+/* One forward work item of a call: ROWS query rows of one (b, h). */
+static void forward_item(Job *j, int64_t it) {
+    int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
+    for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
 }
 
 /* ---- the backward: dQ, dK, dV of one call, from the whole rows' lse and Delta ----------
@@ -534,45 +533,108 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
     return 1;
 }
 
-static PyObject *attend(PyObject *self, PyObject *args) {
+/* One call's arguments (attend's, less the thread count) into j; 0 with a Python error
+   set if they do not parse or fit. */
+static int parse_call(Job *j, PyObject *args, int threads) {
     unsigned long long q, kp, vp, bias, out, lse;
     long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, bs0, bs1, bs2, os0, os1, os2, os3, ls0,
         ls1, ls2, ls3;
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
-    int threads, parts;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)dii", &q, &qs0,
+    int parts;
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)di", &q, &qs0,
                           &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &bias, &bs0, &bs1,
                           &bs2, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B,
-                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts, &threads))
-        return NULL;
-    Job j = {0};
-    if (!call_sizes(&j, "attend", B, H, G, R, D, Nt, k0, N, scale, threads)) return NULL;
+                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts))
+        return 0;
+    memset(j, 0, sizeof *j);
+    if (!call_sizes(j, "attend", B, H, G, R, D, Nt, k0, N, scale, threads)) return 0;
 #ifdef QKV_X86
-    j.q = (const bf16 *)(uintptr_t)q;
-    j.kp = (const bf16 *)(uintptr_t)kp;
-    j.vp = (const bf16 *)(uintptr_t)vp;
-    j.bias = (const float *)(uintptr_t)bias;
-    j.out = (float *)(uintptr_t)out;
-    j.lse = (float *)(uintptr_t)lse;
+    j->q = (const bf16 *)(uintptr_t)q;
+    j->kp = (const bf16 *)(uintptr_t)kp;
+    j->vp = (const bf16 *)(uintptr_t)vp;
+    j->bias = (const float *)(uintptr_t)bias;
+    j->out = (float *)(uintptr_t)out;
+    j->lse = (float *)(uintptr_t)lse;
     int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[2] = {vs0, vs1},
             bs[3] = {bs0, bs1, bs2}, os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
-    memcpy(j.os, os, sizeof os);
-    memcpy(j.ls, ls, sizeof ls);
-    memcpy(j.qs, qs, sizeof qs);
-    memcpy(j.ks, ks, sizeof ks);
-    memcpy(j.vs, vs, sizeof vs);
-    memcpy(j.bs, bs, sizeof bs);
-    j.parts = parts == 1 ? 1 : 2;
-    j.tiles = (G * R + ROWS - 1) / ROWS;
-    j.items = B * H * j.tiles;
-    if (threads > j.items) threads = (int)j.items;
+    memcpy(j->os, os, sizeof os);
+    memcpy(j->ls, ls, sizeof ls);
+    memcpy(j->qs, qs, sizeof qs);
+    memcpy(j->ks, ks, sizeof ks);
+    memcpy(j->vs, vs, sizeof vs);
+    memcpy(j->bs, bs, sizeof bs);
+    j->parts = parts == 1 ? 1 : 2;
+    j->tiles = (G * R + ROWS - 1) / ROWS;
+    j->items = B * H * j->tiles;
+#endif
+    return 1;
+}
+
+/* Every call of a forward pass in one parallel region: the calls' work items are dealt
+   from one counter, so a thread that is descheduled (a busy machine) holds up the one item
+   it is on, and the pass waits at one barrier instead of one per call. */
+static PyObject *run_calls(PyObject *list, int threads) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "attend_many: threads must be >= 1");
+        return NULL;
+    }
+    Job *jobs = calloc(n > 0 ? (size_t)n : 1, sizeof(Job));
+    int64_t *start = calloc((size_t)n + 1, sizeof(int64_t));
+    if (!jobs || !start) {
+        free(jobs), free(start);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *one = PyList_GET_ITEM(list, c);
+        if (!PyTuple_Check(one) || !parse_call(&jobs[c], one, threads)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend_many: a tuple a call");
+            free(jobs), free(start);
+            return NULL;
+        }
+        start[c + 1] = start[c] + jobs[c].items;
+    }
+#ifdef QKV_X86
+    int64_t next = 0, items = start[n];
+    if (threads > items) threads = items > 0 ? (int)items : 1;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
-    worker(&j);
+    {
+        Py_ssize_t c = 0; /* each thread's items only grow: its call index only moves on */
+        for (int64_t it; (it = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < items;) {
+            while (it >= start[c + 1]) c++;
+            forward_item(&jobs[c], it - start[c]);
+        }
+    }
     Py_END_ALLOW_THREADS
 #endif
+    free(jobs), free(start);
     Py_RETURN_NONE;
+}
+
+static PyObject *attend_many(PyObject *self, PyObject *args) {
+    PyObject *list;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &list, &threads)) return NULL;
+    return run_calls(list, threads);
+}
+
+/* One call: attend_many of one. */
+static PyObject *attend(PyObject *self, PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    int threads = n > 0 ? (int)PyLong_AsLong(PyTuple_GET_ITEM(args, n - 1)) : 0;
+    if (PyErr_Occurred()) return NULL;
+    PyObject *call = PyTuple_GetSlice(args, 0, n > 0 ? n - 1 : 0);
+    PyObject *list = call ? PyList_New(1) : NULL;
+    if (!list) {
+        Py_XDECREF(call);
+        return NULL;
+    }
+    PyList_SET_ITEM(list, 0, call); /* the list owns the call now */
+    PyObject *done = run_calls(list, threads);
+    Py_DECREF(list);
+    return done;
 }
 
 static PyObject *backward_py(PyObject *self, PyObject *args) {
@@ -634,6 +696,9 @@ static PyMethodDef methods[] = {
     {"pack", pack_py, METH_VARARGS,
      "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads): K and V into the "
      "kernel's pairs."},
+    {"attend_many", attend_many, METH_VARARGS,
+     "attend_many([call, ...], threads): every call (attend's arguments less threads) in one "
+     "parallel region, their work items dealt from one counter."},
     {"attend", attend, METH_VARARGS,
      "attend((q, *4 strides), (kp, *2), (vp, *2), (bias|0, *3), (out, *4), (lse, *4), "
      "(B, H, G, R, D), "

@@ -182,6 +182,11 @@ def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.T
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
+    # The native kernel runs every call of the pass at once, at the end (one parallel region:
+    # no barrier per call for a descheduled thread to hold up); a call whose rows an earlier
+    # call wrote is merged into them afterwards, in the order of the calls.
+    jobs: list[_native.Job] = []
+    merges: list[tuple[slice, _native.Job]] = []
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:
@@ -191,23 +196,21 @@ def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.T
             done[c.q0 - g0 : c.q1 - g0] = True
             if packed is not None:  # a row with no key: lse -inf already
                 into = (out[:, :, :, at], lse[:, :, :, at]) if first else ()
-                o, l_ = _native.attend(
-                    q5[:, :, :, at], packed, c.k0, c.k1, bias, scale, p_parts, *into
-                )
-                if first:  # written straight into out and lse
-                    continue
-            else:
-                o, l_ = FLASH(
-                    _rows(q5, c.q0, c.q1),
-                    k[:, :, c.k0 : c.k1],
-                    v[:, :, c.k0 : c.k1],
-                    0.0,
-                    False,
-                    attn_mask=bias,
-                    scale=scale,
-                )
-                if empty is not None:  # torch's kernel gives such a row lse 0: make it -inf
-                    l_ = l_.masked_fill(empty, float("-inf"))
+                jobs.append(_native.Job(q5[:, :, :, at], c.k0, c.k1, bias, *into))
+                if not first:
+                    merges.append((at, jobs[-1]))
+                continue
+            o, l_ = FLASH(
+                _rows(q5, c.q0, c.q1),
+                k[:, :, c.k0 : c.k1],
+                v[:, :, c.k0 : c.k1],
+                0.0,
+                False,
+                attn_mask=bias,
+                scale=scale,
+            )
+            if empty is not None:  # torch's kernel gives such a row lse 0: make it -inf
+                l_ = l_.masked_fill(empty, float("-inf"))
             o, l_ = o.view(B, H_kv, G, c.q1 - c.q0, D), l_.view(B, H_kv, G, c.q1 - c.q0)
             if first:
                 out[:, :, :, at], lse[:, :, :, at] = o, l_
@@ -218,6 +221,12 @@ def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.T
         if not done.all():  # rows with no key: out 0, lse -inf
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
+    if packed is not None:
+        _native.attend_many(jobs, packed, scale, p_parts)
+        for at, job in merges:
+            out[:, :, :, at], lse[:, :, :, at] = _merge(
+                out[:, :, :, at], lse[:, :, :, at], job.out, job.lse
+            )
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 

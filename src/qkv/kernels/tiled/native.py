@@ -105,36 +105,67 @@ def attend(
     k1 - k0) or None. A row with no allowed key: out 0, lse -inf. P enters ·V as ``p_parts``
     bfloat16 parts (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and
     ``lse`` (B, H_kv, G, R), float32 views, where given."""
-    _check_call("attend", q5, packed, k0, k1, bias)
-    B, H_kv, G, R, D = q5.shape
-    N = k1 - k0
-    out = torch.empty(B, H_kv, G, R, D) if out is None else out
-    lse = torch.empty(B, H_kv, G, R) if lse is None else lse
-    if (
-        out.shape != (B, H_kv, G, R, D)
-        or lse.shape != (B, H_kv, G, R)
-        or out.stride(-1) != 1
-        or out.dtype != torch.float32
-        or lse.dtype != torch.float32
-    ):
-        raise ValueError(
-            "native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
-            "float32, out's last dim contiguous"
+    job = Job(q5, k0, k1, bias, out, lse)
+    attend_many([job], packed, scale, p_parts)
+    assert job.out is not None and job.lse is not None
+    return job.out, job.lse
+
+
+class Job:
+    """One call of :func:`attend_many`: queries q5 over keys k0..k1-1 with ``bias``, into
+    ``out`` and ``lse`` (made when None), as in :func:`attend`."""
+
+    def __init__(
+        self,
+        q5: torch.Tensor,
+        k0: int,
+        k1: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        B, H_kv, G, R, D = q5.shape
+        self.q5, self.k0, self.k1, self.bias = q5, k0, k1, bias
+        self.out = torch.empty(B, H_kv, G, R, D) if out is None else out
+        self.lse = torch.empty(B, H_kv, G, R) if lse is None else lse
+
+
+def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2) -> None:
+    """Every call of a forward pass (:func:`attend`'s, over one packed K and V) in one native
+    call: one parallel region whose threads take the calls' work items from one counter, so
+    a thread descheduled on a busy machine holds up only the item it is on, and the pass
+    waits at one barrier, not one per call (docs/kernels.md#native-bfloat16)."""
+    args = []
+    for job in jobs:
+        _check_call("attend", job.q5, packed, job.k0, job.k1, job.bias)
+        B, H_kv, G, R, D = job.q5.shape
+        out, lse = job.out, job.lse
+        if (
+            out.shape != (B, H_kv, G, R, D)
+            or lse.shape != (B, H_kv, G, R)
+            or out.stride(-1) != 1
+            or out.dtype != torch.float32
+            or lse.dtype != torch.float32
+        ):
+            raise ValueError(
+                "native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
+                "float32, out's last dim contiguous"
+            )
+        args.append(
+            (
+                (job.q5.data_ptr(), *job.q5.stride()[:4]),
+                (packed.k.data_ptr(), *packed.k.stride()[:2]),
+                (packed.v.data_ptr(), *packed.v.stride()[:2]),
+                _bias_at(job.bias),
+                (out.data_ptr(), *out.stride()[:4]),
+                (lse.data_ptr(), *lse.stride()),
+                (B, H_kv, G, R, D),
+                (packed.Nt, job.k0, job.k1 - job.k0),
+                scale,
+                p_parts,
+            )
         )
-    _bf16.attend(
-        (q5.data_ptr(), *q5.stride()[:4]),
-        (packed.k.data_ptr(), *packed.k.stride()[:2]),
-        (packed.v.data_ptr(), *packed.v.stride()[:2]),
-        _bias_at(bias),
-        (out.data_ptr(), *out.stride()[:4]),
-        (lse.data_ptr(), *lse.stride()),
-        (B, H_kv, G, R, D),
-        (packed.Nt, k0, N),
-        scale,
-        p_parts,
-        torch.get_num_threads(),
-    )
-    return out, lse
+    _bf16.attend_many(args, torch.get_num_threads())
 
 
 def _check_call(

@@ -1,0 +1,136 @@
+"""The headline calls on a quiet machine and on a busy one (issue 25's figures).
+
+    python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
+
+Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
+backward, float32 and bfloat16, and causal at T = 4096 — runs through ``qkv.attention`` and
+through torch's SDPA (the dense bool mask for the window, ``is_causal`` for causal), first on
+a quiet machine, then while ``--busy`` CPU-bound processes (a Python busy loop each) run
+beside it. Medians of interleaved rounds; the slowdown of each is busy ÷ quiet, and the
+table's last column is qkv's slowdown ÷ SDPA's (the issue's target: ≤ 1.25). torch keeps its
+default thread count. Name the CPU beside the figures (``lscpu``).
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+H, D = 8, 64
+
+
+def cases(T: int):
+    """name -> (qkv call, SDPA call), each a function of nothing that runs one pass."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(3))
+        window = qkv.masks.sliding_window(256)
+        dense = window.dense(1, 1, T, T).contiguous()
+        name = str(dtype).removeprefix("torch.")
+        out[f"sliding_window(256) T={T} {name} forward"] = (
+            lambda q=q, k=k, v=v, m=window: qkv.attention(q, k, v, mask=m),
+            lambda q=q, k=k, v=v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        )
+        out[f"sliding_window(256) T={T} {name} fwd+bwd"] = (
+            _backward(lambda q, k, v, m=window: qkv.attention(q, k, v, mask=m), q, k, v),
+            _backward(
+                lambda q, k, v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                q,
+                k,
+                v,
+            ),
+        )
+    q, k, v = (torch.randn(1, H, 4096, D, generator=g) for _ in range(3))
+    causal = qkv.masks.causal()
+    out["causal T=4096 float32 forward"] = (
+        lambda: qkv.attention(q, k, v, mask=causal),
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    )
+    out["causal T=4096 float32 fwd+bwd"] = (
+        _backward(lambda q, k, v: qkv.attention(q, k, v, mask=causal), q, k, v),
+        _backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v),
+    )
+    return out
+
+
+def _backward(fn, q, k, v):
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def run():
+        out = fn(*xs)
+        out.float().sum().backward()
+        for x in xs:
+            x.grad = None
+
+    return run
+
+
+def measure(calls, rounds: int) -> dict[str, float]:
+    """Median seconds of each call over interleaved rounds (after one warm-up round)."""
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    names = list(calls)
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            calls[name]()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def busy(n: int) -> list[subprocess.Popen]:
+    """n CPU-bound processes (a Python busy loop each)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--busy", type=int, default=2)
+    parser.add_argument("--T", type=int, default=8192)
+    args = parser.parse_args()
+    calls = {}
+    for name, (ours, sdpa) in cases(args.T).items():
+        calls[f"qkv|{name}"], calls[f"sdpa|{name}"] = ours, sdpa
+    quiet = measure(calls, args.rounds)
+    load_quiet = os.getloadavg()[0]
+    others = busy(args.busy)
+    try:
+        time.sleep(2.0)
+        loaded = measure(calls, args.rounds)
+        load_busy = os.getloadavg()[0]
+    finally:
+        for p in others:
+            p.kill()
+    print(
+        f"torch threads {torch.get_num_threads()}, {args.busy} busy processes; load average "
+        f"{load_quiet:.1f} quiet, {load_busy:.1f} busy; medians of {args.rounds} rounds"
+    )
+    print(
+        "| case | qkv quiet | qkv busy | qkv slowdown | SDPA quiet | SDPA busy | SDPA slowdown "
+        "| qkv ÷ SDPA slowdown |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in cases_names(calls):
+        a, b = quiet[f"qkv|{name}"], loaded[f"qkv|{name}"]
+        c, d = quiet[f"sdpa|{name}"], loaded[f"sdpa|{name}"]
+        print(
+            f"| {name} | {a * 1e3:.0f} ms | {b * 1e3:.0f} ms | {b / a:.2f}× | {c * 1e3:.0f} ms "
+            f"| {d * 1e3:.0f} ms | {d / c:.2f}× | {(b / a) / (d / c):.2f} |"
+        )
+
+
+def cases_names(calls) -> list[str]:
+    return [n.removeprefix("qkv|") for n in calls if n.startswith("qkv|")]
+
+
+if __name__ == "__main__":
+    main()
