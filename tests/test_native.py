@@ -217,7 +217,7 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         delta = (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
     packed, vk = native.pack_backward(k, v)
-    dq = native.gradient_buffer(B, H_kv, G, R, D)
+    dq = torch.zeros(B, H_kv, G, R, D)
     native.backward(
         q5,
         do5,
@@ -233,9 +233,24 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         dk,
         dv,
     )
-    dq = dq.sum(0)
     for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_gradients_have_the_same_bits_run_to_run_and_at_any_thread_count():
+    """dQ's share of each key block is added in the blocks' order, whichever thread ran it:
+    the gradients do not depend on scheduling (they did, with one dQ buffer per thread)."""
+    q, k, v = make_qkv(1, 8, 8, 1024, 1024, 64, 64, dtype=torch.bfloat16, seed=5)
+    g = torch.randn(1, 8, 1024, 64).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (2, 2, 2, 1):
+            torch.set_num_threads(n)
+            runs.append(grads(q, k, v, g, qkv.masks.sliding_window(256), backend="tiled"))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))

@@ -311,7 +311,8 @@ static void forward_item(Job *j, int64_t it) {
    dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta = rowsum(dO ∘ O)); then dV += Pᵀ dO and
    dK += dSᵀ Q in float32 (P and dS unrounded), dQ += dS K with dS as bfloat16 hi + lo
    (the forward's ·V step). A work item is one key block of one head, over all rows: its
-   dK and dV are its own; dQ goes to the thread's own buffer, summed by the caller. */
+   dK and dV are its own; its share of dQ is added to dq in key-block order (commit), so
+   dQ's bits do not depend on which thread ran which block, nor on how many threads ran. */
 
 #define KB 64
 
@@ -321,12 +322,18 @@ typedef struct {
     int64_t dos[4], vks[2];
     const float *lse, *delta; /* (B, H, G, R) */
     int64_t ls[4], des[4];
-    float *dq;        /* threads × (B, H, G, R, D), strides dqs[0..4], D contiguous */
-    int64_t dqs[5];
+    float *dq;        /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
+    int64_t dqs[4];
     float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
     int64_t dks[3], dvs[3];
     int64_t blocks;   /* key blocks per head */
     int64_t done;     /* work items finished (a thread without scratch memory runs none) */
+    /* dQ is summed in key-block order, whichever thread ran a block: an item's share waits
+       in pending[item] until the blocks before it of its (b, h) are in, then whoever holds
+       the lock adds it (no thread waits for another to finish its item). */
+    float **pending;
+    int64_t *committed; /* per (b, h): the key blocks added to dq so far */
+    omp_lock_t lock;
 } BJob;
 
 /* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
@@ -355,7 +362,7 @@ TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, in
 }
 
 TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                             float *dKa, float *dVa) {
+                             float *dKa, float *dVa) { /* dq: this item's (G, R, D) share */
     Job *j = &bj->f;
     int64_t D = j->D, GR = j->G * j->R;
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
@@ -418,7 +425,7 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
         pv(j, kv, n0, nk, live, Dh, Dl, O);
         for (int i = 0; i < rows; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            float *dqr = dq + b * bj->dqs[1] + h * bj->dqs[2] + g * bj->dqs[3] + r * bj->dqs[4];
+            float *dqr = dq + (g * j->R + r) * D;
             for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
         }
     }
@@ -432,15 +439,39 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
     }
 }
 
+/* Item it's dQ share into pending, then every share now next in line added to dq. */
+static void commit(BJob *bj, int64_t it, float *share) {
+    Job *j = &bj->f;
+    int64_t bh = it / bj->blocks, b = bh / j->H, h = bh % j->H, D = j->D;
+    omp_set_lock(&bj->lock);
+    bj->pending[it] = share;
+    for (int64_t k; (k = bj->committed[bh]) < bj->blocks && bj->pending[bh * bj->blocks + k];) {
+        float *p = bj->pending[bh * bj->blocks + k];
+        for (int64_t g = 0; g < j->G; g++)
+            for (int64_t r = 0; r < j->R; r++) {
+                float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] +
+                             r * bj->dqs[3];
+                const float *src = p + (g * j->R + r) * D;
+                for (int64_t d = 0; d < D; d++) dqr[d] += src[d];
+            }
+        free(p);
+        bj->pending[bh * bj->blocks + k] = NULL;
+        bj->committed[bh] = k + 1;
+    }
+    omp_unset_lock(&bj->lock);
+}
+
 static void backward_worker(BJob *bj, int64_t items) {
     Job *j = &bj->f;
-    int64_t D = j->D;
-    float *dq = bj->dq + (int64_t)omp_get_thread_num() * bj->dqs[0];
+    int64_t D = j->D, share = j->G * j->R * D;
     float *scratch = malloc(sizeof(float) * 2 * KB * D);
     if (!scratch) return; /* the caller checks every item ran */
     for (int64_t it; (it = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED)) < items;) {
+        float *dq = calloc((size_t)share, sizeof(float));
+        if (!dq) break; /* (the items left to it are not done: the caller raises) */
         int64_t bh = it / bj->blocks, n0 = (it % bj->blocks) * KB;
         key_block(bj, bh / j->H, bh % j->H, n0, dq, scratch, scratch + KB * D);
+        commit(bj, it, dq);
         __atomic_fetch_add(&bj->done, 1, __ATOMIC_RELAXED);
     }
     free(scratch);
@@ -639,16 +670,16 @@ static PyObject *attend(PyObject *self, PyObject *args) {
 
 static PyObject *backward_py(PyObject *self, PyObject *args) {
     unsigned long long q, dout, kp, kv, vk, bias, lse, delta, dq, dk, dv;
-    long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[5], dks[3], dvs[3];
+    long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
     int threads;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLLL)(KLLL)(KLLL)"
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
                           "(LLLLL)(LLL)di", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
                           &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1],
                           &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
                           &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
-                          &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dqs[4], &dk, &dks[0],
+                          &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
                           &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
                           &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &threads))
         return NULL;
@@ -671,16 +702,26 @@ static PyObject *backward_py(PyObject *self, PyObject *args) {
         j->qs[x] = qs[x], bj.dos[x] = dos[x], bj.ls[x] = ls[x], bj.des[x] = des[x];
     }
     for (int x = 0; x < 3; x++) j->bs[x] = bs[x], bj.dks[x] = dks[x], bj.dvs[x] = dvs[x];
-    for (int x = 0; x < 5; x++) bj.dqs[x] = dqs[x];
+    for (int x = 0; x < 4; x++) bj.dqs[x] = dqs[x];
     for (int x = 0; x < 2; x++) j->ks[x] = ks[x], j->vs[x] = kvs[x], bj.vks[x] = vks[x];
     j->parts = 2;
     int64_t Np = (j->lead + N + 31) / 32 * 32;
     bj.blocks = (Np + KB - 1) / KB;
     int64_t items = B * H * bj.blocks;
+    bj.pending = calloc((size_t)(items > 0 ? items : 1), sizeof(float *));
+    bj.committed = calloc((size_t)(B * H > 0 ? B * H : 1), sizeof(int64_t));
+    if (!bj.pending || !bj.committed) {
+        free(bj.pending), free(bj.committed);
+        return PyErr_NoMemory();
+    }
+    omp_init_lock(&bj.lock);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
     backward_worker(&bj, items);
     Py_END_ALLOW_THREADS
+    omp_destroy_lock(&bj.lock);
+    for (int64_t it = 0; it < items; it++) free(bj.pending[it]); /* (only after a failure) */
+    free(bj.pending), free(bj.committed);
     if (bj.done != items) return PyErr_NoMemory();
 #endif
     Py_RETURN_NONE;
@@ -690,9 +731,9 @@ static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
     {"backward", backward_py, METH_VARARGS,
      "backward((q, *4), (dout, *4), (K scores, *2), (K values, *2), (V scores, *2), "
-     "(bias|0, *3), (lse, *4), (delta, *4), (dq, *5), (dk, *3), (dv, *3), (B, H, G, R, D), "
-     "(Nt, k0, N), scale, threads): one call's gradients, added to dq (one (B, H, G, R, D) "
-     "slice per thread), dk and dv."},
+     "(bias|0, *3), (lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), "
+     "(Nt, k0, N), scale, threads): one call's gradients, added to dq (B, H, G, R, D; in "
+     "key-block order), dk and dv."},
     {"pack", pack_py, METH_VARARGS,
      "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads): K and V into the "
      "kernel's pairs."},

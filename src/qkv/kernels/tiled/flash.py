@@ -262,11 +262,11 @@ def fused_backward(
     q5 = _blocked(q, H_kv)
     do5 = _blocked(dout.to(q.dtype).contiguous(), H_kv)  # (a sum's dout is expanded)
     dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
-    if packed is not None:  # reads Delta, and lse -inf as "no key"; one dQ per thread
+    if packed is not None:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta = row_dot(dout, out, acc) if delta is None else delta
         delta5 = _blocked(delta[..., None], H_kv)[..., 0]
-        dq_threads = _native.gradient_buffer(B, H_kv, G, T_q, D)
+        dq5 = torch.zeros(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)
         lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None], H_kv)
@@ -289,7 +289,7 @@ def fused_backward(
                     lse5[..., at],
                     delta5[..., at],
                     scale,
-                    dq_threads[..., at, :],
+                    dq5[:, :, :, at],
                     dk[:, :, c.k0 : c.k1],
                     dv[:, :, c.k0 : c.k1],
                 )
@@ -309,8 +309,6 @@ def fused_backward(
             dq5[:, :, :, c.q0 : c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
-    if packed is not None:
-        dq5 = dq_threads.sum(0)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

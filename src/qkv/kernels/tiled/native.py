@@ -230,9 +230,9 @@ def backward(
     dv: torch.Tensor,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
-    (B, H_kv, G, R)), added in float32 to ``dq`` ((threads, B, H_kv, G, R, D): a slice per
-    thread of :func:`gradient_buffer`, which the caller sums), and to ``dk``, ``dv`` for
-    keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
+    (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D); each key block's
+    share in the blocks' order, so the bits do not depend on the threads), and to ``dk``,
+    ``dv`` for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
     ``packed`` and ``vk`` from :func:`pack_backward`; bias as for :func:`attend`."""
     _check_call("backward", q5, packed, k0, k1, bias)
     B, H_kv, G, R, D = q5.shape
@@ -242,7 +242,7 @@ def backward(
         do5.shape != q5.shape
         or lse.shape != (B, H_kv, G, R)
         or delta.shape != lse.shape
-        or dq.shape != (threads, *q5.shape)
+        or dq.shape != q5.shape
         or dk.shape != (B, H_kv, N, D)
         or dv.shape != dk.shape
         or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
@@ -262,7 +262,7 @@ def backward(
         _bias_at(bias),
         (lse.data_ptr(), *lse.stride()),
         (delta.data_ptr(), *delta.stride()),
-        (dq.data_ptr(), *dq.stride()[:5]),
+        (dq.data_ptr(), *dq.stride()[:4]),
         (dk.data_ptr(), *dk.stride()[:3]),
         (dv.data_ptr(), *dv.stride()[:3]),
         (B, H_kv, G, R, D),
@@ -270,9 +270,3 @@ def backward(
         scale,
         threads,
     )
-
-
-def gradient_buffer(B: int, H_kv: int, G: int, T_q: int, D: int) -> torch.Tensor:
-    """dQ's float32 accumulators, one per thread of torch's pool: (threads, B, H_kv, G,
-    T_q, D), zero; their sum over the first dim is dQ."""
-    return torch.zeros(torch.get_num_threads(), B, H_kv, G, T_q, D)
