@@ -73,7 +73,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
 def calls(monkeypatch):
     """Record the native calls ``qkv.attention`` makes, forward and backward."""
     seen = []
-    for name in ("attend", "attend_many", "backward"):
+    for name in ("attend", "attend_many", "backward", "backward_many"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, real=real: seen.append(1) or real(*a))
     return seen
@@ -253,22 +253,29 @@ def test_bfloat16_gradients_have_the_same_bits_run_to_run_and_at_any_thread_coun
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_gradients_in_bfloat16_run_natively(name, monkeypatch, tune):
+def test_gradients_in_bfloat16_run_natively(name, small, monkeypatch, tune):
     """Both passes native, every mask kind, T_q != T_k, GQA: against float64 autograd on
     the same inputs, and against the float32 path (``Tuning.native`` off), which rounds only its
-    results to bfloat16."""
+    results to bfloat16. With small tiles a pass is many calls whose keys overlap (their
+    shares of dK and dV meet in one native call)."""
+    if small:
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=12)
     g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).bfloat16()
     seen = []
-    real = native.backward
-    monkeypatch.setattr(native, "backward", lambda *a: seen.append(1) or real(*a))
+    real = native.backward_many
+    monkeypatch.setattr(native, "backward_many", lambda *a: seen.append(len(a[0])) or real(*a))
     got = grads(q, k, v, g, mask, backend="tiled")
-    assert seen, "the bfloat16 backward did not run natively"
+    assert seen == [seen[0]], "the bfloat16 backward did not run natively, in one call"
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
-    tune(native=False)
+    if small:
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16, native=False)
+    else:
+        tune(native=False)
     upcast = grads(q, k, v, g, mask, backend="tiled")
     for a, b, c in zip(got, want, upcast):
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)

@@ -1,5 +1,6 @@
 /* qkv's native bfloat16 attention step for x86-64 CPUs with AVX512-BF16: the forward and
-   the backward of one call of the tiled kernel's fused steps (qkv/kernels/fused.py).
+   the backward of the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of
+   a pass in one parallel region (attend_many, backward_many).
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp: Q, K, V stay bfloat16 and both matmuls run as
    bfloat16 dot products accumulated in float32 (VDPBF16PS); the scores, the online softmax
@@ -327,13 +328,6 @@ typedef struct {
     float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
     int64_t dks[3], dvs[3];
     int64_t blocks;   /* key blocks per head */
-    int64_t done;     /* work items finished (a thread without scratch memory runs none) */
-    /* dQ is summed in key-block order, whichever thread ran a block: an item's share waits
-       in pending[item] until the blocks before it of its (b, h) are in, then whoever holds
-       the lock adds it (no thread waits for another to finish its item). */
-    float **pending;
-    int64_t *committed; /* per (b, h): the key blocks added to dq so far */
-    omp_lock_t lock;
 } BJob;
 
 /* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
@@ -429,6 +423,23 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
             for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
         }
     }
+}
+
+/* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,
+   dk and dv. */
+static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
+                      const float *dKa, const float *dVa) {
+    const Job *j = &bj->f;
+    int64_t D = j->D, lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+    int64_t nk = Np - n0 < KB ? Np - n0 : KB;
+    int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+    for (int64_t g = 0; g < j->G; g++)
+        for (int64_t r = 0; r < j->R; r++) {
+            float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] +
+                         r * bj->dqs[3];
+            const float *src = dq + (g * j->R + r) * D;
+            for (int64_t d = 0; d < D; d++) dqr[d] += src[d];
+        }
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
         float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
         float *dv = bj->dv + b * bj->dvs[0] + h * bj->dvs[1] + (n0 + n - lead) * bj->dvs[2];
@@ -439,42 +450,57 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
     }
 }
 
-/* Item it's dQ share into pending, then every share now next in line added to dq. */
-static void commit(BJob *bj, int64_t it, float *share) {
-    Job *j = &bj->f;
-    int64_t bh = it / bj->blocks, b = bh / j->H, h = bh % j->H, D = j->D;
-    omp_set_lock(&bj->lock);
-    bj->pending[it] = share;
-    for (int64_t k; (k = bj->committed[bh]) < bj->blocks && bj->pending[bh * bj->blocks + k];) {
-        float *p = bj->pending[bh * bj->blocks + k];
-        for (int64_t g = 0; g < j->G; g++)
-            for (int64_t r = 0; r < j->R; r++) {
-                float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] +
-                             r * bj->dqs[3];
-                const float *src = p + (g * j->R + r) * D;
-                for (int64_t d = 0; d < D; d++) dqr[d] += src[d];
-            }
-        free(p);
-        bj->pending[bh * bj->blocks + k] = NULL;
-        bj->committed[bh] = k + 1;
+/* A backward pass: every call's work items (one key block of one (b, h) each) dealt from
+   one counter in one parallel region. An item computes its shares into a buffer of its own;
+   the shares are added to dq, dk and dv in one fixed order per (b, h) — call by call, key
+   block by key block — by whichever thread holds the lock when the share before it is in:
+   no race where two calls' keys overlap, no waiting for a slower thread's item, and the
+   same bits whatever the threads did. */
+typedef struct {
+    float *mem;        /* dQ share (G·R·D), then dK and dV (KB·D each) */
+    int64_t call, n0;
+} Share;
+
+typedef struct {
+    BJob *calls;
+    int64_t n, B, H;
+    int64_t *start;     /* the calls' first items (n + 1) */
+    int64_t *chain0;    /* each call's first place in a (b, h)'s order */
+    int64_t chain;      /* places in each (b, h)'s order: every call's key blocks */
+    Share *pending;     /* (B·H) × chain; mem NULL until the share is in */
+    int64_t *committed; /* per (b, h): the places added so far */
+    omp_lock_t lock;
+    int64_t next, done;
+} Pass;
+
+static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
+    omp_set_lock(&ps->lock);
+    ps->pending[bh * ps->chain + place] = share;
+    for (Share *s; ps->committed[bh] < ps->chain &&
+                   (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
+        const BJob *bj = &ps->calls[s->call];
+        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
+        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->mem + q, s->mem + q + KB * D);
+        free(s->mem);
+        s->mem = NULL;
+        ps->committed[bh]++;
     }
-    omp_unset_lock(&bj->lock);
+    omp_unset_lock(&ps->lock);
 }
 
-static void backward_worker(BJob *bj, int64_t items) {
-    Job *j = &bj->f;
-    int64_t D = j->D, share = j->G * j->R * D;
-    float *scratch = malloc(sizeof(float) * 2 * KB * D);
-    if (!scratch) return; /* the caller checks every item ran */
-    for (int64_t it; (it = __atomic_fetch_add(&j->next_item, 1, __ATOMIC_RELAXED)) < items;) {
-        float *dq = calloc((size_t)share, sizeof(float));
-        if (!dq) break; /* (the items left to it are not done: the caller raises) */
-        int64_t bh = it / bj->blocks, n0 = (it % bj->blocks) * KB;
-        key_block(bj, bh / j->H, bh % j->H, n0, dq, scratch, scratch + KB * D);
-        commit(bj, it, dq);
-        __atomic_fetch_add(&bj->done, 1, __ATOMIC_RELAXED);
+static void backward_worker(Pass *ps) {
+    int64_t items = ps->start[ps->n], c = 0;
+    for (int64_t it; (it = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < items;) {
+        while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
+        BJob *bj = &ps->calls[c];
+        int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
+        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
+        float *mem = calloc((size_t)(q + 2 * KB * D), sizeof(float));
+        if (!mem) break; /* (its item is not done: the caller raises) */
+        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + KB * D);
+        commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
+        __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
-    free(scratch);
 }
 #endif /* QKV_X86 */
 
@@ -644,15 +670,18 @@ static PyObject *run_calls(PyObject *list, int threads) {
     Py_RETURN_NONE;
 }
 
-static PyObject *attend_many(PyObject *self, PyObject *args) {
+typedef PyObject *(*Runner)(PyObject *list, int threads);
+
+/* A list of calls and a thread count, run. */
+static PyObject *many(PyObject *args, Runner run) {
     PyObject *list;
     int threads;
     if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &list, &threads)) return NULL;
-    return run_calls(list, threads);
+    return run(list, threads);
 }
 
-/* One call: attend_many of one. */
-static PyObject *attend(PyObject *self, PyObject *args) {
+/* One call's arguments and a thread count: run as a list of one. */
+static PyObject *one(PyObject *args, Runner run) {
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     int threads = n > 0 ? (int)PyLong_AsLong(PyTuple_GET_ITEM(args, n - 1)) : 0;
     if (PyErr_Occurred()) return NULL;
@@ -663,72 +692,122 @@ static PyObject *attend(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyList_SET_ITEM(list, 0, call); /* the list owns the call now */
-    PyObject *done = run_calls(list, threads);
+    PyObject *done = run(list, threads);
     Py_DECREF(list);
     return done;
 }
 
-static PyObject *backward_py(PyObject *self, PyObject *args) {
+static PyObject *attend_many(PyObject *self, PyObject *args) { return many(args, run_calls); }
+static PyObject *attend(PyObject *self, PyObject *args) { return one(args, run_calls); }
+
+/* One backward call's arguments (backward's, less the thread count) into bj; 0 with a
+   Python error set if they do not parse or fit. */
+static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long q, dout, kp, kv, vk, bias, lse, delta, dq, dk, dv;
     long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
-    int threads;
     if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
-                          "(LLLLL)(LLL)di", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
+                          "(LLLLL)(LLL)d", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
                           &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1],
                           &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
                           &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
                           &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
                           &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
-                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &threads))
-        return NULL;
-    BJob bj = {0};
-    Job *j = &bj.f;
-    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, threads)) return NULL;
-#ifdef QKV_X86
+                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale))
+        return 0;
+    memset(bj, 0, sizeof *bj);
+    Job *j = &bj->f;
+    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, threads)) return 0;
     j->q = (const bf16 *)(uintptr_t)q;
     j->kp = (const bf16 *)(uintptr_t)kp;
     j->vp = (const bf16 *)(uintptr_t)kv;
     j->bias = (const float *)(uintptr_t)bias;
-    bj.dout = (const bf16 *)(uintptr_t)dout;
-    bj.vk = (const bf16 *)(uintptr_t)vk;
-    bj.lse = (const float *)(uintptr_t)lse;
-    bj.delta = (const float *)(uintptr_t)delta;
-    bj.dq = (float *)(uintptr_t)dq;
-    bj.dk = (float *)(uintptr_t)dk;
-    bj.dv = (float *)(uintptr_t)dv;
+    bj->dout = (const bf16 *)(uintptr_t)dout;
+    bj->vk = (const bf16 *)(uintptr_t)vk;
+    bj->lse = (const float *)(uintptr_t)lse;
+    bj->delta = (const float *)(uintptr_t)delta;
+    bj->dq = (float *)(uintptr_t)dq;
+    bj->dk = (float *)(uintptr_t)dk;
+    bj->dv = (float *)(uintptr_t)dv;
     for (int x = 0; x < 4; x++) {
-        j->qs[x] = qs[x], bj.dos[x] = dos[x], bj.ls[x] = ls[x], bj.des[x] = des[x];
+        j->qs[x] = qs[x], bj->dos[x] = dos[x], bj->ls[x] = ls[x], bj->des[x] = des[x];
+        bj->dqs[x] = dqs[x];
     }
-    for (int x = 0; x < 3; x++) j->bs[x] = bs[x], bj.dks[x] = dks[x], bj.dvs[x] = dvs[x];
-    for (int x = 0; x < 4; x++) bj.dqs[x] = dqs[x];
-    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], j->vs[x] = kvs[x], bj.vks[x] = vks[x];
+    for (int x = 0; x < 3; x++) j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x];
+    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], j->vs[x] = kvs[x], bj->vks[x] = vks[x];
     j->parts = 2;
-    int64_t Np = (j->lead + N + 31) / 32 * 32;
-    bj.blocks = (Np + KB - 1) / KB;
-    int64_t items = B * H * bj.blocks;
-    bj.pending = calloc((size_t)(items > 0 ? items : 1), sizeof(float *));
-    bj.committed = calloc((size_t)(B * H > 0 ? B * H : 1), sizeof(int64_t));
-    if (!bj.pending || !bj.committed) {
-        free(bj.pending), free(bj.committed);
-        return PyErr_NoMemory();
+    bj->blocks = ((j->lead + N + 31) / 32 * 32 + KB - 1) / KB;
+    return 1;
+}
+
+/* Every call of a backward pass (one B, H) in one parallel region; see Pass. */
+static PyObject *run_backward(PyObject *list, int threads) {
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "backward: threads must be >= 1");
+        return NULL;
     }
-    omp_init_lock(&bj.lock);
-    Py_BEGIN_ALLOW_THREADS
+    Pass ps = {0};
+    ps.n = n;
+    ps.calls = calloc(n > 0 ? (size_t)n : 1, sizeof(BJob));
+    ps.start = calloc((size_t)n + 1, sizeof(int64_t));
+    ps.chain0 = calloc((size_t)n + 1, sizeof(int64_t));
+    PyObject *failed = NULL;
+    if (!ps.calls || !ps.start || !ps.chain0) failed = PyErr_NoMemory();
+    for (Py_ssize_t c = 0; !failed && c < n; c++) {
+        PyObject *one = PyList_GET_ITEM(list, c);
+        if (!PyTuple_Check(one) || !parse_backward(&ps.calls[c], one, threads)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "backward: a tuple a call");
+            failed = Py_None;
+            break;
+        }
+        BJob *bj = &ps.calls[c];
+        if (c == 0) ps.B = bj->f.B, ps.H = bj->f.H;
+        if (bj->f.B != ps.B || bj->f.H != ps.H) {
+            PyErr_SetString(PyExc_ValueError, "backward: the calls of a pass share B and H");
+            failed = Py_None;
+            break;
+        }
+        ps.start[c + 1] = ps.start[c] + ps.B * ps.H * bj->blocks;
+        ps.chain0[c + 1] = ps.chain0[c] + bj->blocks;
+    }
+    if (!failed) {
+        ps.chain = ps.chain0[n];
+        ps.pending = calloc((size_t)(ps.B * ps.H * ps.chain > 0 ? ps.B * ps.H * ps.chain : 1),
+                            sizeof(Share));
+        ps.committed = calloc((size_t)(ps.B * ps.H > 0 ? ps.B * ps.H : 1), sizeof(int64_t));
+        if (!ps.pending || !ps.committed) failed = PyErr_NoMemory();
+    }
+    if (!failed) {
+#ifdef QKV_X86
+        int64_t items = ps.start[n];
+        if (threads > items) threads = items > 0 ? (int)items : 1;
+        omp_init_lock(&ps.lock);
+        Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
-    backward_worker(&bj, items);
-    Py_END_ALLOW_THREADS
-    omp_destroy_lock(&bj.lock);
-    for (int64_t it = 0; it < items; it++) free(bj.pending[it]); /* (only after a failure) */
-    free(bj.pending), free(bj.committed);
-    if (bj.done != items) return PyErr_NoMemory();
+        backward_worker(&ps);
+        Py_END_ALLOW_THREADS
+        omp_destroy_lock(&ps.lock);
+        for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
+        if (ps.done != items) failed = PyErr_NoMemory(); /* an item found no memory */
 #endif
+    }
+    free(ps.calls), free(ps.start), free(ps.chain0), free(ps.pending), free(ps.committed);
+    if (failed) return NULL;
     Py_RETURN_NONE;
 }
 
+static PyObject *backward_many(PyObject *self, PyObject *args) {
+    return many(args, run_backward);
+}
+static PyObject *backward_py(PyObject *self, PyObject *args) { return one(args, run_backward); }
+
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
+    {"backward_many", backward_many, METH_VARARGS,
+     "backward_many([call, ...], threads): every call (backward's arguments less threads, "
+     "one B and H) in one parallel region, the gradients added in one fixed order."},
     {"backward", backward_py, METH_VARARGS,
      "backward((q, *4), (dout, *4), (K scores, *2), (K values, *2), (V scores, *2), "
      "(bias|0, *3), (lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), "

@@ -273,25 +273,25 @@ def fused_backward(
         dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     span = call.tuning.backward_span
+    jobs: list[_native.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in _backward_pieces(one, span)):
             bias, _ = _call_bias(c, mask_tile, H_kv, G, acc, cache)
-            if packed is not None:
+            if packed is not None:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)
-                _native.backward(
-                    q5[:, :, :, at],
-                    do5[:, :, :, at],
-                    packed[0],
-                    packed[1],
-                    c.k0,
-                    c.k1,
-                    bias,
-                    lse5[..., at],
-                    delta5[..., at],
-                    scale,
-                    dq5[:, :, :, at],
-                    dk[:, :, c.k0 : c.k1],
-                    dv[:, :, c.k0 : c.k1],
+                jobs.append(
+                    _native.BackwardJob(
+                        q5[:, :, :, at],
+                        do5[:, :, :, at],
+                        c.k0,
+                        c.k1,
+                        bias,
+                        lse5[..., at],
+                        delta5[..., at],
+                        dq5[:, :, :, at],
+                        dk[:, :, c.k0 : c.k1],
+                        dv[:, :, c.k0 : c.k1],
+                    )
                 )
                 continue
             dqc, dkc, dvc = FLASH_BACKWARD(
@@ -309,6 +309,8 @@ def fused_backward(
             dq5[:, :, :, c.q0 : c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
+    if packed is not None:
+        _native.backward_many(jobs, packed[0], packed[1], scale)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

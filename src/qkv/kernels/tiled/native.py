@@ -230,43 +230,72 @@ def backward(
     dv: torch.Tensor,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
-    (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D); each key block's
-    share in the blocks' order, so the bits do not depend on the threads), and to ``dk``,
-    ``dv`` for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
+    (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
+    for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
     ``packed`` and ``vk`` from :func:`pack_backward`; bias as for :func:`attend`."""
-    _check_call("backward", q5, packed, k0, k1, bias)
-    B, H_kv, G, R, D = q5.shape
-    N = k1 - k0
-    threads = torch.get_num_threads()
-    if (
-        do5.shape != q5.shape
-        or lse.shape != (B, H_kv, G, R)
-        or delta.shape != lse.shape
-        or dq.shape != q5.shape
-        or dk.shape != (B, H_kv, N, D)
-        or dv.shape != dk.shape
-        or any(x.dtype != torch.float32 for x in (lse, delta, dq, dk, dv))
-        or any(x.stride(-1) != 1 for x in (do5, dq, dk, dv))
-    ):
-        raise ValueError(
-            f"native.backward: mismatched shapes q {tuple(q5.shape)}, dO "
-            f"{tuple(do5.shape)}, lse {tuple(lse.shape)}, dq {tuple(dq.shape)}, "
-            f"dk {tuple(dk.shape)}, keys {k0}..{k1}"
+    job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv)
+    backward_many([job], packed, vk, scale)
+
+
+class BackwardJob(NamedTuple):
+    """One call of :func:`backward_many`, its arguments as :func:`backward` takes them."""
+
+    q5: torch.Tensor
+    do5: torch.Tensor
+    k0: int
+    k1: int
+    bias: torch.Tensor | None
+    lse: torch.Tensor
+    delta: torch.Tensor
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, scale: float) -> None:
+    """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
+    whose threads take the calls' work items (a key block of one head each) from one
+    counter; each item's shares of dQ, dK and dV are added in one fixed order (call by
+    call, block by block) by whichever thread holds the lock when the share before is in.
+    Calls whose keys overlap never race, no thread waits for a slower one, and the bits do
+    not depend on the threads."""
+    args = []
+    for job in jobs:
+        _check_call("backward", job.q5, packed, job.k0, job.k1, job.bias)
+        B, H_kv, G, R, D = job.q5.shape
+        N = job.k1 - job.k0
+        floats = (job.lse, job.delta, job.dq, job.dk, job.dv)
+        if (
+            job.do5.shape != job.q5.shape
+            or job.lse.shape != (B, H_kv, G, R)
+            or job.delta.shape != job.lse.shape
+            or job.dq.shape != job.q5.shape
+            or job.dk.shape != (B, H_kv, N, D)
+            or job.dv.shape != job.dk.shape
+            or any(x.dtype != torch.float32 for x in floats)
+            or any(x.stride(-1) != 1 for x in (job.do5, job.dq, job.dk, job.dv))
+        ):
+            raise ValueError(
+                f"native.backward: mismatched shapes q {tuple(job.q5.shape)}, dO "
+                f"{tuple(job.do5.shape)}, lse {tuple(job.lse.shape)}, dq "
+                f"{tuple(job.dq.shape)}, dk {tuple(job.dk.shape)}, keys {job.k0}..{job.k1}"
+            )
+        args.append(
+            (
+                (job.q5.data_ptr(), *job.q5.stride()[:4]),
+                (job.do5.data_ptr(), *job.do5.stride()[:4]),
+                (packed.k.data_ptr(), *packed.k.stride()[:2]),
+                (packed.v.data_ptr(), *packed.v.stride()[:2]),
+                (vk.data_ptr(), *vk.stride()[:2]),
+                _bias_at(job.bias),
+                (job.lse.data_ptr(), *job.lse.stride()),
+                (job.delta.data_ptr(), *job.delta.stride()),
+                (job.dq.data_ptr(), *job.dq.stride()[:4]),
+                (job.dk.data_ptr(), *job.dk.stride()[:3]),
+                (job.dv.data_ptr(), *job.dv.stride()[:3]),
+                (B, H_kv, G, R, D),
+                (packed.Nt, job.k0, N),
+                scale,
+            )
         )
-    _bf16.backward(
-        (q5.data_ptr(), *q5.stride()[:4]),
-        (do5.data_ptr(), *do5.stride()[:4]),
-        (packed.k.data_ptr(), *packed.k.stride()[:2]),
-        (packed.v.data_ptr(), *packed.v.stride()[:2]),
-        (vk.data_ptr(), *vk.stride()[:2]),
-        _bias_at(bias),
-        (lse.data_ptr(), *lse.stride()),
-        (delta.data_ptr(), *delta.stride()),
-        (dq.data_ptr(), *dq.stride()[:4]),
-        (dk.data_ptr(), *dk.stride()[:3]),
-        (dv.data_ptr(), *dv.stride()[:3]),
-        (B, H_kv, G, R, D),
-        (packed.Nt, k0, N),
-        scale,
-        threads,
-    )
+    _bf16.backward_many(args, torch.get_num_threads())
