@@ -1,6 +1,8 @@
-"""Shared fixtures: ``tune`` (qkv's knobs changed for one test), and the hypothesis
-profiles: the default run stays fast; `--hypothesis-profile=slow` runs thousands of
-examples per property."""
+"""Shared fixtures: ``tune`` (qkv's knobs changed for one test), the native kernel pinned
+(``Tuning.native_probe=False`` for every test: which code runs must not hang on a timing
+made on a busy CI machine; tests/test_dispatch.py tests the probe itself), and the
+hypothesis profiles: the default run stays fast; `--hypothesis-profile=slow` runs thousands
+of examples per property."""
 
 import contextlib
 
@@ -8,6 +10,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import qkv
+
+
+@pytest.fixture(autouse=True)
+def _native_pinned():
+    with qkv.tuned(native_probe=False):
+        yield
 
 
 @pytest.fixture

@@ -280,6 +280,39 @@ def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
         assert qkv.dispatch(qb, kb, vb, mask=masks.causal()).path == "sdpa"
 
 
+def test_native_bfloat16_runs_only_where_the_probe_measured_it_faster(monkeypatch, tune):
+    """Rule "native bfloat16" and the tiled kernel's path follow a measurement made once
+    per process (an Intel Xeon with the instructions ran the native kernel at 0.71× float32's
+    speed): where the probe says slower, bfloat16 takes the float32 path; pinned
+    (native_probe=False) it runs wherever the CPU can; qkv.dispatch says which."""
+    from qkv.kernels.tiled import native
+
+    if not native.available():
+        pytest.skip("native kernel not built, or no AVX512-BF16 here")
+    found = native.probe()
+    assert native.probe() is found  # measured once
+    assert found.native_ms > 0 and found.float32_ms > 0
+    qb, kb, vb = make_qkv(1, 2, 2, 1024, 1024, 32, 32, dtype=torch.bfloat16)
+    window = masks.sliding_window(64)
+    tune(native_probe=True)
+    for verdict in (native.Probe(1.0, 2.0), native.Probe(2.0, 1.0), native.Probe(0.95, 1.0)):
+        monkeypatch.setattr(native, "probe", lambda v=verdict: v)
+        d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
+        w = qkv.dispatch(qb, kb, vb, mask=window)
+        if verdict.faster:  # (0.95 of float32's time is within the margin: not faster)
+            assert (d.path, d.rule) == ("tiled-native", "native bfloat16")
+            assert "1.00 ms against float32's 2.00 ms" in d.reason
+            assert w.path == "tiled-native"
+        else:
+            assert d.rule != "native bfloat16" and w.path == "tiled-flash"
+            assert _ran(monkeypatch, lambda: qkv.attention(qb, kb, vb, mask=window)) == (
+                "tiled-flash"
+            )
+    tune(native_probe=False)  # pinned: the CPU flag alone, whatever was measured
+    d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
+    assert (d.path, d.rule) == ("tiled-native", "native bfloat16") and "pinned" in d.reason
+
+
 def test_every_rule_is_named_once_and_has_a_known_mode():
     from qkv.core.dispatch import RULES
 

@@ -60,6 +60,10 @@ class Tuning:
         backward_span: the most keys one backward call covers (its dK/dV are that long).
         native: whether bfloat16 calls may run qkv's native kernel (off: float32 through
             torch's flash kernel).
+        native_probe: run the native kernel only where a measurement says it beats
+            float32 on this CPU (``qkv.kernels.tiled.native.probe``: made once per
+            process, a few milliseconds; ``qkv.dispatch`` reports it); off: wherever the
+            CPU has the instructions (pinned, as the tests do).
         p_parts: P enters ·V as this many bfloat16 parts in the native kernel: 2 (hi + lo,
             ~16 bits: qkv's accuracy promise) or 1 (rounded once, as torch does: faster, up
             to 1.64× the output's own rounding; docs/kernels.md#native-bfloat16).
@@ -78,6 +82,7 @@ class Tuning:
     fused_span: int = 1024
     backward_span: int = 4096
     native: bool = True
+    native_probe: bool = True
     p_parts: int = 2
 
     def __post_init__(self) -> None:

@@ -202,7 +202,12 @@ def tiled_path(a: Ask) -> tuple[str, str]:
             "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
             "D_v != D, NaN/inf in the keys, or this torch lacks it)"
         )
-    if a.q.dtype == torch.bfloat16 and a.tuning.native and native.supports(a.q, a.k, a.v):
+    if (
+        a.q.dtype == torch.bfloat16
+        and a.tuning.native
+        and native.supports(a.q, a.k, a.v)
+        and _native_wins(a)
+    ):
         return "tiled-native", "qkv's native bfloat16 kernel runs the flash calls"
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 
@@ -324,14 +329,29 @@ def _rule_native(a: Ask) -> Dispatch | None:
         and a.scores >= a.tuning.native_scores
         and (a.mask is None or isinstance(a.mask, Mask))
         and native.shapes_fit(a.k.dtype, a.k.device, a.p.D, a.p.D_v)
+        and _native_wins(a)
     ):
         return None
+    if a.tuning.native_probe:
+        found = native.probe()
+        measured = (
+            f"measured once on this CPU: {found.native_ms:.2f} ms against float32's "
+            f"{found.float32_ms:.2f} ms"
+        )
+    else:
+        measured = "pinned by Tuning.native_probe=False, not measured"
     return _tiled(
         a,
         "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's native bfloat16 steps beat "
-        "torch's kernel, which computes bfloat16 at float32's speed",
+        f"float32 through torch's kernel ({measured})",
         "native bfloat16",
     )
+
+
+def _native_wins(a: Ask) -> bool:
+    """Whether the native bfloat16 kernel beats float32 here: measured once per process
+    (:func:`qkv.kernels.tiled.native.probe`), or taken as given when the probe is off."""
+    return not a.tuning.native_probe or native.probe().faster
 
 
 def _rule_no_mask(a: Ask) -> Dispatch | None:
