@@ -61,9 +61,10 @@ from ..kernels import paged as paged_kernel
 from ..masks import Mask
 from ..scores import ScoreMod
 from ..tuning import Tuning
+from .ask import Ask, Dispatch, Rule
 from .planning import block_codes, make_tiled_plan
 from .record import editors, listeners
-from .rules import RULES, Ask, Dispatch, Rule, sdpa_mode, sdpa_takes, tiled_path
+from .rules import RULES, sdpa_mode, sdpa_takes, tiled_path
 
 __all__ = [
     "BACKENDS",
