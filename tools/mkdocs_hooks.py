@@ -39,6 +39,7 @@ API: dict[str, tuple[str, str, list[str]]] = {
             "qkv.attention_weights",
             "qkv.merge_attention",
             "qkv.varlen_attention",
+            "qkv.paged_attention",
             "qkv.cascade_attention",
             "qkv.explain",
             "qkv.Tuning",

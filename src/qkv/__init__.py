@@ -7,6 +7,7 @@ T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 from importlib import metadata as _metadata
 
 from . import distributed, heads, masks, models, numpy, scores
+from .cascade import cascade_attention
 from .functional import Dispatch, attention, dispatch
 from .learn import tutorial
 from .learn.explain import Trace, explain
@@ -22,7 +23,7 @@ from .nn import (
     SelfAttention,
 )
 from .tuning import Tuning, tuned, tuning
-from .varlen import cascade_attention, paged_attention, varlen_attention
+from .varlen import paged_attention, varlen_attention
 
 try:  # pyproject.toml holds the one source, read from the installed package's metadata
     __version__ = _metadata.version("qkv")
