@@ -169,6 +169,16 @@ def test_bad_calls_are_refused():
         qkv.varlen_attention(x, x, x, cu, cu, 5, 5, window_size=(-2, 0))
     with pytest.raises(ValueError, match="seqused_k"):
         qkv.varlen_attention(x, x, x, cu, cu, 5, 5, seqused_k=torch.tensor([6]))
+    pages, q = torch.randn(4, 4, 4, 8), torch.randn(4, 4, 8)  # a prefill chunk: gathered
+    two = dict(cu_seq_k=None, max_q=2, max_k=4, block_table=torch.tensor([[0], [7]]))
+    with pytest.raises(ValueError, match="seqused_k must be 0 .. max_pages · page_size = 4"):
+        qkv.varlen_attention(
+            q, pages, pages, torch.tensor([0, 2, 4]), **two, seqused_k=torch.tensor([3, 9])
+        )
+    with pytest.raises(ValueError, match="names a page outside the pool's 4"):
+        qkv.varlen_attention(
+            q, pages, pages, torch.tensor([0, 2, 4]), **two, seqused_k=torch.tensor([3, 2])
+        )
 
 
 def test_a_block_table_of_pages_equals_the_packed_keys():

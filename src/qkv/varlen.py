@@ -285,10 +285,7 @@ def _unpaged(
             f"block_table must be (N, max_pages) integers with N = {len(used)} sequences; "
             f"got {tuple(table.shape)}"
         )
-    if any(n < 0 or n > table.shape[1] * P for n in used):
-        raise ValueError(
-            f"seqused_k must be 0 .. max_pages · page_size = {table.shape[1] * P}; got {used}"
-        )
+    _pages_needed(table, torch.tensor(used, dtype=torch.long), key.shape[0], P, "seqused_k")
     pages = [table[s, : -(-n // P)].long().to(key.device) for s, n in enumerate(used)]
     ks = [key[p].reshape(-1, *key.shape[2:])[:n] for p, n in zip(pages, used)]
     vs = [value[p].reshape(-1, *value.shape[2:])[:n] for p, n in zip(pages, used)]
@@ -345,13 +342,13 @@ def _page_shapes(
 
 
 def _pages_needed(
-    table: torch.Tensor, lengths: torch.Tensor, num_pages: int, P: int
+    table: torch.Tensor, lengths: torch.Tensor, num_pages: int, P: int, name: str = "lengths"
 ) -> torch.Tensor:
     """Which entries of the block table the lengths need, (B, max_pages), each checked to
-    be a page of the pool (and each length to fit its table)."""
+    be a page of the pool (and each length, ``name`` in the error, to fit its table)."""
     if len(lengths) and (int(lengths.min()) < 0 or int(lengths.max()) > table.shape[1] * P):
         raise ValueError(
-            f"lengths must be 0 .. max_pages · page_size = {table.shape[1] * P}; "
+            f"{name} must be 0 .. max_pages · page_size = {table.shape[1] * P}; "
             f"got {lengths.tolist()}"
         )
     pages_used = (lengths.to(table.device) + P - 1) // P
