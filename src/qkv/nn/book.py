@@ -80,14 +80,9 @@ class Book:
     def shared_prefix(self, seqs: Sequence[int]) -> int:
         if not seqs:
             return 0
-        tables = [self.table(s) for s in seqs]
-        first = tables[0]
         # only full pages count: at most the shortest sequence's
-        n = min(self.lengths[s] for s in seqs) // self.page_size
-        for t in tables[1:]:
-            if t[:n] != first[:n]:  # (a list comparison: one C loop per table)
-                n = next(i for i, (a, b) in enumerate(zip(t, first)) if a != b)
-        return n
+        full = min(self.lengths[s] for s in seqs) // self.page_size
+        return _common([self.table(s) for s in seqs], 0, full)
 
     def reserve(self, seqs: Sequence[int], counts: Sequence[int]) -> list[int]:
         """counts[b] more tokens for sequence seqs[b]: pages taken as needed, lengths
@@ -132,14 +127,9 @@ class Book:
         starts = [0] * len(seqs)
 
         def split(rows: list[int], depth: int) -> None:
-            first = tables[rows[0]]
-            end = min(full[r] for r in rows)
-            for r in rows[1:]:
-                mine, theirs = tables[r][depth:end], first[depth:end]
-                if mine != theirs:  # (a list comparison: one C loop)
-                    end = depth + next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            end = _common([tables[r] for r in rows], depth, min(full[r] for r in rows))
             if end > depth:
-                nodes.append((rows, first[depth:end]))
+                nodes.append((rows, tables[rows[0]][depth:end]))
             groups: dict[int, list[int]] = {}
             for r in rows:
                 starts[r] = end
@@ -152,6 +142,18 @@ class Book:
         if len(seqs) > 1:
             split(list(range(len(seqs))), 0)
         return nodes, starts
+
+
+def _common(tables: list[list[int]], depth: int, end: int) -> int:
+    """Where the run of pages every table holds alike, from ``depth`` up to at most ``end``,
+    ends."""
+    first = tables[0][depth:end]
+    for t in tables[1:]:
+        mine = t[depth:end]
+        if mine != first:  # (a list comparison: one C loop per table)
+            end = depth + next(i for i, (a, b) in enumerate(zip(mine, first)) if a != b)
+            first = first[: end - depth]
+    return end
 
 
 class Append:
