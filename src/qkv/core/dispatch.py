@@ -215,6 +215,12 @@ def plain(query: Any, key: Any, value: Any, mask: Any, scale: Any, tuning: Tunin
         return None
     if dtype is torch.bfloat16 and T_q * T_k >= tuning.native_scores:  # rule "native bfloat16"
         return None
+    return _fast_scale(scale, D)
+
+
+def _fast_scale(scale: Any, D: int) -> float | None:
+    """The scale a fast path gives its kernel: 1/sqrt(D) by default, a given positive
+    finite float as it is; None for anything else (the full path checks and explains)."""
     if scale is None:
         return float(D**-0.5)
     if type(scale) is not float or not 0.0 < scale < math.inf:
@@ -237,7 +243,7 @@ def paged(
     (:func:`qkv.kernels.paged.supports`: dtype, device, layout, a gradient to record)."""
     if listeners() or editors() or torch.compiler.is_compiling():
         return None
-    scale_ = float(query.shape[-1] ** -0.5) if scale is None else scale
-    if type(scale_) is not float or not 0.0 < scale_ < math.inf:
+    scale_ = _fast_scale(scale, query.shape[-1])
+    if scale_ is None or not paged_kernel.supports(query, key_pages, value_pages, sinks):
         return None
-    return scale_ if paged_kernel.supports(query, key_pages, value_pages, sinks) else None
+    return scale_
