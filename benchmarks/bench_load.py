@@ -3,15 +3,19 @@
     python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
 
 Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
-backward, float32 and bfloat16, and causal at T = 4096 — runs through ``qkv.attention`` and
-through torch's SDPA (the dense bool mask for the window, ``is_causal`` for causal), first on
-a quiet machine, then while ``--busy`` CPU-bound processes (a Python busy loop each) run
-beside it. Medians of interleaved rounds; the slowdown of each is busy ÷ quiet, and the
-table's last column is qkv's slowdown ÷ SDPA's (the issue's target: ≤ 1.25). torch keeps its
-default thread count. Name the CPU beside the figures (``lscpu``).
+backward, float32 and bfloat16 (float32 also with ``Tuning.native`` off: torch's flash
+kernel call by call, what float32 ran before the native kernel took it), and causal at
+T = 4096 through the tiled kernel (``auto`` gives it to SDPA) — runs through
+``qkv.attention`` and through torch's SDPA (the dense bool mask for the window,
+``is_causal`` for causal), first on a quiet machine, then while ``--busy`` CPU-bound
+processes (a Python busy loop each) run beside it. Medians of interleaved rounds; the
+slowdown of each is busy ÷ quiet, and the table's last column is qkv's slowdown ÷ SDPA's
+(the issue's target: ≤ 1.25). torch keeps its default thread count. Name the CPU beside
+the figures (``lscpu``).
 """
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -34,31 +38,38 @@ def cases(T: int):
         q, k, v = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(3))
         window = qkv.masks.sliding_window(256)
         dense = window.dense(1, 1, T, T).contiguous()
-        name = str(dtype).removeprefix("torch.")
-        out[f"sliding_window(256) T={T} {name} forward"] = (
-            lambda q=q, k=k, v=v, m=window: qkv.attention(q, k, v, mask=m),
-            lambda q=q, k=k, v=v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-        )
-        out[f"sliding_window(256) T={T} {name} fwd+bwd"] = (
-            _backward(lambda q, k, v, m=window: qkv.attention(q, k, v, mask=m), q, k, v),
-            _backward(
-                lambda q, k, v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-                q,
-                k,
-                v,
-            ),
-        )
+        for native in (True, False) if dtype == torch.float32 else (True,):
+            name = str(dtype).removeprefix("torch.") + ("" if native else " (native off)")
+            ours = functools.partial(_qkv, mask=window, native=native)
+            out[f"sliding_window(256) T={T} {name} forward"] = (
+                lambda q=q, k=k, v=v, f=ours: f(q, k, v),
+                lambda q=q, k=k, v=v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            )
+            out[f"sliding_window(256) T={T} {name} fwd+bwd"] = (
+                _backward(ours, q, k, v),
+                _backward(
+                    lambda q, k, v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                    q,
+                    k,
+                    v,
+                ),
+            )
     q, k, v = (torch.randn(1, H, 4096, D, generator=g) for _ in range(3))
-    causal = qkv.masks.causal()
-    out["causal T=4096 float32 forward"] = (
-        lambda: qkv.attention(q, k, v, mask=causal),
+    causal = functools.partial(_qkv, mask=qkv.masks.causal(), backend="tiled")
+    out["causal T=4096 float32 forward (tiled)"] = (
+        lambda: causal(q, k, v),
         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     )
-    out["causal T=4096 float32 fwd+bwd"] = (
-        _backward(lambda q, k, v: qkv.attention(q, k, v, mask=causal), q, k, v),
+    out["causal T=4096 float32 fwd+bwd (tiled)"] = (
+        _backward(causal, q, k, v),
         _backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v),
     )
     return out
+
+
+def _qkv(q, k, v, *, mask, native=True, backend="auto"):
+    with qkv.tuned(native=native):
+        return qkv.attention(q, k, v, mask=mask, backend=backend)
 
 
 def _backward(fn, q, k, v):

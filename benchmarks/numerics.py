@@ -7,7 +7,7 @@ The oracle runs on the *same* rounded inputs cast to float64, so the table measu
 each kernel adds, not the rounding of the inputs. Inputs: B=2, H=8, H_kv=4, T=257, D=64,
 standard normal; masks none, causal, sliding_window(64), document (4 documents). The last
 kernel column is the native bfloat16 kernel with P rounded once to bfloat16
-(``qkv.tuned(p_parts=1)``, docs/kernels.md#native-bfloat16): bfloat16 only.
+(``qkv.tuned(p_parts=1)``, docs/kernels.md#the-native-kernel): bfloat16 only.
 """
 
 from __future__ import annotations

@@ -237,7 +237,14 @@ def _ran(monkeypatch, call):
         T.flash,
         "fused_forward",
         lambda c, *, native: (
-            ran.append("tiled-native" if native else "tiled-flash") or fused(c, native=native)
+            ran.append(
+                "tiled-flash"
+                if native is None
+                else "tiled-native"
+                if native == c.q.dtype
+                else "tiled-native-upcast"
+            )
+            or fused(c, native=native)
         ),
     )
     monkeypatch.setattr(T, "loop_forward", lambda c: ran.append("tiled-loop") or loop(c))
@@ -280,34 +287,49 @@ def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
         assert qkv.dispatch(qb, kb, vb, mask=masks.causal()).path == "sdpa"
 
 
-def test_native_bfloat16_runs_only_where_the_probe_measured_it_faster(monkeypatch, tune):
+def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkeypatch, tune):
     """Rule "native bfloat16" and the tiled kernel's path follow a measurement made once
-    per process (an Intel Xeon with the instructions ran the native kernel at 0.71× float32's
-    speed): where the probe says slower, bfloat16 takes the float32 path; pinned
-    (native_probe=False) it runs wherever the CPU can; qkv.dispatch says which."""
+    per process (an Intel Xeon with the instructions ran the native bfloat16 kernel at 0.71×
+    float32's speed): where the probe says slower, bfloat16 takes the float32 path, and
+    float32 torch's flash kernel; pinned (native_probe=False) it runs wherever the CPU can;
+    qkv.dispatch says which."""
     from qkv.kernels.tiled import native
 
     if not native.available():
         pytest.skip("native kernel not built, or no AVX512-BF16 here")
     found = native.probe()
     assert native.probe() is found  # measured once
-    assert found.native_ms > 0 and found.float32_ms > 0
+    assert found.native_ms > 0 and found.float32_ms > 0 and found.native32_ms > 0
     qb, kb, vb = make_qkv(1, 2, 2, 1024, 1024, 32, 32, dtype=torch.bfloat16)
+    q32, k32, v32 = (x.float() for x in (qb, kb, vb))
     window = masks.sliding_window(64)
     tune(native_probe=True)
-    for verdict in (native.Probe(1.0, 2.0), native.Probe(2.0, 1.0), native.Probe(0.95, 1.0)):
+    verdicts = [
+        native.Probe(1.0, 2.0),  # float32 not measured natively
+        native.Probe(2.0, 1.0),
+        native.Probe(0.95, 1.0),  # within the margin: not faster
+        native.Probe(1.0, 2.0, 2.1),  # float32 native within its margin (1.1×)
+        native.Probe(1.5, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
+        native.Probe(1.0, 1.0, 1.2),  # float32 native slower
+    ]
+    for verdict in verdicts:
         monkeypatch.setattr(native, "probe", lambda v=verdict: v)
+        assert verdict.float32 == (verdict in verdicts[3:5])
+        assert verdict.faster == (verdict in (verdicts[0], verdicts[3]))
+        f = qkv.dispatch(q32, k32, v32, mask=window)
+        assert f.path == ("tiled-native" if verdict.float32 else "tiled-flash")
+        assert _ran(monkeypatch, lambda: qkv.attention(q32, k32, v32, mask=window)) == f.path
         d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
         w = qkv.dispatch(qb, kb, vb, mask=window)
         if verdict.faster:  # (0.95 of float32's time is within the margin: not faster)
             assert (d.path, d.rule) == ("tiled-native", "native bfloat16")
-            assert "1.00 ms against float32's 2.00 ms" in d.reason
+            assert f"1.00 ms against float32's {verdict.float32_ms:.2f} ms" in d.reason
             assert w.path == "tiled-native"
         else:
-            assert d.rule != "native bfloat16" and w.path == "tiled-flash"
-            assert _ran(monkeypatch, lambda: qkv.attention(qb, kb, vb, mask=window)) == (
-                "tiled-flash"
-            )
+            # bfloat16 then runs as float32 does: natively on float32 copies, or torch's
+            want = "tiled-native-upcast" if verdict.float32 else "tiled-flash"
+            assert d.rule != "native bfloat16" and w.path == want
+            assert _ran(monkeypatch, lambda: qkv.attention(qb, kb, vb, mask=window)) == want
     tune(native_probe=False)  # pinned: the CPU flag alone, whatever was measured
     d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
     assert (d.path, d.rule) == ("tiled-native", "native bfloat16") and "pinned" in d.reason

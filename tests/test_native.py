@@ -1,8 +1,9 @@
-"""qkv's native bfloat16 step (src/qkv/kernels/tiled/_bf16.c) against the NumPy float64 oracle on
-the same bfloat16 inputs: one call at odd sizes (rows and keys off its tiles, calls starting
-inside a 32-key block, GQA rows, broadcast masks, rows with no key, every head dim it
-takes), and through ``qkv.attention`` for every mask kind with T_q != T_k, held to the
-output's own rounding (docs/semantics.md); and where it must not run."""
+"""qkv's native step (src/qkv/kernels/tiled/_native.c), float32 and bfloat16, against the
+NumPy float64 oracle on the same inputs: one call at odd sizes (rows and keys off its
+tiles, calls starting inside a 32-key block, GQA rows, broadcast masks, rows with no key,
+every head dim it takes), and through ``qkv.attention`` for every mask kind with T_q !=
+T_k, forward and gradients, held to the output's own rounding (docs/semantics.md); and
+where it must not run."""
 
 import math
 import os
@@ -17,13 +18,14 @@ import qkv
 from qkv import numpy as qnp
 from qkv.kernels.tiled import native
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
-from tests.tolerances import rounding_tolerance
+from tests.tolerances import LOW_PRECISION, rounding_tolerance
 
-if os.environ.get("QKV_REQUIRE_NATIVE") and native._bf16 is None:  # CI: it must build
+if os.environ.get("QKV_REQUIRE_NATIVE") and native._native is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="native kernel not built, or no AVX512-BF16 here"
 )
+BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 
 
 @pytest.mark.parametrize(
@@ -37,11 +39,15 @@ pytestmark = pytest.mark.skipif(
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "per_batch"])
-@pytest.mark.parametrize("parts", [1, 2])
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, parts):
+@pytest.mark.parametrize(
+    "dtype,parts",
+    [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 2)],
+    ids=["bf16-p1", "bf16-p2", "f32"],
+)
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts):
     g = torch.Generator().manual_seed(B * 1000 + R)
-    q5 = torch.randn(B, H_kv, G, R, D, generator=g).bfloat16()
-    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).bfloat16() for _ in range(2))
+    q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
     N = k1 - k0
     bias = None
     if bias_kind != "none":
@@ -58,11 +64,13 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, pa
         out.reshape(B, H_kv, G * R, D).double().numpy(),
         lse.reshape(B, H_kv, G * R).double().numpy(),
     )
-    # float32 arithmetic on bfloat16 inputs. With P as hi + lo (~16 bits, the default) the
-    # error is float32's; with P rounded once to bfloat16 (p_parts = 1) it is up to about
-    # the bfloat16 output's own rounding (0.7× here), before out is rounded. The lse is
+    # float32 arithmetic (on bfloat16 inputs: with P as hi + lo, ~16 bits, the default, the
+    # error is float32's; with P rounded once to bfloat16, p_parts = 1, it is up to about
+    # the bfloat16 output's own rounding, 0.7× here, before out is rounded). The lse is
     # float32's either way (its sum is of the unrounded P).
-    atol = 2e-5 if parts == 2 else rounding_tolerance(want, torch.bfloat16, 1.0)
+    atol = {1: rounding_tolerance(want, torch.bfloat16, 1.0), 2: 2e-5}[parts]
+    if dtype == torch.float32:  # float32 inputs, float32 arithmetic: a few ulps
+        atol = 4e-6
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     empty = np.isneginf(want_lse)
     assert np.array_equal(np.isneginf(got_lse), empty)
@@ -79,38 +87,42 @@ def calls(monkeypatch):
     return seen
 
 
+def tolerance(want, dtype):
+    """bfloat16 held to its own rounding; float32 to the suite's float32 bound."""
+    return rounding_tolerance(want, dtype) if dtype == torch.bfloat16 else LOW_PRECISION[dtype]
+
+
+@BOTH
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_attention_in_bfloat16_runs_natively_within_its_own_rounding(
-    name, small, monkeypatch, tune
-):
+def test_attention_runs_natively_within_its_own_rounding(name, small, dtype, monkeypatch, tune):
     if small:  # many blocks and calls; spans cut into stretches
         tune(**small_tiles(), fused_span=24, group=4, shared_min=8)
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
-    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=11)
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=11)
     seen = calls(monkeypatch)
     out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
-    assert seen, "the bfloat16 call did not run natively"
+    assert seen, "the call did not run natively"
     want, want_lse = oracle_with_lse(q, k, v, mask)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    np.testing.assert_allclose(
-        out.double().numpy(), want, rtol=0, atol=rounding_tolerance(want, torch.bfloat16)
-    )
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=0, atol=tolerance(want, dtype))
     finite = np.isfinite(want_lse)
     assert np.array_equal(np.isfinite(lse.numpy()), finite)
-    np.testing.assert_allclose(lse.double().numpy()[finite], want_lse[finite], atol=1e-4)
+    atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
+    np.testing.assert_allclose(lse.double().numpy()[finite], want_lse[finite], atol=atol)
 
 
+@BOTH
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
 def test_a_forward_pass_is_one_native_call_with_the_same_bits_at_any_thread_count(
-    name, monkeypatch, tune
+    name, dtype, monkeypatch, tune
 ):
     """Every call of the pass goes to the kernel at once (one parallel region: a busy
     machine's descheduled thread holds up one work item, not one barrier per call); each
     output row is one work item's, so the bits do not depend on the threads."""
     tune(**small_tiles(), fused_span=24, group=4, shared_min=8)  # many calls, some merged
-    q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=torch.bfloat16, seed=3)
+    q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=3)
     mask = mask_zoo(2, 75, 61)[name]
     batches = []
     real = native.attend_many
@@ -189,12 +201,13 @@ def test_native_output_within_its_own_rounding_on_random_problems(
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head"])
-def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind):
+@BOTH
+def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
-    arithmetic on bfloat16 inputs (dS enters ·K as hi + lo), so float32's error."""
+    arithmetic (on bfloat16 inputs, dS enters ·K as hi + lo), so float32's error."""
     g = torch.Generator().manual_seed(7 * R + D)
-    q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).bfloat16() for _ in range(2))
+    q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
     N, scale = k1 - k0, 1 / math.sqrt(D)
     bias = None
     if bias_kind != "none":
@@ -233,15 +246,17 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         dk,
         dv,
     )
+    atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
     for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
-        np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=atol, rtol=1e-4)
 
 
-def test_bfloat16_gradients_have_the_same_bits_run_to_run_and_at_any_thread_count():
+@BOTH
+def test_gradients_have_the_same_bits_run_to_run_and_at_any_thread_count(dtype):
     """dQ's share of each key block is added in the blocks' order, whichever thread ran it:
     the gradients do not depend on scheduling (they did, with one dQ buffer per thread)."""
-    q, k, v = make_qkv(1, 8, 8, 1024, 1024, 64, 64, dtype=torch.bfloat16, seed=5)
-    g = torch.randn(1, 8, 1024, 64).to(torch.bfloat16)
+    q, k, v = make_qkv(1, 8, 8, 1024, 1024, 64, 64, dtype=dtype, seed=5)
+    g = torch.randn(1, 8, 1024, 64).to(dtype)
     threads = torch.get_num_threads()
     runs = []
     try:
@@ -253,24 +268,25 @@ def test_bfloat16_gradients_have_the_same_bits_run_to_run_and_at_any_thread_coun
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
+@BOTH
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_gradients_in_bfloat16_run_natively(name, small, monkeypatch, tune):
+def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
     """Both passes native, every mask kind, T_q != T_k, GQA: against float64 autograd on
-    the same inputs, and against the float32 path (``Tuning.native`` off), which rounds only its
-    results to bfloat16. With small tiles a pass is many calls whose keys overlap (their
-    shares of dK and dV meet in one native call)."""
+    the same inputs, and against torch's flash kernel in float32 (``Tuning.native`` off;
+    for bfloat16 on upcasts, only its results rounded). With small tiles a pass is many
+    calls whose keys overlap (their shares of dK and dV meet in one native call)."""
     if small:
         tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
-    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.bfloat16, seed=12)
-    g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).bfloat16()
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=12)
+    g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).to(dtype)
     seen = []
     real = native.backward_many
     monkeypatch.setattr(native, "backward_many", lambda *a: seen.append(len(a[0])) or real(*a))
     got = grads(q, k, v, g, mask, backend="tiled")
-    assert seen == [seen[0]], "the bfloat16 backward did not run natively, in one call"
+    assert seen == [seen[0]], "the backward did not run natively, in one call"
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
     if small:
         tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16, native=False)
@@ -278,6 +294,10 @@ def test_gradients_in_bfloat16_run_natively(name, small, monkeypatch, tune):
         tune(native=False)
     upcast = grads(q, k, v, g, mask, backend="tiled")
     for a, b, c in zip(got, want, upcast):
+        if dtype == torch.float32:  # float32 arithmetic both ways
+            np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(a.numpy(), c.numpy(), atol=1e-5, rtol=1e-5)
+            continue
         np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=3e-2, rtol=3e-2)
         np.testing.assert_allclose(
             a.double().numpy(),
@@ -287,13 +307,25 @@ def test_gradients_in_bfloat16_run_natively(name, small, monkeypatch, tune):
         )
 
 
-@pytest.mark.parametrize("case", ["nan_query", "inf_value", "head_dim_48", "float16", "native_off"])
-def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch, tune):
+@pytest.mark.parametrize(
+    "case",
+    [
+        "nan_query",
+        "inf_value",
+        "head_dim_48",
+        "float64",
+        "native_off",
+        "float32_nan_query",
+        "float32_head_dim_48",
+    ],
+)
+def test_where_it_does_not_run_torchs_kernel_answers(case, monkeypatch, tune):
     """Forward and backward: neither native call is made."""
-    D = 48 if case == "head_dim_48" else 32
-    dtype = torch.float16 if case == "float16" else torch.bfloat16
+    D = 48 if "head_dim_48" in case else 32
+    dtype = torch.float64 if case == "float64" else torch.bfloat16
+    dtype = torch.float32 if case.startswith("float32") else dtype
     q, k, v = make_qkv(1, 2, 2, 40, 40, D, D, dtype=dtype, seed=2)
-    if case == "nan_query":
+    if case.endswith("nan_query"):
         q[0, 1, 5, 3] = float("nan")
     if case == "inf_value":
         v[0, 0, 7, 1] = float("inf")
@@ -314,6 +346,34 @@ def test_where_it_does_not_run_the_float32_path_answers(case, monkeypatch, tune)
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
+def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch, tune):
+    """float16 (which this kernel does not compute in), and bfloat16 where its own native
+    path is off: the native kernel in float32 on upcast copies, forward and backward, within
+    the output's own rounding; the gradients within two units of their rounding of float32's
+    on the same inputs (the half-precision pass's Delta reads the rounded out)."""
+    if dtype == torch.bfloat16:
+        tune(native=True)
+        monkeypatch.setattr(native, "probe", lambda: native.Probe(2.0, 1.0, 1.0))
+        tune(native_probe=True)
+    q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=21)
+    mask = mask_zoo(2, 75, 61)[name]
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native-upcast"
+    seen = calls(monkeypatch)
+    g = torch.randn(2, 4, 61, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+    got = grads(q, k, v, g, mask, backend="tiled")
+    assert len(seen) == 3  # forward, and forward + backward
+    want, _ = oracle_with_lse(q, k, v, mask)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=0, atol=tolerance(want, dtype))
+    f32 = grads(q.float(), k.float(), v.float(), g.float(), mask, backend="tiled")
+    for a, b in zip(got, f32):
+        assert a.dtype == dtype
+        atol = rounding_tolerance(b.numpy(), dtype, 2.0)
+        np.testing.assert_allclose(a.double().numpy(), b.double().numpy(), rtol=0, atol=atol)
+
+
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
     q5 = torch.zeros(1, 2, 1, 8, 32, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)
@@ -326,11 +386,15 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
         native.attend(q5, packed, 10, 10, None, 1.0)  # no keys
     with pytest.raises(ValueError, match="packed"):
         native.attend(q5, packed, 0, 100, None, 1.0)  # keys past the packed buffer
+    with pytest.raises(ValueError, match="mismatched"):
+        native.attend(q5.float(), packed, 0, 40, None, 1.0)  # float32 rows, bfloat16 keys
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        native.pack(k.float(), k)
 
 
 def test_auto_runs_bfloat16_natively_from_1024_squared_scores():
     """``auto`` takes the native kernel for bfloat16 calls of 1024 × 1024 scores or more,
-    forward or training (faster than SDPA here: docs/kernels.md#native-bfloat16), and keeps
+    forward or training (faster than SDPA here: docs/kernels.md#the-native-kernel), and keeps
     SDPA below that size and where the head dim does not fit the kernel."""
     q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, dtype=torch.bfloat16)
     causal = qkv.masks.causal()

@@ -66,7 +66,7 @@ class Tuning:
             CPU has the instructions (pinned, as the tests do).
         p_parts: P enters ·V as this many bfloat16 parts in the native kernel: 2 (hi + lo,
             ~16 bits: qkv's accuracy promise) or 1 (rounded once, as torch does: faster, up
-            to 1.64× the output's own rounding; docs/kernels.md#native-bfloat16).
+            to 1.64× the output's own rounding; docs/kernels.md#the-native-kernel).
     """
 
     small_scores: int = 512 * 512

@@ -98,8 +98,9 @@ def tiled_path(a: Ask) -> tuple[str, str]:
     """Which code of the tiled kernel runs this call, and why: "tiled-op" while tracing (the
     op decides at run time, by this function); the PyTorch loop where a score modification
     is applied, the fused calls are turned off or torch's flash kernel cannot take the call;
-    qkv's native kernel for bfloat16 where it can run it; else torch's flash kernel, call by
-    call. Reads K (and for bfloat16 Q and V) once, to know they are finite."""
+    qkv's native kernel for float32 and bfloat16 where it can run it and the probe found it
+    worth it; else torch's flash kernel, call by call. Reads K (and for the native kernel Q
+    and V) once, to know they are finite."""
     if a.tracing:
         return "tiled-op", "the tiled kernel as one opaque op, which picks its code at run time"
     if a.mod is not None:
@@ -111,14 +112,23 @@ def tiled_path(a: Ask) -> tuple[str, str]:
             "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
             "D_v != D, NaN/inf in the keys, or this torch lacks it)"
         )
-    if (
-        a.q.dtype == torch.bfloat16
-        and a.tuning.native
-        and native.supports(a.q, a.k, a.v)
-        and _native_wins(a)
-    ):
-        return "tiled-native", "qkv's native bfloat16 kernel runs the flash calls"
+    if a.tuning.native:
+        if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
+            name = _NAMES[a.q.dtype]
+            return "tiled-native", f"qkv's native {name} kernel runs the plan in one call"
+        half = a.q.dtype in (torch.bfloat16, torch.float16)
+        if (
+            half
+            and native.supports(a.q, a.k, a.v, torch.float32)
+            and _native_wins(a, torch.float32)
+        ):
+            return "tiled-native-upcast", (
+                "qkv's native float32 kernel runs the plan in one call, on float32 copies"
+            )
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
+
+
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _tiled(a: Ask, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
@@ -232,20 +242,21 @@ def _rule_modification(a: Ask) -> Dispatch | None:
 
 def _rule_native(a: Ask) -> Dispatch | None:
     if not (
-        a.mod is None
+        a.k.dtype == torch.bfloat16
+        and a.mod is None
         and a.dropout_p == 0
         and a.tuning.native
         and a.scores >= a.tuning.native_scores
         and (a.mask is None or isinstance(a.mask, Mask))
         and native.shapes_fit(a.k.dtype, a.k.device, a.p.D, a.p.D_v)
-        and _native_wins(a)
+        and _native_wins(a, torch.bfloat16)
     ):
         return None
     if a.tuning.native_probe:
         found = native.probe()
         measured = (
             f"measured once on this CPU: {found.native_ms:.2f} ms against float32's "
-            f"{found.float32_ms:.2f} ms"
+            f"{found.float32_ms:.2f} ms through torch's kernel, {found.native32_ms:.2f} ms native"
         )
     else:
         measured = "pinned by Tuning.native_probe=False, not measured"
@@ -257,10 +268,15 @@ def _rule_native(a: Ask) -> Dispatch | None:
     )
 
 
-def _native_wins(a: Ask) -> bool:
-    """Whether the native bfloat16 kernel beats float32 here: measured once per process
+def _native_wins(a: Ask, dtype: torch.dtype) -> bool:
+    """Whether the native kernel is worth it in ``dtype`` here — in bfloat16, faster than
+    the float32 path; in float32, not slower than torch's flash kernel (see
+    :class:`qkv.kernels.tiled.native.Probe`): measured once per process
     (:func:`qkv.kernels.tiled.native.probe`), or taken as given when the probe is off."""
-    return not a.tuning.native_probe or native.probe().faster
+    if not a.tuning.native_probe:
+        return True
+    found = native.probe()
+    return found.float32 if dtype == torch.float32 else found.faster
 
 
 def _rule_no_mask(a: Ask) -> Dispatch | None:

@@ -32,6 +32,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
 #include <immintrin.h>
+#include "_exp.h"
 #endif
 
 typedef uint16_t bf16;
@@ -171,23 +172,6 @@ AVX512 ALWAYS __m512 load16(const void *base, int64_t at, const int is_bf16) {
     return _mm512_loadu_ps((const float *)base + at);
 }
 
-AVX512 ALWAYS __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* exp(-104) is 0 in float32; NaN kept */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* P·V for one page of n keys: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t, hk]. The page's
    V rows are read (widened) once into vpage; each head's output row is then accumulated
    in registers, 64 floats at a time, across the page's keys. */
@@ -268,7 +252,7 @@ AVX512 ALWAYS void item512(const Job *j, int64_t b, int64_t hk, float *work, con
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < n; t += 16) {
                 const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t),
+                __m512 e = qkv_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t),
                                                _mm512_set1_ps(m[g])));
                 e = _mm512_maskz_mov_ps(live, e);
                 _mm512_storeu_ps(sg + t, e);
@@ -329,7 +313,7 @@ AVX512 ALWAYS void wide512(const Job *j, int64_t b, int64_t hk, float *work, con
             const __mmask16 grew = _mm512_cmp_ps_mask(mx, old, _CMP_GT_OQ);
             if (grew) {
                 const __m512 alpha = _mm512_mask_blend_ps(
-                    grew, _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(old, mx)));
+                    grew, _mm512_set1_ps(1.0f), qkv_exp16(_mm512_sub_ps(old, mx)));
                 _mm512_storeu_ps(l + gv, _mm512_mul_ps(_mm512_loadu_ps(l + gv), alpha));
                 float al[16];
                 _mm512_storeu_ps(al, alpha);
@@ -346,7 +330,7 @@ AVX512 ALWAYS void wide512(const Job *j, int64_t b, int64_t hk, float *work, con
                 const __m512 sc = _mm512_loadu_ps(sT + t * GV + gv);
                 /* no live score yet: -inf weighs 0, NaN stays NaN */
                 const __m512 dead = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, sc, _CMP_UNORD_Q), nan);
-                const __m512 e = _mm512_mask_blend_ps(live, dead, exp16(_mm512_sub_ps(sc, mx)));
+                const __m512 e = _mm512_mask_blend_ps(live, dead, qkv_exp16(_mm512_sub_ps(sc, mx)));
                 _mm512_storeu_ps(sT + t * GV + gv, e);
                 sum = _mm512_add_ps(sum, e);
             }

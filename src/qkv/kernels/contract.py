@@ -23,7 +23,16 @@ import torch
 from ..tuning import Tuning
 
 #: The code that runs a call, as :func:`qkv.dispatch` names it.
-PATHS = ("reference", "sdpa", "flex", "tiled-loop", "tiled-flash", "tiled-native", "tiled-op")
+PATHS = (
+    "reference",
+    "sdpa",
+    "flex",
+    "tiled-loop",
+    "tiled-flash",
+    "tiled-native",
+    "tiled-native-upcast",
+    "tiled-op",
+)
 
 
 class MaskTiles(Protocol):

@@ -2,8 +2,8 @@
 
 ``plan`` turns a mask's block map into chunks of keys per query block; ``loop`` is the
 readable PyTorch kernel over them and the fallback; ``flash`` runs the same plan as calls of
-torch's fused CPU flash kernel; ``native`` runs those calls in qkv's own C kernel for
-bfloat16. Which of them runs is the dispatch's choice (``call.path``, named by
+torch's fused CPU flash kernel; ``native`` runs those calls in qkv's own C kernel, in
+float32 or bfloat16. Which of them runs is the dispatch's choice (``call.path``, named by
 :func:`qkv.dispatch`); this module runs it and holds the autograd function.
 
 Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key length ·
@@ -24,11 +24,20 @@ from .plan import row_dot
 
 def forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) and lse (B, H, T_q), both in the accumulation dtype, without
-    autograd: the call's flash calls (torch's kernel, or qkv's native one for bfloat16) or
-    the PyTorch loop, as ``call.path`` says."""
-    if call.path in ("tiled-flash", "tiled-native"):
-        return flash.fused_forward(call, native=call.path == "tiled-native")
+    autograd: the call's flash calls (torch's kernel, or qkv's native one) or the PyTorch
+    loop, as ``call.path`` says."""
+    if call.path in FUSED:
+        return flash.fused_forward(call, native=_native_dtype(call))
     return loop_forward(call)
+
+
+FUSED = ("tiled-flash", "tiled-native", "tiled-native-upcast")
+
+
+def _native_dtype(call: Lowered) -> torch.dtype | None:
+    """The dtype the native kernel computes the call in — the inputs' ("tiled-native") or
+    float32 on upcast copies ("tiled-native-upcast") — or None: torch's flash kernel."""
+    return {"tiled-native": call.q.dtype, "tiled-native-upcast": torch.float32}.get(call.path)
 
 
 def backward(
@@ -46,8 +55,8 @@ def backward(
     nothing reaches the log-sum-exp). The flash calls' backward where the forward ran them
     and nothing reaches the log-sum-exp or a modification, else the loop; ``delta``
     (rowsum(dout ∘ out), accumulation dtype) is computed here unless given."""
-    if dlse is None and call.mod_tiles is None and call.path in ("tiled-flash", "tiled-native"):
-        native = call.path == "tiled-native"
+    if dlse is None and call.mod_tiles is None and call.path in FUSED:
+        native = _native_dtype(call)
         return flash.fused_backward(call, out, lse, dout, native=native, delta=delta)
     return loop_backward(call, out, lse, dout, dlse, delta=delta, need_mod=need_mod)
 

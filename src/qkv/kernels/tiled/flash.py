@@ -159,20 +159,23 @@ def _segments(chunks: Sequence[Chunk], span: int) -> list[tuple[Chunk, ...]]:
     return sorted(parts, key=lambda p: p[0].k0)
 
 
-def fused_forward(call: Lowered, *, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_forward(
+    call: Lowered, *, native: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as the fused calls of :func:`calls`: torch's CPU flash kernel over
     each call's keys, with their mask as an additive float mask — -inf where the mask blocks
     and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
     calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
-    query heads of a key/value head as rows (GQA reads each key/value head once). bfloat16
-    calls run qkv's native kernel with ``native`` (the dispatch has checked
-    :func:`qkv.kernels.tiled.native.supports`), other half precision in float32
-    (:func:`_working`). out in the accumulation dtype, as lse."""
+    query heads of a key/value head as rows (GQA reads each key/value head once). With
+    ``native`` (a dtype: the inputs', or float32 for copies of half-precision inputs; the
+    dispatch has checked :func:`qkv.kernels.tiled.native.supports`) every call of the pass
+    runs in one call of qkv's native kernel; else torch's kernel runs them one by one, half
+    precision in float32 (:func:`_working`). out in the accumulation dtype, as lse."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     p_parts = call.tuning.p_parts
-    packed = _native.pack(k, v) if native else None
-    if packed is None:
+    if native != q.dtype:
         q, k, v = _working(q, k, v)
+    packed = None if native is None else _native.pack(k, v)
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
@@ -241,21 +244,22 @@ def fused_backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
     *,
-    native: bool,
+    native: torch.dtype | None,
     delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
     backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
     its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
-    forward was fused and nothing reaches the log-sum-exp. bfloat16 calls run qkv's native
-    kernel with ``native``, other half precision in float32 (:func:`_working`); the
-    gradients come back in the inputs' dtypes. ``delta`` (rowsum(dout ∘ out), accumulation
-    dtype) is computed here where the native kernel needs it, unless given."""
+    forward was fused and nothing reaches the log-sum-exp. With ``native`` (a dtype, as for
+    :func:`fused_forward`) the calls run in one call of qkv's native kernel; half precision
+    otherwise in float32 (:func:`_working`); the gradients come back in the inputs' dtypes.
+    ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
+    kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     dtypes = q.dtype, k.dtype, v.dtype
-    packed = _native.pack_backward(k, v) if native else None
-    if packed is None:
+    if native != q.dtype:
         q, k, v = _working(q, k, v)
+    packed = None if native is None else _native.pack_backward(k, v)
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]

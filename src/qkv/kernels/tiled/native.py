@@ -1,9 +1,9 @@
-"""qkv's native bfloat16 step (``_bf16.c``, built at install): one call of the fused
-forward or backward with Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
-accumulated in float32, the softmax state in float32, P (and dS) entering their matmul as
-bfloat16 hi + lo parts (about 16 bits). docs/kernels.md#native-bfloat16 gives its
-measurements; where it is not built or the CPU lacks AVX512-BF16, the fused calls run in
-float32 instead.
+"""qkv's native step (``_native.c``, built at install): the fused forward and backward calls
+of a pass in one native call each, in float32 (AVX-512 FMAs) or bfloat16 (Q, K and V kept
+in bfloat16 — the matmuls as bfloat16 dot products accumulated in float32, P and dS entering
+their matmul as bfloat16 hi + lo parts, about 16 bits); the softmax state in float32 either
+way. docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the
+CPU lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
 """
@@ -11,8 +11,10 @@ Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N key
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -20,69 +22,91 @@ import torch
 from ..reference import all_finite
 
 try:
-    from . import _bf16  # type: ignore[attr-defined]
-except ImportError:  # not built (no C compiler at install): the float32 path runs
-    _bf16 = None
+    from . import _native  # type: ignore[attr-defined]
+except ImportError:  # not built (no C compiler at install): torch's flash kernel runs
+    _native = None
+
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the native kernel is built and this CPU runs it (asked once, when first
-    needed)."""
-    return _bf16 is not None and bool(_bf16.available())
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
+    AVX-512; bfloat16: AVX512-BF16 too), asked once, when first needed."""
+    f32 = dtype == torch.float32
+    return dtype in DTYPES and _native is not None and bool(_native.available(f32))
 
 
 class Probe(NamedTuple):
-    """One measurement, made once per process: the native kernel's bfloat16 call against
-    the float32 path's (torch's flash kernel on float32 upcasts, what bfloat16 runs
-    otherwise) on the same call — 4 heads, 256 queries over 1,024 keys, D = 64 — medians
-    of 7 interleaved runs each. ``faster``: native takes under 0.9× float32's time (a
-    margin, so that noise does not pick a kernel that is not faster)."""
+    """One measurement, made once per process, of one call — 4 heads, 256 queries over
+    1,024 keys, D = 64 — three ways, medians of 7 interleaved runs each: the native kernel
+    in bfloat16 (``native_ms``), torch's flash kernel in float32 (``float32_ms``: what
+    float32 runs without the native kernel, and bfloat16 on float32 upcasts), and the
+    native kernel in float32 (``native32_ms``; nan where this CPU cannot run it)."""
 
     native_ms: float
     float32_ms: float
+    native32_ms: float = float("nan")
+
+    @property
+    def float32(self) -> bool:
+        """Float32 runs natively: the native kernel takes at most 1.1× torch's time here
+        (a margin toward it: quiet, the two are close; beside other work, the native one
+        call per pass slows far less — docs/benchmarks.md#on-a-busy-machine-issue-25)."""
+        return self.native32_ms <= 1.1 * self.float32_ms
 
     @property
     def faster(self) -> bool:
-        return self.native_ms < 0.9 * self.float32_ms
+        """bfloat16 runs natively: under 0.9× the time of the float32 path it would take
+        otherwise (a margin, so that noise does not pick a kernel that is not faster)."""
+        float32 = min(self.float32_ms, self.native32_ms if self.float32 else math.inf)
+        return self.native_ms < 0.9 * float32
 
 
 @functools.cache
 def probe() -> Probe:
-    """Measure whether this CPU runs the native bfloat16 kernel faster than float32 (see
-    :class:`Probe`); asked by the dispatch the first time a bfloat16 call could run it.
-    On one Intel Xeon with AVX512-BF16 but no AMX, the native path ran at 0.71× float32's
-    speed; on the AMD EPYC of this project's sessions at ~1.5–2×: the instruction-set
-    flag alone does not say which wins."""
+    """Measure whether this CPU runs the native kernel faster than torch's flash kernel
+    (see :class:`Probe`); asked by the dispatch the first time a float32 or bfloat16 call
+    could run it. On one Intel Xeon with AVX512-BF16 but no AMX, the native bfloat16 path
+    ran at 0.71× float32's speed; on the AMD EPYC of this project's sessions at ~1.5–2×:
+    the instruction-set flag alone does not say which wins."""
     from .flash import FLASH  # (flash imports this module)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
-    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
-    packed, q5 = pack(kb, vb), qb.view(1, 4, 1, 256, 64)
-    runs: dict[str, list[float]] = {"native": [], "float32": []}
-    calls = {
-        "native": lambda: attend(q5, packed, 0, 1024, None, 0.125),
-        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125),
+    calls: dict[str, Callable[[], object]] = {
+        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125)
     }
+    for name, dtype in (("native", torch.bfloat16), ("native32", torch.float32)):
+        if available(dtype):
+            q5, packed = q.to(dtype).view(1, 4, 1, 256, 64), pack(k.to(dtype), v.to(dtype))
+            calls[name] = functools.partial(attend, q5, packed, 0, 1024, None, 0.125)
+    runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
             t0 = time.perf_counter()
             calls[name]()
             if i:  # the first round warms up
                 runs[name].append(time.perf_counter() - t0)
-    return Probe(*(statistics.median(runs[n]) * 1e3 for n in ("native", "float32")))
+    median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
+    return Probe(*(median.get(n, math.nan) for n in ("native", "float32", "native32")))
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the native kernel can run the flash calls of this call: bfloat16 Q, K, V on
-    the CPU, the kernel built and this CPU able to run it, each with its head dim
+def supports(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
+) -> bool:
+    """Whether the native kernel can run the flash calls of this call in ``dtype`` — the
+    inputs' (the default), or float32 on copies of half-precision inputs: Q, K, V of one
+    dtype on the CPU, the kernel built and this CPU able to run it, each with its head dim
     contiguous, D = D_v a multiple of 32 (the kernel's vectors) up to 256, and finite Q and
     V (the dispatch has checked K) — the kernel's max would pass over a NaN score, and
     0 · inf in ·V would reach rows that mask the key out. Reads Q and V: the dispatch asks
     once per call."""
+    dtype = q.dtype if dtype is None else dtype
+    upcast = dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)
     return (
-        shapes_fit(q.dtype, q.device, q.shape[-1], v.shape[-1])
+        (dtype == q.dtype or upcast)
+        and shapes_fit(dtype, q.device, q.shape[-1], v.shape[-1])
         and q.dtype == k.dtype == v.dtype
         and all(x.stride(-1) == 1 for x in (q, k, v))
         and all_finite(q)
@@ -91,23 +115,17 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def shapes_fit(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
-    """The part of :func:`supports` that reads no values: bfloat16 on a CPU that runs the
-    kernel, D = D_v a multiple of 32 up to 256."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and D_v == D
-        and D % 32 == 0
-        and D <= 256
-        and available()
-    )
+    """The part of :func:`supports` that reads no values: float32 or bfloat16 on a CPU that
+    runs the kernel in it, D = D_v a multiple of 32 up to 256."""
+    return device.type == "cpu" and D_v == D and D % 32 == 0 and D <= 256 and available(dtype)
 
 
 class Packed(NamedTuple):
-    """K and V in the pairs the kernel multiplies, packed once per forward pass: k (B, H_kv,
-    Nt/32, D/2, 32, 2) — each 32 keys the score loop takes together — and v (B, H_kv, Nt/2,
-    D, 2), bfloat16, zero past the last key; Nt covers every key a call reads (from its
-    first key's 32-key block, rounded up to 32)."""
+    """K and V as the kernel reads them, packed once per forward pass, each 32 keys the
+    score loop takes together side by side, zero past the last key; Nt covers every key a
+    call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the pairs
+    the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D, 2); float32:
+    k (B, H_kv, Nt/32, D, 32), v (B, H_kv, Nt, D)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -115,20 +133,35 @@ class Packed(NamedTuple):
 
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
-    """K and V (B, H_kv, T_k, D), bfloat16 with D contiguous, packed for :func:`attend`."""
+    """K and V (B, H_kv, T_k, D), float32 or bfloat16 with D contiguous, packed for
+    :func:`attend`."""
     B, H_kv, T_k, D = k.shape
     Nt = (T_k + 31) // 32 * 32 + 32
-    kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
-    vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or v.shape != k.shape:
-        raise ValueError("native.pack: K and V of one shape, each with D contiguous")
-    _bf16.pack(
+    if k.dtype == torch.float32:
+        kp = torch.empty(B, H_kv, Nt // 32, D, 32)
+        vp = torch.empty(B, H_kv, Nt, D)
+    else:
+        kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
+        vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
+    if (
+        k.stride(-1) != 1
+        or v.stride(-1) != 1
+        or v.shape != k.shape
+        or k.dtype != v.dtype
+        or k.dtype not in DTYPES
+    ):
+        raise ValueError(
+            "native.pack: K and V of one shape and dtype (float32 or bfloat16), each with D "
+            "contiguous"
+        )
+    _native.pack(
         (k.data_ptr(), *k.stride()[:3]),
         (v.data_ptr(), *v.stride()[:3]),
         kp.data_ptr(),
         vp.data_ptr(),
         (B, H_kv, T_k, D, Nt),
         torch.get_num_threads(),
+        k.dtype == torch.float32,
     )
     return Packed(kp, vp, Nt)
 
@@ -177,7 +210,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
     """Every call of a forward pass (:func:`attend`'s, over one packed K and V) in one native
     call: one parallel region whose threads take the calls' work items from one counter, so
     a thread descheduled on a busy machine holds up only the item it is on, and the pass
-    waits at one barrier, not one per call (docs/kernels.md#native-bfloat16)."""
+    waits at one barrier, not one per call (docs/kernels.md#the-native-kernel)."""
     args = []
     for job in jobs:
         _check_call("attend", job.q5, packed, job.k0, job.k1, job.bias)
@@ -206,9 +239,10 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
                 (packed.Nt, job.k0, job.k1 - job.k0),
                 scale,
                 p_parts,
+                packed.k.dtype == torch.float32,
             )
         )
-    _bf16.attend_many(args, torch.get_num_threads())
+    _native.attend_many(args, torch.get_num_threads())
 
 
 def _check_call(
@@ -219,7 +253,8 @@ def _check_call(
     B, H_kv, G, R, D = q5.shape
     if (
         packed.k.shape[:2] != (B, H_kv)
-        or packed.k.shape[3] != D // 2
+        or packed.k.shape[3] != (D if q5.dtype == torch.float32 else D // 2)
+        or q5.dtype != packed.k.dtype
         or q5.stride(-1) != 1
         or R < 1
         or not 0 <= k0 < k1
@@ -310,6 +345,7 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
         floats = (job.lse, job.delta, job.dq, job.dk, job.dv)
         if (
             job.do5.shape != job.q5.shape
+            or job.do5.dtype != job.q5.dtype
             or job.lse.shape != (B, H_kv, G, R)
             or job.delta.shape != job.lse.shape
             or job.dq.shape != job.q5.shape
@@ -339,6 +375,7 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
                 (B, H_kv, G, R, D),
                 (packed.Nt, job.k0, N),
                 scale,
+                packed.k.dtype == torch.float32,
             )
         )
-    _bf16.backward_many(args, torch.get_num_threads())
+    _native.backward_many(args, torch.get_num_threads())

@@ -1,31 +1,34 @@
-/* qkv's native bfloat16 attention step for x86-64 CPUs with AVX512-BF16: the forward and
-   the backward of the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of
-   a pass in one parallel region (attend_many, backward_many).
+/* qkv's native attention step for x86-64 CPUs with AVX-512: the forward and the backward
+   of the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in
+   one parallel region (attend_many, backward_many), in float32 (AVX-512F) or bfloat16
+   (AVX512-BF16).
 
-   Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp: Q, K, V stay bfloat16 and both matmuls run as
-   bfloat16 dot products accumulated in float32 (VDPBF16PS); the scores, the online softmax
-   state and the output accumulate in float32. The probabilities enter P·V as two bfloat16
-   parts, hi + lo, so P carries about 16 bits instead of bfloat16's 8: rounding P once to
-   bfloat16 (what torch's CPU flash kernel does; `parts` = 1 here) breaks qkv's accuracy
-   promise (docs/semantics.md) on small sharp problems. Rows with no allowed key give out 0
-   and lse -inf. Work is skipped per 32-key block that no row of an 8-row tile may attend.
+   Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp; the scores, the online
+   softmax state and the output accumulate in float32. In float32 both matmuls are float32
+   FMAs. In bfloat16, Q, K and V stay bfloat16 and both matmuls run as bfloat16 dot products
+   accumulated in float32 (VDPBF16PS); the probabilities enter P·V as two bfloat16 parts,
+   hi + lo, so P carries about 16 bits instead of bfloat16's 8: rounding P once to bfloat16
+   (what torch's CPU flash kernel does; `parts` = 1 here) breaks qkv's accuracy promise
+   (docs/semantics.md) on small sharp problems. Rows with no allowed key give out 0 and lse
+   -inf. Work is skipped per 32-key block that no row of an 8-row tile may attend.
 
    Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the kernel
    runs on torch's own thread pool (threads of a second pool would compete with torch's
    spinning ones for the cores: measured 2× slower calls).
 
-   The module builds without AVX512 flags: the kernel is compiled for that target alone and
-   `available()` asks the CPU at run time, so the same build imports everywhere and Python
-   falls back to the float32 path where the CPU lacks the instructions.
+   The module builds without AVX-512 flags: each function is compiled for its target alone
+   (TARGET: AVX-512F/BW/DQ/VL; TARGET_BF16: that and AVX512-BF16) and `available()` asks the
+   CPU at run time, so the same build imports everywhere and Python falls back to torch's
+   flash kernel where the CPU lacks the instructions.
 
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. K and V come
-   packed once per forward pass (qkv/kernels/native.py) in the pairs VDPBF16PS multiplies:
-   kp (B, H, Nt/32, D/2, 32, 2) and vp (B, H, Nt/2, D, 2), zero past the last key: the 32
-   keys the score loop takes at a time lie together. Strides ks/vs[0..1] over B and H; a
-   call reads keys k0..k0+N-1 of them. bias: float32, (B|1, H|1,
-   G·R, N) with strides bs[0..2] (0 where broadcast), N contiguous, or NULL; out: float32
-   (B, H, G, R, D) with strides os[0..3], D contiguous; lse: float32 (B, H, G, R) with
-   strides ls[0..3]. D must be a multiple of 32. */
+   packed once per forward pass (qkv/kernels/native.py), the 32 keys the score loop takes
+   at a time together. bfloat16, in the pairs VDPBF16PS multiplies: kp (B, H, Nt/32, D/2, 32,
+   2) and vp (B, H, Nt/2, D, 2); float32: kp (B, H, Nt/32, D, 32) and vp (B, H, Nt, D); zero
+   past the last key. Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
+   them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
+   contiguous, or NULL; out: float32 (B, H, G, R, D) with strides os[0..3], D contiguous;
+   lse: float32 (B, H, G, R) with strides ls[0..3]. D must be a multiple of 32. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -38,17 +41,19 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
 #include <immintrin.h>
+#include "../_exp.h"
 #endif
 
 #define MR 8      /* query rows per register tile */
 #define KT 128    /* keys per online-softmax step */
 #define ROWS 32   /* query rows per work item */
 #define MAX_D 256
+#define KB 64     /* keys per backward work item */
 
 typedef uint16_t bf16;
 
 typedef struct {
-    const bf16 *q, *kp, *vp;
+    const void *q, *kp, *vp; /* bf16 or float (f32) */
     const float *bias;
     float *out, *lse;
     int64_t qs[4], ks[2], vs[2], bs[3], os[4], ls[4];
@@ -58,36 +63,26 @@ typedef struct {
     int64_t N;      /* the call's keys */
     float scale;
     int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
+    int f32;        /* Q, K, V float32 (else bfloat16) */
     int64_t items, tiles;
     int64_t next_item;
 } Job;
 
 #ifdef QKV_X86
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
-/* e^x in float32 for x <= 0 (scores minus their running max); 0 below -87. */
+/* e^x in float32 for x <= 0 (scores minus their running max); exactly 0 below -87, so that
+   a masked key (-inf) weighs nothing and a row with none allowed keeps a sum of 0. */
 TARGET static inline __m512 exp_neg(__m512 x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.693147180559945309f);
     __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, log2e);
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), ln2); /* |r| <= ln2 / 2 */
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps(keep, qkv_exp16(x));
 }
 
 /* 32 float32 values as bfloat16 hi (rounded) at hi, and, if lo is given, what hi leaves of
    them rounded again at lo: hi + lo carry about 16 bits. Returns hi's values, lane-wise
    summed over the two halves, as float32. */
-TARGET static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo) {
+TARGET_BF16 static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo) {
     __m512i hw = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     __m512 h0 = _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
@@ -100,43 +95,31 @@ TARGET static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo) {
     return _mm512_add_ps(h0, h1);
 }
 
-/* S[i][0..nk) = (q_i · k_n) · by for MR rows and the nk keys from n0 (nk: multiple of 32),
-   -inf over the 32-key blocks not live (no row of the tile may attend to them). */
-TARGET static void scores(const Job *j, const bf16 *qt, const bf16 *kp, int64_t n0, int64_t nk,
-                          const int *live, float by, float S[MR][KT]) {
+/* out[i] = q_i · k_n for MR rows and the 32 keys of one packed block kb (bfloat16 pairs).
+   (The sums stay in local registers until the end: __m512 may alias anything, so sums
+   kept in *out would be stored and reloaded at every step.) */
+TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb,
+                                  __m512 out[MR][2]) {
     int64_t D = j->D;
-    __m512 scale = _mm512_set1_ps(by), none = _mm512_set1_ps(-INFINITY);
-    for (int64_t jb = 0; jb < nk; jb += 32) {
-        if (!live[jb / 32]) {
-            for (int i = 0; i < MR; i++) {
-                _mm512_storeu_ps(&S[i][jb], none);
-                _mm512_storeu_ps(&S[i][jb + 16], none);
-            }
-            continue;
-        }
-        __m512 acc[MR][2];
-        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-        for (int64_t d2 = 0; d2 < D / 2; d2++) {
-            const bf16 *at = kp + ((n0 + jb) / 32 * (D / 2) + d2) * 64;
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(at), k1 = (__m512bh)_mm512_loadu_si512(at + 32);
-            for (int i = 0; i < MR; i++) {
-                int32_t pair;
-                memcpy(&pair, qt + i * D + 2 * d2, 4);
-                __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k0);
-                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k1);
-            }
-        }
+    __m512 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < D / 2; d2++) {
+        const bf16 *at = kb + d2 * 64;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(at), k1 = (__m512bh)_mm512_loadu_si512(at + 32);
         for (int i = 0; i < MR; i++) {
-            _mm512_storeu_ps(&S[i][jb], _mm512_mul_ps(acc[i][0], scale));
-            _mm512_storeu_ps(&S[i][jb + 16], _mm512_mul_ps(acc[i][1], scale));
+            int32_t pair;
+            memcpy(&pair, qt + i * D + 2 * d2, 4);
+            __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k1);
         }
     }
+    memcpy(out, acc, sizeof acc);
 }
 
 /* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi (+ lo when PARTS is 2), for
    4 rows at a time and NV 16-column vectors of the head dim at a time. */
-TARGET static inline __attribute__((always_inline)) void pv_block(
+TARGET_BF16 static inline __attribute__((always_inline)) void pv_block(
         const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
         const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
     int64_t D = j->D;
@@ -166,7 +149,7 @@ TARGET static inline __attribute__((always_inline)) void pv_block(
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
 }
 
-TARGET static void pv(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live,
+TARGET_BF16 static void pv_bf16(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live,
                       const bf16 *Ph, const bf16 *Pl, float *O) {
     for (int i0 = 0; i0 < MR; i0 += 4) {
         int64_t c0 = 0;
@@ -178,6 +161,120 @@ TARGET static void pv(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, cons
             if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 1);
         }
     }
+}
+
+/* float32: acc[i] = q_i · k_n as dots_bf16, the block kb (D, 32). */
+TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, __m512 out[MR][2]) {
+    int64_t D = j->D;
+    __m512 acc[MR][2];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++, kb += 32) {
+        __m512 k0 = _mm512_loadu_ps(kb), k1 = _mm512_loadu_ps(kb + 16);
+        for (int i = 0; i < MR; i++) {
+            __m512 qb = _mm512_set1_ps(qt[i * D + d]);
+            acc[i][0] = _mm512_fmadd_ps(qb, k0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(qb, k1, acc[i][1]);
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+/* float32: O[i] += P[i] · V over nk keys from n0 (P's rows `ps` apart, V packed (Nt, D)),
+   for 4 rows and NV 16-column vectors at a time. */
+TARGET static inline __attribute__((always_inline)) void pv_block_f32(
+        const Job *j, const float *vp, int64_t n0, int64_t nk, const int *live, const float *P,
+        int64_t ps, float *O, int i0, int64_t c0, const int NV) {
+    int64_t D = j->D;
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
+    for (int64_t n = 0; n < nk; n++) {
+        if (!live[n / 32]) { /* P = 0 over the block */
+            n += 31;
+            continue;
+        }
+        const float *at = vp + (n0 + n) * D + c0;
+        __m512 vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(at + 16 * c);
+        for (int i = 0; i < 4; i++) {
+            __m512 p = _mm512_set1_ps(P[(i0 + i) * ps + n]);
+            for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
+}
+
+TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t nk, const int *live,
+                          const float *P, int64_t ps, float *O) {
+    for (int i0 = 0; i0 < MR; i0 += 4) {
+        int64_t c0 = 0;
+        for (; c0 + 64 <= j->D; c0 += 64) pv_block_f32(j, vp, n0, nk, live, P, ps, O, i0, c0, 4);
+        if (c0 < j->D) pv_block_f32(j, vp, n0, nk, live, P, ps, O, i0, c0, 2); /* D % 64 == 32 */
+    }
+}
+
+/* The element `at` elements past `base` in the call's dtype. */
+static inline const void *elem(const Job *j, const void *base, int64_t at) {
+    return (const char *)base + at * (j->f32 ? 4 : 2);
+}
+
+/* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype) and the nk keys from
+   n0 (nk: a multiple of 32), -inf over the 32-key blocks not live (no row of the tile may
+   attend to them). */
+TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t n0, int64_t nk,
+                          const int *live, float by, float S[MR][KT]) {
+    __m512 scale = _mm512_set1_ps(by), none = _mm512_set1_ps(-INFINITY), acc[MR][2];
+    for (int64_t jb = 0; jb < nk; jb += 32) {
+        if (live[jb / 32]) {
+            const void *kb = elem(j, kp, (n0 + jb) / 32 * j->D * 32);
+            if (j->f32)
+                dots_f32(j, qt, kb, acc);
+            else
+                dots_bf16(j, qt, kb, acc);
+        }
+        for (int i = 0; i < MR; i++) {
+            _mm512_storeu_ps(&S[i][jb], live[jb / 32] ? _mm512_mul_ps(acc[i][0], scale) : none);
+            _mm512_storeu_ps(&S[i][jb + 16], live[jb / 32] ? _mm512_mul_ps(acc[i][1], scale) : none);
+        }
+    }
+}
+
+/* One row's P = e^(s - base) over the live 32-key blocks of its nk scores: stored for ·V
+   (float32 at pf; or bfloat16 hi at ph and, with parts 2, lo at pl); adds Σ P to *sum and
+   Σ of what ·V sees of it to *seen. */
+TARGET static void probs_f32(const float *s, int64_t nk, const int *live, float base, float *pf,
+                             float *sum, float *seen) {
+    __m512 acc = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
+    for (int64_t n = 0; n < nk; n += 16) {
+        if (!live[n / 32]) continue;
+        __m512 p = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
+        _mm512_storeu_ps(pf + n, p);
+        acc = _mm512_add_ps(acc, p);
+    }
+    *sum = *seen = _mm512_reduce_add_ps(acc);
+}
+
+TARGET_BF16 static void probs_bf16(const float *s, int64_t nk, const int *live, float base,
+                                   bf16 *ph, bf16 *pl, float *sum, float *seen) {
+    __m512 all = _mm512_setzero_ps(), hi = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
+    for (int64_t n = 0; n < nk; n += 32) {
+        if (!live[n / 32]) continue;
+        __m512 p0 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
+        __m512 p1 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n + 16), vb));
+        hi = _mm512_add_ps(hi, split(p0, p1, ph + n, pl ? pl + n : NULL));
+        all = _mm512_add_ps(all, _mm512_add_ps(p0, p1));
+    }
+    *sum = _mm512_reduce_add_ps(all);
+    *seen = _mm512_reduce_add_ps(hi);
+}
+
+/* dS rows (float32, KB keys each) as bfloat16 hi + lo for ·K. */
+TARGET_BF16 static void split_rows(const float dS[MR][KB], int64_t nk, bf16 *Dh, bf16 *Dl) {
+    for (int i = 0; i < MR; i++)
+        for (int64_t n = 0; n < nk; n += 32)
+            split(_mm512_loadu_ps(&dS[i][n]), _mm512_loadu_ps(&dS[i][n + 16]), Dh + i * KT + n,
+                  Dl + i * KT + n);
 }
 
 /* The lanes of the 16 keys from n that lie in [first, last). */
@@ -210,15 +307,16 @@ TARGET static void live_blocks(const Job *j, const float *bias, int64_t r0, int 
 
 /* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
    dst, zero past `rows`. */
-static void load_rows(const Job *j, const bf16 *x, const int64_t *xs, int64_t b, int64_t h,
-                      int64_t r0, int rows, bf16 *dst) {
+static void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b, int64_t h,
+                      int64_t r0, int rows, void *dst) {
+    size_t size = (size_t)j->D * (j->f32 ? 4 : 2);
     for (int i = 0; i < MR; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+        char *to = (char *)dst + i * size;
         if (i < rows)
-            memcpy(dst + i * j->D, x + b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3],
-                   j->D * sizeof(bf16));
+            memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
         else
-            memset(dst + i * j->D, 0, j->D * sizeof(bf16));
+            memset(to, 0, size);
     }
 }
 
@@ -228,13 +326,15 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
     int64_t D = j->D, GR = j->G * j->R;
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     const __m512 none = _mm512_set1_ps(-INFINITY);
-    const bf16 *kp = j->kp + b * j->ks[0] + h * j->ks[1] + j->begin * D;
-    const bf16 *vp = j->vp + b * j->vs[0] + h * j->vs[1] + j->begin * D;
-    bf16 qt[MR * MAX_D];
+    const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
+    const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
+    float qt[MR * MAX_D]; /* Q's rows in the call's dtype */
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
-    bf16 Ph[MR * KT], Pl[MR * KT];
+    float Pf[MR * KT];           /* float32 P */
+    bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
     int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
     if (rows < MR) { /* padding rows enter ·V as P = 0 */
+        memset(Pf, 0, sizeof Pf);
         memset(Ph, 0, sizeof Ph);
         memset(Pl, 0, sizeof Pl);
     }
@@ -269,17 +369,14 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
             float mt = _mm512_reduce_max_ps(mx), mnew = mt > m[i] ? mt : m[i];
             float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
             float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
-            __m512 sum = _mm512_setzero_ps(), sump = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
-            for (int64_t n = 0; n < nk; n += 32) {
-                if (!live[n / 32]) continue;
-                __m512 p0 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
-                __m512 p1 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n + 16), vb));
-                __m512 hi = split(p0, p1, Ph + i * KT + n, j->parts == 2 ? Pl + i * KT + n : NULL);
-                sump = _mm512_add_ps(sump, hi); /* out is normalised by the P ·V sees */
-                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1)); /* lse keeps float32's */
-            }
-            l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-            lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + _mm512_reduce_add_ps(sump);
+            float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
+            if (j->f32)
+                probs_f32(s, nk, live, base, Pf + i * KT, &sum, &seen);
+            else
+                probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
+                           &sum, &seen);
+            l[i] = l[i] * alpha + sum;
+            lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
             m[i] = mnew;
             if (alpha != 1.0f) {
                 __m512 va = _mm512_set1_ps(alpha);
@@ -287,7 +384,10 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
                     _mm512_storeu_ps(O + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d), va));
             }
         }
-        pv(j, vp, n0, nk, live, Ph, Pl, O);
+        if (j->f32)
+            pv_f32(j, vp, n0, nk, live, Pf, KT, O);
+        else
+            pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
     }
     for (int i = 0; i < rows; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
@@ -315,11 +415,9 @@ static void forward_item(Job *j, int64_t it) {
    dK and dV are its own; its share of dQ is added to dq in key-block order (commit), so
    dQ's bits do not depend on which thread ran which block, nor on how many threads ran. */
 
-#define KB 64
-
 typedef struct {
     Job f;            /* q, kp: K in the score layout, vp: K in the value layout, sizes */
-    const bf16 *dout, *vk; /* dO like q; V in the score layout */
+    const void *dout, *vk; /* dO like q; V in the score layout (the call's dtype) */
     int64_t dos[4], vks[2];
     const float *lse, *delta; /* (B, H, G, R) */
     int64_t ls[4], des[4];
@@ -362,12 +460,13 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-    const bf16 *kp = j->kp + b * j->ks[0] + h * j->ks[1] + j->begin * D;
-    const bf16 *kv = j->vp + b * j->vs[0] + h * j->vs[1] + j->begin * D;
-    const bf16 *vk = bj->vk + b * bj->vks[0] + h * bj->vks[1] + j->begin * D;
+    const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
+    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
+    const void *vk = elem(j, bj->vk, b * bj->vks[0] + h * bj->vks[1] + j->begin * D);
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
     float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
+    const void *qrows = j->f32 ? (void *)qf : qt, *drows = j->f32 ? (void *)df : dt;
     float O[MR * MAX_D];
     memset(dKa, 0, sizeof(float) * KB * D);
     memset(dVa, 0, sizeof(float) * KB * D);
@@ -377,15 +476,15 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
         live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
         for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
         if (!any) continue;
-        load_rows(j, j->q, j->qs, b, h, r0, rows, qt);
-        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, dt);
-        for (int64_t x = 0; x < MR * D; x++) { /* float32 copies for dK and dV */
+        load_rows(j, j->q, j->qs, b, h, r0, rows, (void *)qrows);
+        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, (void *)drows);
+        for (int64_t x = 0; !j->f32 && x < MR * D; x++) { /* float32 copies for dK and dV */
             uint32_t uq = (uint32_t)qt[x] << 16, ud = (uint32_t)dt[x] << 16;
             memcpy(qf + x, &uq, 4);
             memcpy(df + x, &ud, 4);
         }
-        scores(j, qt, kp, n0, nk, live, j->scale, S);
-        scores(j, dt, vk, n0, nk, live, 1.0f, dP);
+        scores(j, qrows, kp, n0, nk, live, j->scale, S);
+        scores(j, drows, vk, n0, nk, live, 1.0f, dP);
         const __m512 none = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
         const __m512 scale = _mm512_set1_ps(j->scale);
         for (int i = 0; i < MR; i++) {
@@ -409,14 +508,16 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
                 _mm512_storeu_ps(&P[i][n], p);
                 _mm512_storeu_ps(&dS[i][n], ds);
             }
-            for (int64_t n = 0; n < nk; n += 32) /* dS for ·K as bfloat16 hi + lo */
-                split(_mm512_loadu_ps(&dS[i][n]), _mm512_loadu_ps(&dS[i][n + 16]), Dh + i * KT + n,
-                      Dl + i * KT + n);
         }
         outer(j, P, df, rows, live, nk, dVa);
         outer(j, dS, qf, rows, live, nk, dKa);
         memset(O, 0, sizeof(float) * MR * D);
-        pv(j, kv, n0, nk, live, Dh, Dl, O);
+        if (j->f32) {
+            pv_f32(j, kv, n0, nk, live, &dS[0][0], KB, O);
+        } else { /* dS enters ·K as bfloat16 hi + lo */
+            split_rows(dS, nk, Dh, Dl);
+            pv_bf16(j, kv, n0, nk, live, Dh, Dl, O);
+        }
         for (int i = 0; i < rows; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
             float *dqr = dq + (g * j->R + r) * D;
@@ -505,8 +606,8 @@ static void backward_worker(Pass *ps) {
 #endif /* QKV_X86 */
 
 /* K and V (B, H, T, D), strides ks/vs[0..2] with D contiguous, into the packed layout above,
-   keys T..Nt-1 zero. */
-static void pack(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t *vs, bf16 *kp,
+   keys T..Nt-1 zero: bfloat16 (pack_bf16) or float32 (pack_f32). */
+static void pack_bf16(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t *vs, bf16 *kp,
                  bf16 *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt, int threads) {
     int64_t blocks = B * H * (Nt / 32);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -534,12 +635,33 @@ static void pack(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t 
     }
 }
 
+static void pack_f32(const float *k, const int64_t *ks, const float *v, const int64_t *vs,
+                     float *kp, float *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt,
+                     int threads) {
+    int64_t blocks = B * H * (Nt / 32);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < blocks; it++) {
+        int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
+        const float *kh = k + b * ks[0] + h * ks[1], *vh = v + b * vs[0] + h * vs[1];
+        float *kb = kp + it * 32 * D, *vb = vp + it * 32 * D; /* (D, 32); (32, D) */
+        for (int64_t kk = 0; kk < 32; kk++) {
+            int64_t n = nb * 32 + kk;
+            const float *kr = kh + n * ks[2];
+            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? kr[d] : 0.0f;
+            if (n < T)
+                memcpy(vb + kk * D, vh + n * vs[2], D * sizeof(float));
+            else
+                memset(vb + kk * D, 0, D * sizeof(float));
+        }
+    }
+}
+
 static PyObject *pack_py(PyObject *self, PyObject *args) {
     unsigned long long k, v, kp, vp;
     long long ks0, ks1, ks2, vs0, vs1, vs2, B, H, T, D, Nt;
-    int threads;
-    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)KK(LLLLL)i", &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1,
-                          &vs2, &kp, &vp, &B, &H, &T, &D, &Nt, &threads))
+    int threads, f32;
+    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)KK(LLLLL)ip", &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1,
+                          &vs2, &kp, &vp, &B, &H, &T, &D, &Nt, &threads, &f32))
         return NULL;
     if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T");
@@ -547,34 +669,43 @@ static PyObject *pack_py(PyObject *self, PyObject *args) {
     }
     int64_t ks[3] = {ks0, ks1, ks2}, vs[3] = {vs0, vs1, vs2};
     Py_BEGIN_ALLOW_THREADS
-    pack((const bf16 *)(uintptr_t)k, ks, (const bf16 *)(uintptr_t)v, vs, (bf16 *)(uintptr_t)kp,
-         (bf16 *)(uintptr_t)vp, B, H, T, D, Nt, threads);
+    if (f32)
+        pack_f32((const float *)(uintptr_t)k, ks, (const float *)(uintptr_t)v, vs,
+                 (float *)(uintptr_t)kp, (float *)(uintptr_t)vp, B, H, T, D, Nt, threads);
+    else
+        pack_bf16((const bf16 *)(uintptr_t)k, ks, (const bf16 *)(uintptr_t)v, vs,
+                  (bf16 *)(uintptr_t)kp, (bf16 *)(uintptr_t)vp, B, H, T, D, Nt, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-static int cpu_has_bf16(void) {
+/* Whether this CPU runs the kernel in float32 (AVX-512F/BW/DQ/VL) or, f32 = 0, in bfloat16
+   (that and AVX512-BF16). */
+static int cpu_runs(int f32) {
 #ifdef QKV_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bf16");
+           (f32 || __builtin_cpu_supports("avx512bf16"));
 #else
     return 0;
 #endif
 }
 
 static PyObject *available(PyObject *self, PyObject *args) {
-    return PyBool_FromLong(cpu_has_bf16());
+    int f32;
+    if (!PyArg_ParseTuple(args, "p", &f32)) return NULL;
+    return PyBool_FromLong(cpu_runs(f32));
 }
 
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
                       long long R, long long D, long long Nt, long long k0, long long N,
-                      double scale, int threads) {
-    if (!cpu_has_bf16()) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX512-BF16");
+                      double scale, int f32, int threads) {
+    if (!cpu_runs(f32)) {
+        PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has no AVX-512"
+                                                : "this CPU has no AVX512-BF16");
         return 0;
     }
     int64_t begin = k0 / 32 * 32, lead = k0 - begin;
@@ -587,6 +718,7 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
     j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
     j->begin = begin, j->lead = lead, j->N = N;
     j->scale = (float)scale;
+    j->f32 = f32;
     return 1;
 }
 
@@ -598,18 +730,18 @@ static int parse_call(Job *j, PyObject *args, int threads) {
         ls1, ls2, ls3;
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
-    int parts;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)di", &q, &qs0,
+    int parts, f32;
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)dip", &q, &qs0,
                           &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &bias, &bs0, &bs1,
                           &bs2, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B,
-                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts))
+                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts, &f32))
         return 0;
     memset(j, 0, sizeof *j);
-    if (!call_sizes(j, "attend", B, H, G, R, D, Nt, k0, N, scale, threads)) return 0;
+    if (!call_sizes(j, "attend", B, H, G, R, D, Nt, k0, N, scale, f32, threads)) return 0;
 #ifdef QKV_X86
-    j->q = (const bf16 *)(uintptr_t)q;
-    j->kp = (const bf16 *)(uintptr_t)kp;
-    j->vp = (const bf16 *)(uintptr_t)vp;
+    j->q = (const void *)(uintptr_t)q;
+    j->kp = (const void *)(uintptr_t)kp;
+    j->vp = (const void *)(uintptr_t)vp;
     j->bias = (const float *)(uintptr_t)bias;
     j->out = (float *)(uintptr_t)out;
     j->lse = (float *)(uintptr_t)lse;
@@ -707,24 +839,25 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
+    int f32;
     if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
-                          "(LLLLL)(LLL)d", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
+                          "(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
                           &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1],
                           &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
                           &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
                           &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
                           &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
-                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale))
+                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
-    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, threads)) return 0;
-    j->q = (const bf16 *)(uintptr_t)q;
-    j->kp = (const bf16 *)(uintptr_t)kp;
-    j->vp = (const bf16 *)(uintptr_t)kv;
+    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, f32, threads)) return 0;
+    j->q = (const void *)(uintptr_t)q;
+    j->kp = (const void *)(uintptr_t)kp;
+    j->vp = (const void *)(uintptr_t)kv;
     j->bias = (const float *)(uintptr_t)bias;
-    bj->dout = (const bf16 *)(uintptr_t)dout;
-    bj->vk = (const bf16 *)(uintptr_t)vk;
+    bj->dout = (const void *)(uintptr_t)dout;
+    bj->vk = (const void *)(uintptr_t)vk;
     bj->lse = (const float *)(uintptr_t)lse;
     bj->delta = (const float *)(uintptr_t)delta;
     bj->dq = (float *)(uintptr_t)dq;
@@ -804,30 +937,31 @@ static PyObject *backward_many(PyObject *self, PyObject *args) {
 static PyObject *backward_py(PyObject *self, PyObject *args) { return one(args, run_backward); }
 
 static PyMethodDef methods[] = {
-    {"available", available, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
+    {"available", available, METH_VARARGS,
+     "available(float32): whether this CPU runs the kernel in float32 (AVX-512) or in "
+     "bfloat16 (AVX512-BF16)."},
     {"backward_many", backward_many, METH_VARARGS,
      "backward_many([call, ...], threads): every call (backward's arguments less threads, "
      "one B and H) in one parallel region, the gradients added in one fixed order."},
     {"backward", backward_py, METH_VARARGS,
      "backward((q, *4), (dout, *4), (K scores, *2), (K values, *2), (V scores, *2), "
      "(bias|0, *3), (lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), "
-     "(Nt, k0, N), scale, threads): one call's gradients, added to dq (B, H, G, R, D; in "
-     "key-block order), dk and dv."},
+     "(Nt, k0, N), scale, float32, threads): one call's gradients, added to dq (B, H, G, R, "
+     "D; in key-block order), dk and dv."},
     {"pack", pack_py, METH_VARARGS,
-     "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads): K and V into the "
-     "kernel's pairs."},
+     "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads, float32): K and V "
+     "into the kernel's layout."},
     {"attend_many", attend_many, METH_VARARGS,
      "attend_many([call, ...], threads): every call (attend's arguments less threads) in one "
      "parallel region, their work items dealt from one counter."},
     {"attend", attend, METH_VARARGS,
      "attend((q, *4 strides), (kp, *2), (vp, *2), (bias|0, *3), (out, *4), (lse, *4), "
-     "(B, H, G, R, D), "
-     "(Nt, k0, N), scale, threads): one call of the bfloat16 step over keys k0..k0+N-1 of "
-     "the packed buffers, into out and lse (float32)."},
+     "(B, H, G, R, D), (Nt, k0, N), scale, parts, float32, threads): one call of the step "
+     "over keys k0..k0+N-1 of the packed buffers, into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16",
-                                    "qkv's native bfloat16 attention step (AVX512-BF16).", -1,
-                                    methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
+                                    "qkv's native attention step (AVX-512; bfloat16: AVX512-BF16).",
+                                    -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__bf16(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
