@@ -52,6 +52,14 @@
 
 typedef uint16_t bf16;
 
+/* A key range of a forward job: keys k0..k0+N-1 (begin: k0 rounded down to 32, lead: the
+   keys between), with its bias or none. */
+typedef struct {
+    int64_t begin, lead, N;
+    const float *bias;
+    int64_t bs[3];
+} Seg;
+
 typedef struct {
     const void *q, *kp, *vp; /* bf16 or float (f32) */
     const float *bias;
@@ -65,7 +73,8 @@ typedef struct {
     int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;        /* Q, K, V float32 (else bfloat16) */
     int64_t items, tiles;
-    int64_t next_item;
+    const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
+    int64_t nseg;
 } Job;
 
 #ifdef QKV_X86
@@ -321,13 +330,10 @@ static void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b,
 }
 
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
-   padding) over all keys: the online softmax, then out and lse. */
-TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
-    int64_t D = j->D, GR = j->G * j->R;
-    int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+   padding) over the keys of every range of the job, one online softmax: then out and lse. */
+TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
+    int64_t D = job->D, GR = job->G * job->R;
     const __m512 none = _mm512_set1_ps(-INFINITY);
-    const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-    const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
     float qt[MR * MAX_D]; /* Q's rows in the call's dtype */
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
     float Pf[MR * KT];           /* float32 P */
@@ -338,63 +344,72 @@ TARGET static void row_tile(Job *j, int64_t b, int64_t h, int64_t r0) {
         memset(Ph, 0, sizeof Ph);
         memset(Pl, 0, sizeof Pl);
     }
-    load_rows(j, j->q, j->qs, b, h, r0, rows, qt);
+    load_rows(job, job->q, job->qs, b, h, r0, rows, qt);
     for (int i = 0; i < MR; i++) {
         m[i] = -INFINITY;
         l[i] = lp[i] = 0.0f;
     }
     memset(O, 0, sizeof(float) * MR * D);
-    const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
-    for (int64_t n0 = 0; n0 < Np; n0 += KT) {
-        int64_t nk = Np - n0 < KT ? Np - n0 : KT;
-        int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-        /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
-           the rest is skipped (-inf scores, no ·V). */
-        int live[KT / 32];
-        live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
-        scores(j, qt, kp, n0, nk, live, j->scale, S);
-        for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
-            float *s = S[i];
-            const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-            __m512 mx = none;
-            for (int64_t n = 0; n < nk; n += 16) {
-                if (!live[n / 32]) continue;
-                __mmask16 in = lanes(n, first, last);
-                __m512 x = _mm512_loadu_ps(s + n);
-                if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
-                x = _mm512_mask_mov_ps(none, in, x); /* keys outside the call */
-                _mm512_storeu_ps(s + n, x);
-                mx = _mm512_max_ps(mx, x);
+    for (int64_t sg = 0; sg < job->nseg; sg++) {
+        Job one = *job, *j = &one; /* the job over this range alone */
+        const Seg *seg = &job->segs[sg];
+        one.begin = seg->begin, one.lead = seg->lead, one.N = seg->N, one.bias = seg->bias;
+        memcpy(one.bs, seg->bs, sizeof one.bs);
+        int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+        const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
+        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
+        const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
+        for (int64_t n0 = 0; n0 < Np; n0 += KT) {
+            int64_t nk = Np - n0 < KT ? Np - n0 : KT;
+            int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+            /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
+               the rest is skipped (-inf scores, no ·V). */
+            int live[KT / 32];
+            live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
+            scores(j, qt, kp, n0, nk, live, j->scale, S);
+            for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
+                float *s = S[i];
+                const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+                __m512 mx = none;
+                for (int64_t n = 0; n < nk; n += 16) {
+                    if (!live[n / 32]) continue;
+                    __mmask16 in = lanes(n, first, last);
+                    __m512 x = _mm512_loadu_ps(s + n);
+                    if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
+                    x = _mm512_mask_mov_ps(none, in, x); /* keys outside the call */
+                    _mm512_storeu_ps(s + n, x);
+                    mx = _mm512_max_ps(mx, x);
+                }
+                float mt = _mm512_reduce_max_ps(mx), mnew = mt > m[i] ? mt : m[i];
+                float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
+                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
+                float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
+                if (j->f32)
+                    probs_f32(s, nk, live, base, Pf + i * KT, &sum, &seen);
+                else
+                    probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
+                               &sum, &seen);
+                l[i] = l[i] * alpha + sum;
+                lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
+                m[i] = mnew;
+                if (alpha != 1.0f) {
+                    __m512 va = _mm512_set1_ps(alpha);
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(O + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d), va));
+                }
             }
-            float mt = _mm512_reduce_max_ps(mx), mnew = mt > m[i] ? mt : m[i];
-            float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
-            float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
-            float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
             if (j->f32)
-                probs_f32(s, nk, live, base, Pf + i * KT, &sum, &seen);
+                pv_f32(j, vp, n0, nk, live, Pf, KT, O);
             else
-                probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
-                           &sum, &seen);
-            l[i] = l[i] * alpha + sum;
-            lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
-            m[i] = mnew;
-            if (alpha != 1.0f) {
-                __m512 va = _mm512_set1_ps(alpha);
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(O + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d), va));
-            }
+                pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
         }
-        if (j->f32)
-            pv_f32(j, vp, n0, nk, live, Pf, KT, O);
-        else
-            pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
     }
     for (int i = 0; i < rows; i++) {
-        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-        float *o = j->out + b * j->os[0] + h * j->os[1] + g * j->os[2] + r * j->os[3];
+        int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
+        float *o = job->out + b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
         float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
         for (int64_t d = 0; d < D; d++) o[d] = O[i * D + d] * inv;
-        j->lse[b * j->ls[0] + h * j->ls[1] + g * j->ls[2] + r * j->ls[3]] =
+        job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
             l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }
 }
@@ -701,58 +716,85 @@ static PyObject *available(PyObject *self, PyObject *args) {
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
-                      long long R, long long D, long long Nt, long long k0, long long N,
-                      double scale, int f32, int threads) {
+                      long long R, long long D, double scale, int f32, int threads) {
     if (!cpu_runs(f32)) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has no AVX-512"
                                                 : "this CPU has no AVX512-BF16");
         return 0;
     }
-    int64_t begin = k0 / 32 * 32, lead = k0 - begin;
-    if (D % 32 != 0 || D > MAX_D || D <= 0 || N <= 0 || R <= 0 || G <= 0 || k0 < 0 ||
-        Nt % 32 != 0 || begin + (lead + N + 31) / 32 * 32 > Nt || threads < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256, "
-                     "and the call's keys within the packed buffers", name);
+    if (D % 32 != 0 || D > MAX_D || D <= 0 || R <= 0 || G <= 0 || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256",
+                     name);
         return 0;
     }
     j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
-    j->begin = begin, j->lead = lead, j->N = N;
     j->scale = (float)scale;
     j->f32 = f32;
+    return 1;
+}
+
+/* Keys k0..k0+N-1 as a range of packed buffers of Nt keys; 0 with a Python error set if
+   they do not lie within them. */
+static int key_range(Seg *s, const char *name, long long Nt, long long k0, long long N) {
+    int64_t begin = k0 / 32 * 32, lead = k0 - begin;
+    if (N <= 0 || k0 < 0 || Nt % 32 != 0 || begin + (lead + N + 31) / 32 * 32 > Nt) {
+        PyErr_Format(PyExc_ValueError, "%s: the call's keys must lie within the packed "
+                     "buffers", name);
+        return 0;
+    }
+    s->begin = begin, s->lead = lead, s->N = N;
     return 1;
 }
 
 /* One call's arguments (attend's, less the thread count) into j; 0 with a Python error
    set if they do not parse or fit. */
 static int parse_call(Job *j, PyObject *args, int threads) {
-    unsigned long long q, kp, vp, bias, out, lse;
-    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, bs0, bs1, bs2, os0, os1, os2, os3, ls0,
-        ls1, ls2, ls3;
-    long long B, H, G, R, D, Nt, k0, N;
+    unsigned long long q, kp, vp, out, lse;
+    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, os0, os1, os2, os3, ls0, ls1, ls2, ls3;
+    long long B, H, G, R, D, Nt;
     double scale;
     int parts, f32;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(LLLLL)(LLL)dip", &q, &qs0,
-                          &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &bias, &bs0, &bs1,
-                          &bs2, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B,
-                          &H, &G, &R, &D, &Nt, &k0, &N, &scale, &parts, &f32))
-        return 0;
+    PyObject *ranges;
     memset(j, 0, sizeof *j);
-    if (!call_sizes(j, "attend", B, H, G, R, D, Nt, k0, N, scale, f32, threads)) return 0;
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)O!(KLLLL)(KLLLL)(LLLLL)Ldip", &q, &qs0, &qs1,
+                          &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &PyList_Type, &ranges,
+                          &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B, &H, &G,
+                          &R, &D, &Nt, &scale, &parts, &f32))
+        return 0;
+    if (!call_sizes(j, "attend", B, H, G, R, D, scale, f32, threads)) return 0;
+    Py_ssize_t n = PyList_GET_SIZE(ranges);
+    Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
+    if (!segs) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    j->segs = segs, j->nseg = n; /* the caller frees them */
+    for (Py_ssize_t s = 0; s < n; s++) {
+        unsigned long long bias;
+        long long k0, N, bs0, bs1, bs2;
+        PyObject *one = PyList_GET_ITEM(ranges, s);
+        if (!PyTuple_Check(one) ||
+            !PyArg_ParseTuple(one, "LL(KLLL)", &k0, &N, &bias, &bs0, &bs1, &bs2) ||
+            !key_range(&segs[s], "attend", Nt, k0, N)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend: (k0, N, bias) a range");
+            return 0;
+        }
+        segs[s].bias = (const float *)(uintptr_t)bias;
+        segs[s].bs[0] = bs0, segs[s].bs[1] = bs1, segs[s].bs[2] = bs2;
+    }
 #ifdef QKV_X86
     j->q = (const void *)(uintptr_t)q;
     j->kp = (const void *)(uintptr_t)kp;
     j->vp = (const void *)(uintptr_t)vp;
-    j->bias = (const float *)(uintptr_t)bias;
     j->out = (float *)(uintptr_t)out;
     j->lse = (float *)(uintptr_t)lse;
     int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[2] = {vs0, vs1},
-            bs[3] = {bs0, bs1, bs2}, os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
+            os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
     memcpy(j->os, os, sizeof os);
     memcpy(j->ls, ls, sizeof ls);
     memcpy(j->qs, qs, sizeof qs);
     memcpy(j->ks, ks, sizeof ks);
     memcpy(j->vs, vs, sizeof vs);
-    memcpy(j->bs, bs, sizeof bs);
     j->parts = parts == 1 ? 1 : 2;
     j->tiles = (G * R + ROWS - 1) / ROWS;
     j->items = B * H * j->tiles;
@@ -775,14 +817,19 @@ static PyObject *run_calls(PyObject *list, int threads) {
         free(jobs), free(start);
         return PyErr_NoMemory();
     }
-    for (Py_ssize_t c = 0; c < n; c++) {
+    PyObject *failed = NULL;
+    for (Py_ssize_t c = 0; c < n && !failed; c++) {
         PyObject *one = PyList_GET_ITEM(list, c);
         if (!PyTuple_Check(one) || !parse_call(&jobs[c], one, threads)) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend_many: a tuple a call");
-            free(jobs), free(start);
-            return NULL;
+            failed = Py_None;
         }
         start[c + 1] = start[c] + jobs[c].items;
+    }
+    if (failed) {
+        for (Py_ssize_t c = 0; c < n; c++) free((void *)jobs[c].segs);
+        free(jobs), free(start);
+        return NULL;
     }
 #ifdef QKV_X86
     int64_t next = 0, items = start[n];
@@ -798,6 +845,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
     }
     Py_END_ALLOW_THREADS
 #endif
+    for (Py_ssize_t c = 0; c < n; c++) free((void *)jobs[c].segs);
     free(jobs), free(start);
     Py_RETURN_NONE;
 }
@@ -851,7 +899,11 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
-    if (!call_sizes(j, "backward", B, H, G, R, D, Nt, k0, N, scale, f32, threads)) return 0;
+    Seg keys;
+    if (!call_sizes(j, "backward", B, H, G, R, D, scale, f32, threads) ||
+        !key_range(&keys, "backward", Nt, k0, N))
+        return 0;
+    j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N;
     j->q = (const void *)(uintptr_t)q;
     j->kp = (const void *)(uintptr_t)kp;
     j->vp = (const void *)(uintptr_t)kv;
@@ -955,9 +1007,10 @@ static PyMethodDef methods[] = {
      "attend_many([call, ...], threads): every call (attend's arguments less threads) in one "
      "parallel region, their work items dealt from one counter."},
     {"attend", attend, METH_VARARGS,
-     "attend((q, *4 strides), (kp, *2), (vp, *2), (bias|0, *3), (out, *4), (lse, *4), "
-     "(B, H, G, R, D), (Nt, k0, N), scale, parts, float32, threads): one call of the step "
-     "over keys k0..k0+N-1 of the packed buffers, into out and lse (float32)."},
+     "attend((q, *4 strides), (kp, *2), (vp, *2), [(k0, N, (bias|0, *3)), ...], (out, *4), "
+     "(lse, *4), (B, H, G, R, D), Nt, scale, parts, float32, threads): one call of the step "
+     "over key ranges of the packed buffers (one online softmax across them), into out and "
+     "lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

@@ -162,20 +162,19 @@ def _segments(chunks: Sequence[Chunk], span: int) -> list[tuple[Chunk, ...]]:
 def fused_forward(
     call: Lowered, *, native: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward pass as the fused calls of :func:`calls`: torch's CPU flash kernel over
-    each call's keys, with their mask as an additive float mask — -inf where the mask blocks
-    and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — and the
-    calls of a group of query blocks merged by their log-sum-exps. Each call holds the G
-    query heads of a key/value head as rows (GQA reads each key/value head once). With
-    ``native`` (a dtype: the inputs', or float32 for copies of half-precision inputs; the
-    dispatch has checked :func:`qkv.kernels.tiled.native.supports`) every call of the pass
-    runs in one call of qkv's native kernel; else torch's kernel runs them one by one, half
-    precision in float32 (:func:`_working`). out in the accumulation dtype, as lse."""
+    """The forward pass as fused calls. With ``native`` (a dtype: the inputs', or float32
+    for copies of half-precision inputs; the dispatch has checked
+    :func:`qkv.kernels.tiled.native.supports`): one call of qkv's native kernel for the
+    whole pass, each query block one job over its key ranges (:func:`_native_ranges`), one
+    online softmax across them. Else the calls of :func:`calls`, one by one through torch's
+    CPU flash kernel, with their mask as an additive float mask — -inf where the mask blocks
+    and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — the calls of
+    a group of query blocks merged by their log-sum-exps, half precision in float32
+    (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
+    reads each key/value head once). out in the accumulation dtype, as lse."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
-    p_parts = call.tuning.p_parts
     if native != q.dtype:
         q, k, v = _working(q, k, v)
-    packed = None if native is None else _native.pack(k, v)
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
@@ -185,11 +184,18 @@ def fused_forward(
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
-    # The native kernel runs every call of the pass at once, at the end (one parallel region:
-    # no barrier per call for a descheduled thread to hold up); a call whose rows an earlier
-    # call wrote is merged into them afterwards, in the order of the calls.
-    jobs: list[_native.Job] = []
-    merges: list[tuple[slice, _native.Job]] = []
+    if native is not None:
+        jobs = [
+            _native.Job(
+                q5[:, :, :, q0:q1],
+                _native_ranges(q0, q1, chunks, mask_tile, H_kv, G, cache),
+                out[:, :, :, q0:q1],
+                lse[:, :, :, q0:q1],
+            )
+            for q0, q1, chunks in plan.rows
+        ]
+        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts)
+        return out.view(B, H, T_q, D), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:
@@ -197,12 +203,6 @@ def fused_forward(
             at = slice(c.q0, c.q1)
             first = not done[c.q0 - g0 : c.q1 - g0].any()  # a call's rows: all or none done
             done[c.q0 - g0 : c.q1 - g0] = True
-            if packed is not None:  # a row with no key: lse -inf already
-                into = (out[:, :, :, at], lse[:, :, :, at]) if first else ()
-                jobs.append(_native.Job(q5[:, :, :, at], c.k0, c.k1, bias, *into))
-                if not first:
-                    merges.append((at, jobs[-1]))
-                continue
             o, l_ = FLASH(
                 _rows(q5, c.q0, c.q1),
                 k[:, :, c.k0 : c.k1],
@@ -224,13 +224,39 @@ def fused_forward(
         if not done.all():  # rows with no key: out 0, lse -inf
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
-    if packed is not None:
-        _native.attend_many(jobs, packed, scale, p_parts)
-        for at, job in merges:
-            out[:, :, :, at], lse[:, :, :, at] = _merge(
-                out[:, :, :, at], lse[:, :, :, at], job.out, job.lse
-            )
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+
+
+def _native_ranges(
+    q0: int,
+    q1: int,
+    chunks: Sequence[Chunk],
+    mask_tile: MaskTiles | None,
+    H_kv: int,
+    G: int,
+    cache: dict | None,
+) -> list[_native.Range]:
+    """A query block's keys as the native kernel's ranges: every FULL stretch with no bias
+    (stretches that meet joined), every chunk's masked range with the mask's float bias over
+    just those keys. The kernel skips, per 32 keys and 8 rows, what the bias leaves empty."""
+    ranges: list[_native.Range] = []
+    for c in chunks:
+        m0, m1 = c.masked if c.masked is not None else (c.k1, c.k1)
+        for a, b, masked in ((c.k0, m0, False), (m0, m1, True), (m1, c.k1, False)):
+            if a == b:
+                continue
+            if masked:
+                tile = Call(q0, q1, a, b, (Chunk(a, b, (a, b)),))
+                ranges.append(
+                    _native.Range(
+                        a, b, _call_bias(tile, mask_tile, H_kv, G, torch.float32, cache)[0]
+                    )
+                )
+            elif ranges and ranges[-1].bias is None and ranges[-1].k1 == a:
+                ranges[-1] = ranges[-1]._replace(k1=b)
+            else:
+                ranges.append(_native.Range(a, b, None))
+    return ranges
 
 
 FLASH_BACKWARD: Any = getattr(
@@ -247,10 +273,11 @@ def fused_backward(
     native: torch.dtype | None,
     delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward pass over the calls of :func:`fused_forward` (torch's CPU flash
-    backward): each call's share of the gradients, from the whole rows' out and lse — dQ of
-    its queries, dK and dV of its keys — summed in the accumulation dtype. Used where the
-    forward was fused and nothing reaches the log-sum-exp. With ``native`` (a dtype, as for
+    """The backward pass over the calls of :func:`calls` (which cover each query block's
+    keys once, as the forward's ranges do): each call's share of the gradients, from the
+    whole rows' out and lse — dQ of its queries, dK and dV of its keys — summed in the
+    accumulation dtype. Used where the forward was fused and nothing reaches the
+    log-sum-exp. With ``native`` (a dtype, as for
     :func:`fused_forward`) the calls run in one call of qkv's native kernel; half precision
     otherwise in float32 (:func:`_working`); the gradients come back in the inputs' dtypes.
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native

@@ -14,7 +14,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -182,26 +182,34 @@ def attend(
     k1 - k0) or None. A row with no allowed key: out 0, lse -inf. P enters ·V as ``p_parts``
     bfloat16 parts (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and
     ``lse`` (B, H_kv, G, R), float32 views, where given."""
-    job = Job(q5, k0, k1, bias, out, lse)
+    job = Job(q5, [Range(k0, k1, bias)], out, lse)
     attend_many([job], packed, scale, p_parts)
     return job.out, job.lse
 
 
+class Range(NamedTuple):
+    """Keys k0..k1-1 of a :class:`Job`, with their bias (float32, (B|1, H_kv|1, G·R,
+    k1 - k0)) or None."""
+
+    k0: int
+    k1: int
+    bias: torch.Tensor | None
+
+
 class Job:
-    """One call of :func:`attend_many`: queries q5 over keys k0..k1-1 with ``bias``, into
-    ``out`` and ``lse`` (made when None), as in :func:`attend`."""
+    """One call of :func:`attend_many`: queries q5 over the keys of ``ranges`` (disjoint),
+    one online softmax across them, into ``out`` and ``lse`` (made when None), as in
+    :func:`attend`. No ranges: every row has no key (out 0, lse -inf)."""
 
     def __init__(
         self,
         q5: torch.Tensor,
-        k0: int,
-        k1: int,
-        bias: torch.Tensor | None,
+        ranges: Sequence[Range],
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
     ) -> None:
         B, H_kv, G, R, D = q5.shape
-        self.q5, self.k0, self.k1, self.bias = q5, k0, k1, bias
+        self.q5, self.ranges = q5, list(ranges)
         self.out = torch.empty(B, H_kv, G, R, D) if out is None else out
         self.lse = torch.empty(B, H_kv, G, R) if lse is None else lse
 
@@ -213,7 +221,8 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
     waits at one barrier, not one per call (docs/kernels.md#the-native-kernel)."""
     args = []
     for job in jobs:
-        _check_call("attend", job.q5, packed, job.k0, job.k1, job.bias)
+        for r in job.ranges:
+            _check_call("attend", job.q5, packed, r.k0, r.k1, r.bias)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -232,11 +241,11 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
                 (packed.v.data_ptr(), *packed.v.stride()[:2]),
-                _bias_at(job.bias),
+                [(r.k0, r.k1 - r.k0, _bias_at(r.bias)) for r in job.ranges],
                 (out.data_ptr(), *out.stride()[:4]),
                 (lse.data_ptr(), *lse.stride()),
                 (B, H_kv, G, R, D),
-                (packed.Nt, job.k0, job.k1 - job.k0),
+                packed.Nt,
                 scale,
                 p_parts,
                 packed.k.dtype == torch.float32,
