@@ -89,3 +89,26 @@ def test_bench_runs_on_cuda(capsys):
     )
     out = capsys.readouterr().out
     assert "| sliding_window |" in out and "failed" not in out
+
+
+@pytest.mark.parametrize(
+    "script,args,rows",
+    [  # rows: header and rule, then one per call (the native ones where the CPU runs them)
+        ("bench_peak.py", ["--T", "256", "--rounds", "1"], 2 + 3),
+        ("bench_load.py", ["--T", "512", "--rounds", "1", "--busy", "1"], 2 + 8),
+    ],
+)
+def test_issue_25_benchmarks_run_and_print_their_tables(script, args, rows):
+    """The scripts behind docs/benchmarks.md's peak and busy-machine tables run at a small
+    size and print a row per call (their timings are not asserted)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / script
+    done = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert len(table) >= rows and all(line.count("|") >= 5 for line in table)

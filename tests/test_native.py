@@ -374,6 +374,23 @@ def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch
         np.testing.assert_allclose(a.double().numpy(), b.double().numpy(), rtol=0, atol=atol)
 
 
+def test_float32_reads_values_in_place_at_any_row_stride():
+    """float32 V is not copied: its rows are read where they lie — here from a (B, T, H, D)
+    layout (rows H·D apart), T off the 32-key blocks, a call ending at the last key — and
+    never past the call's keys (the tail of a 32-key block is not read)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, T, D = 2, 3, 45, 64
+    k = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    v = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    q5 = torch.randn(B, H, 1, 19, D, generator=g)
+    packed = native.pack(k, v)
+    assert packed.v.data_ptr() == v.data_ptr() and packed.values()[3] == H * D
+    out, lse = native.attend(q5, packed, 3, T, None, 0.125)
+    want, want_lse = oracle_with_lse(q5[:, :, 0], k[:, :, 3:], v[:, :, 3:], None, 0.125)
+    np.testing.assert_allclose(out[:, :, 0].double().numpy(), want, atol=4e-6, rtol=0)
+    np.testing.assert_allclose(lse[:, :, 0].double().numpy(), want_lse, atol=4e-6, rtol=0)
+
+
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
     q5 = torch.zeros(1, 2, 1, 8, 32, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)

@@ -24,8 +24,9 @@
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. K and V come
    packed once per forward pass (qkv/kernels/native.py), the 32 keys the score loop takes
    at a time together. bfloat16, in the pairs VDPBF16PS multiplies: kp (B, H, Nt/32, D/2, 32,
-   2) and vp (B, H, Nt/2, D, 2); float32: kp (B, H, Nt/32, D, 32) and vp (B, H, Nt, D); zero
-   past the last key. Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
+   2) and vp (B, H, Nt/2, D, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
+   zero past the last key, and vp V itself (D contiguous, rows vs[2] apart, never read past
+   a call's keys). Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
    contiguous, or NULL; out: float32 (B, H, G, R, D) with strides os[0..3], D contiguous;
    lse: float32 (B, H, G, R) with strides ls[0..3]. D must be a multiple of 32. */
@@ -64,7 +65,7 @@ typedef struct {
     const void *q, *kp, *vp; /* bf16 or float (f32) */
     const float *bias;
     float *out, *lse;
-    int64_t qs[4], ks[2], vs[2], bs[3], os[4], ls[4];
+    int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
     int64_t B, H, G, R, D;
     int64_t begin;  /* the first packed key the call reads (a multiple of 32) */
     int64_t lead;   /* keys read before the call's first key (0 to 31) */
@@ -188,21 +189,22 @@ TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, __m5
     memcpy(out, acc, sizeof acc);
 }
 
-/* float32: O[i] += P[i] · V over nk keys from n0 (P's rows `ps` apart, V packed (Nt, D)),
-   for 4 rows and NV 16-column vectors at a time. */
+/* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
+   vs[2] apart: V itself, never read past the call's last key), for 4 rows and NV 16-column
+   vectors at a time. */
 TARGET static inline __attribute__((always_inline)) void pv_block_f32(
-        const Job *j, const float *vp, int64_t n0, int64_t nk, const int *live, const float *P,
+        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
         int64_t ps, float *O, int i0, int64_t c0, const int NV) {
     int64_t D = j->D;
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
-    for (int64_t n = 0; n < nk; n++) {
+    for (int64_t n = 0; n < last; n++) {
         if (!live[n / 32]) { /* P = 0 over the block */
             n += 31;
             continue;
         }
-        const float *at = vp + (n0 + n) * D + c0;
+        const float *at = vp + (n0 + n) * j->vs[2] + c0;
         __m512 vv[4];
         for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(at + 16 * c);
         for (int i = 0; i < 4; i++) {
@@ -214,12 +216,12 @@ TARGET static inline __attribute__((always_inline)) void pv_block_f32(
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
 }
 
-TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t nk, const int *live,
-                          const float *P, int64_t ps, float *O) {
+TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last,
+                          const int *live, const float *P, int64_t ps, float *O) {
     for (int i0 = 0; i0 < MR; i0 += 4) {
         int64_t c0 = 0;
-        for (; c0 + 64 <= j->D; c0 += 64) pv_block_f32(j, vp, n0, nk, live, P, ps, O, i0, c0, 4);
-        if (c0 < j->D) pv_block_f32(j, vp, n0, nk, live, P, ps, O, i0, c0, 2); /* D % 64 == 32 */
+        for (; c0 + 64 <= j->D; c0 += 64) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, c0, 4);
+        if (c0 < j->D) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, c0, 2); /* D % 64 == 32 */
     }
 }
 
@@ -357,7 +359,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
         memcpy(one.bs, seg->bs, sizeof one.bs);
         int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
         const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
+        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
         const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
         for (int64_t n0 = 0; n0 < Np; n0 += KT) {
             int64_t nk = Np - n0 < KT ? Np - n0 : KT;
@@ -399,7 +401,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 }
             }
             if (j->f32)
-                pv_f32(j, vp, n0, nk, live, Pf, KT, O);
+                pv_f32(j, vp, n0, last, live, Pf, KT, O);
             else
                 pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
         }
@@ -476,7 +478,7 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * D);
+    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
     const void *vk = elem(j, bj->vk, b * bj->vks[0] + h * bj->vks[1] + j->begin * D);
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
@@ -528,7 +530,7 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
         outer(j, dS, qf, rows, live, nk, dKa);
         memset(O, 0, sizeof(float) * MR * D);
         if (j->f32) {
-            pv_f32(j, kv, n0, nk, live, &dS[0][0], KB, O);
+            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O);
         } else { /* dS enters ·K as bfloat16 hi + lo */
             split_rows(dS, nk, Dh, Dl);
             pv_bf16(j, kv, n0, nk, live, Dh, Dl, O);
@@ -625,7 +627,7 @@ static void backward_worker(Pass *ps) {
 static void pack_bf16(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t *vs, bf16 *kp,
                  bf16 *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt, int threads) {
     int64_t blocks = B * H * (Nt / 32);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t it = 0; it < blocks; it++) {
         int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
         const bf16 *kh = k + b * ks[0] + h * ks[1], *vh = v + b * vs[0] + h * vs[1];
@@ -650,23 +652,18 @@ static void pack_bf16(const bf16 *k, const int64_t *ks, const bf16 *v, const int
     }
 }
 
-static void pack_f32(const float *k, const int64_t *ks, const float *v, const int64_t *vs,
-                     float *kp, float *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt,
-                     int threads) {
+static void pack_f32(const float *k, const int64_t *ks, float *kp, int64_t B, int64_t H,
+                     int64_t T, int64_t D, int64_t Nt, int threads) {
     int64_t blocks = B * H * (Nt / 32);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t it = 0; it < blocks; it++) {
         int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
-        const float *kh = k + b * ks[0] + h * ks[1], *vh = v + b * vs[0] + h * vs[1];
-        float *kb = kp + it * 32 * D, *vb = vp + it * 32 * D; /* (D, 32); (32, D) */
+        const float *kh = k + b * ks[0] + h * ks[1];
+        float *kb = kp + it * 32 * D; /* (D, 32) */
         for (int64_t kk = 0; kk < 32; kk++) {
             int64_t n = nb * 32 + kk;
             const float *kr = kh + n * ks[2];
             for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? kr[d] : 0.0f;
-            if (n < T)
-                memcpy(vb + kk * D, vh + n * vs[2], D * sizeof(float));
-            else
-                memset(vb + kk * D, 0, D * sizeof(float));
         }
     }
 }
@@ -684,9 +681,9 @@ static PyObject *pack_py(PyObject *self, PyObject *args) {
     }
     int64_t ks[3] = {ks0, ks1, ks2}, vs[3] = {vs0, vs1, vs2};
     Py_BEGIN_ALLOW_THREADS
-    if (f32)
-        pack_f32((const float *)(uintptr_t)k, ks, (const float *)(uintptr_t)v, vs,
-                 (float *)(uintptr_t)kp, (float *)(uintptr_t)vp, B, H, T, D, Nt, threads);
+    if (f32) /* (V is read as it is) */
+        pack_f32((const float *)(uintptr_t)k, ks, (float *)(uintptr_t)kp, B, H, T, D, Nt,
+                 threads);
     else
         pack_bf16((const bf16 *)(uintptr_t)k, ks, (const bf16 *)(uintptr_t)v, vs,
                   (bf16 *)(uintptr_t)kp, (bf16 *)(uintptr_t)vp, B, H, T, D, Nt, threads);
@@ -750,14 +747,15 @@ static int key_range(Seg *s, const char *name, long long Nt, long long k0, long 
    set if they do not parse or fit. */
 static int parse_call(Job *j, PyObject *args, int threads) {
     unsigned long long q, kp, vp, out, lse;
-    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, os0, os1, os2, os3, ls0, ls1, ls2, ls3;
+    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, vs2, os0, os1, os2, os3, ls0, ls1, ls2,
+        ls3;
     long long B, H, G, R, D, Nt;
     double scale;
     int parts, f32;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLL)O!(KLLLL)(KLLLL)(LLLLL)Ldip", &q, &qs0, &qs1,
-                          &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &PyList_Type, &ranges,
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldip", &q, &qs0, &qs1,
+                          &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2, &PyList_Type, &ranges,
                           &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B, &H, &G,
                           &R, &D, &Nt, &scale, &parts, &f32))
         return 0;
@@ -788,7 +786,7 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     j->vp = (const void *)(uintptr_t)vp;
     j->out = (float *)(uintptr_t)out;
     j->lse = (float *)(uintptr_t)lse;
-    int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[2] = {vs0, vs1},
+    int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[3] = {vs0, vs1, vs2},
             os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
     memcpy(j->os, os, sizeof os);
     memcpy(j->ls, ls, sizeof ls);
@@ -884,13 +882,13 @@ static PyObject *attend(PyObject *self, PyObject *args) { return one(args, run_c
    Python error set if they do not parse or fit. */
 static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long q, dout, kp, kv, vk, bias, lse, delta, dq, dk, dv;
-    long long qs[4], dos[4], ks[2], kvs[2], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
+    long long qs[4], dos[4], ks[2], kvs[3], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
     int f32;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
                           "(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
-                          &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1],
+                          &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1], &kvs[2],
                           &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
                           &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
                           &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
@@ -919,8 +917,9 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
         j->qs[x] = qs[x], bj->dos[x] = dos[x], bj->ls[x] = ls[x], bj->des[x] = des[x];
         bj->dqs[x] = dqs[x];
     }
-    for (int x = 0; x < 3; x++) j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x];
-    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], j->vs[x] = kvs[x], bj->vks[x] = vks[x];
+    for (int x = 0; x < 3; x++)
+        j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x], j->vs[x] = kvs[x];
+    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], bj->vks[x] = vks[x];
     j->parts = 2;
     bj->blocks = ((j->lead + N + 31) / 32 * 32 + KB - 1) / KB;
     return 1;

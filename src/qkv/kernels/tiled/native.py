@@ -121,15 +121,22 @@ def shapes_fit(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bo
 
 
 class Packed(NamedTuple):
-    """K and V as the kernel reads them, packed once per forward pass, each 32 keys the
-    score loop takes together side by side, zero past the last key; Nt covers every key a
-    call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the pairs
-    the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D, 2); float32:
-    k (B, H_kv, Nt/32, D, 32), v (B, H_kv, Nt, D)."""
+    """K and V as the kernel reads them, packed once per forward pass: K with each 32 keys
+    the score loop takes together side by side, zero past the last key; Nt covers every key
+    a call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the
+    pairs the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D, 2);
+    float32: k (B, H_kv, Nt/32, D, 32), and v is V itself (its rows read in place)."""
 
     k: torch.Tensor
     v: torch.Tensor
     Nt: int
+
+    def values(self) -> tuple[int, int, int, int]:
+        """v as the kernel takes it: its address, its strides over B and H, and from one
+        key to the next (elements)."""
+        v = self.v
+        row = v.stride(2) if v.dtype == torch.float32 else v.shape[3]
+        return v.data_ptr(), v.stride(0), v.stride(1), row
 
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
@@ -137,9 +144,8 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     :func:`attend`."""
     B, H_kv, T_k, D = k.shape
     Nt = (T_k + 31) // 32 * 32 + 32
-    if k.dtype == torch.float32:
-        kp = torch.empty(B, H_kv, Nt // 32, D, 32)
-        vp = torch.empty(B, H_kv, Nt, D)
+    if k.dtype == torch.float32:  # V is read in place
+        kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
     else:
         kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
         vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
@@ -240,7 +246,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
             (
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                (packed.v.data_ptr(), *packed.v.stride()[:2]),
+                packed.values(),
                 [(r.k0, r.k1 - r.k0, _bias_at(r.bias)) for r in job.ranges],
                 (out.data_ptr(), *out.stride()[:4]),
                 (lse.data_ptr(), *lse.stride()),
@@ -373,7 +379,7 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (job.do5.data_ptr(), *job.do5.stride()[:4]),
                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                (packed.v.data_ptr(), *packed.v.stride()[:2]),
+                packed.values(),
                 (vk.data_ptr(), *vk.stride()[:2]),
                 _bias_at(job.bias),
                 (job.lse.data_ptr(), *job.lse.stride()),
