@@ -7,6 +7,7 @@ Legend: B batch · H query heads · T_q/T_k query/key length · D head dim · D_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from .._checks import Problem
+from ..kernels.reference import all_finite
 from ..kernels.tiled.plan import Plan
 from ..masks import Mask, MaskLike
 from ..scores import ScoreMod
@@ -33,8 +35,8 @@ class Dispatch:
     #: tensors, ints) for the ``qkv::tiled_attention`` op (see ``qkv.core.compiled``).
     compiled: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
     #: The code that runs: "reference", "sdpa", "flex", "tiled-loop", "tiled-flash",
-    #: "tiled-native" or "tiled-op" (:data:`qkv.kernels.PATHS`); the backend's name if not
-    #: given.
+    #: "tiled-native", "tiled-native-upcast" or "tiled-op" (:data:`qkv.kernels.PATHS`); the
+    #: backend's name if not given.
     path: str = field(default="", compare=False)
     #: The rule of :data:`RULES` that decided ("requested" for an explicit backend).
     rule: str = field(default="", compare=False)
@@ -71,6 +73,13 @@ class Ask:
     @property
     def scores(self) -> int:
         return self.p.T_q * self.p.T_k
+
+    @functools.cached_property
+    def key_finite(self) -> bool:
+        """Whether K holds no NaN/inf: read once per call, however many rules ask (each read
+        is a pass over K, and on a busy machine a parallel region that can wait for a
+        descheduled thread)."""
+        return all_finite(self.k)
 
     @property
     def gpu(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from .._checks import Problem
-from ..kernels.reference import all_finite
 from ..kernels.tiled import flash, native
 from ..kernels.tiled.plan import Plan
 from ..masks import FULL, Mask, MaskLike
@@ -107,7 +106,7 @@ def tiled_path(a: Ask) -> tuple[str, str]:
         return "tiled-loop", "the PyTorch loop applies the score modification tile by tile"
     if not a.tuning.fused:
         return "tiled-loop", "the PyTorch loop: fused calls turned off (Tuning.fused)"
-    if not flash.supports(a.q, a.k, a.v):
+    if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):
         return "tiled-loop", (
             "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
             "D_v != D, NaN/inf in the keys, or this torch lacks it)"
@@ -306,7 +305,7 @@ def _rule_allows_everything(a: Ask) -> Dispatch | None:
 
 
 def _rule_non_finite_key(a: Ask) -> Dispatch | None:
-    if all_finite(a.k):
+    if a.key_finite:
         return None
     why = (
         "key holds NaN or inf and a mask or score modification is given: torch's fused "

@@ -25,19 +25,22 @@ from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
 FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def supports(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_finite: bool | None = None
+) -> bool:
     """Whether :func:`fused_forward` and :func:`fused_backward` can run this call: torch's
     CPU kernels exist, the tensors are on the CPU in a floating dtype, D_v = D (the kernel's
     requirement), and K is finite — the kernel adds the mask to the scores, and NaN + (-inf)
     would carry a masked-out NaN key into the rows that mask it (the loop masks by
-    assignment instead). Reads all of K: the dispatch asks once per call."""
+    assignment instead). Reads all of K unless ``key_finite`` says (the dispatch reads it
+    once per call)."""
     return (
         FLASH is not None
         and FLASH_BACKWARD is not None
         and q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
         and v.shape[-1] == q.shape[-1]
-        and all_finite(k)
+        and (all_finite(k) if key_finite is None else key_finite)
     )
 
 
