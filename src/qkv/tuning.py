@@ -58,12 +58,14 @@ class Tuning:
         fused_span: the longest key span one masked call covers; longer spans are cut into
             FULL stretches and masked stretches.
         backward_span: the most keys one backward call covers (its dK/dV are that long).
-        native: whether bfloat16 calls may run qkv's native kernel (off: float32 through
-            torch's flash kernel).
-        native_probe: run the native kernel only where a measurement says it beats
-            float32 on this CPU (``qkv.kernels.tiled.native.probe``: made once per
-            process, a few milliseconds; ``qkv.dispatch`` reports it); off: wherever the
-            CPU has the instructions (pinned, as the tests do).
+        native: whether the tiled kernel's calls may run qkv's native kernel, float32 and
+            bfloat16 (off: torch's flash kernel call by call, half precision on float32
+            copies).
+        native_probe: run the native kernel only where a measurement on this CPU says it
+            is worth it (float32: within 1.1× of torch's flash kernel; bfloat16: under 0.9×
+            of float32's path; ``qkv.kernels.tiled.native.probe``: made once per process,
+            tens of milliseconds; ``qkv.dispatch`` reports it); off: wherever the CPU has
+            the instructions (pinned, as the tests do).
         p_parts: P enters ·V as this many bfloat16 parts in the native kernel: 2 (hi + lo,
             ~16 bits: qkv's accuracy promise) or 1 (rounded once, as torch does: faster, up
             to 1.64× the output's own rounding; docs/kernels.md#the-native-kernel).

@@ -40,9 +40,10 @@ For ``backend="auto"``:
     opaque op.
 
 Where the tiled kernel runs, :func:`tiled_path` names its code: the PyTorch loop, torch's
-flash kernel call by call, qkv's native bfloat16 kernel, or (while tracing) the compiled op,
-which applies the same rules at run time. :func:`plain` is the decode fast path that
-:func:`qkv.attention` takes before any of this, on the same kernel the rules would choose.
+flash kernel call by call, qkv's native kernel (float32, bfloat16), or (while tracing) the
+compiled op, which applies the same rules at run time. :func:`plain` is the decode fast
+path that :func:`qkv.attention` takes before any of this, on the same kernel the rules
+would choose.
 
 On CPU ``flex`` runs only when asked for: it compiles for seconds per mask structure and has
 neither a backward nor the log-sum-exp there. The thresholds were measured with
