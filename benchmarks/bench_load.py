@@ -1,6 +1,7 @@
 """The headline calls on a quiet machine and on a busy one (issue 25's figures).
 
     python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
+    python benchmarks/bench_load.py --parts    # where the window forward's time goes
 
 Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
 backward, float32 and bfloat16 (float32 also with ``Tuning.native`` off: torch's flash
@@ -97,6 +98,44 @@ def measure(calls, rounds: int) -> dict[str, float]:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def parts(T: int) -> dict[str, object]:
+    """The native window forward's pieces, float32 and bfloat16, each timed alone: the whole
+    ``qkv.attention`` call, the dispatch, packing K (and V), the kernel's one call over the
+    prepared jobs, and bfloat16's rounding of the output."""
+    from qkv.kernels.tiled import flash, native
+    from qkv.kernels.tiled.plan import _blocked
+
+    window, out = qkv.masks.sliding_window(256), {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, H, T, D).to(dtype) for _ in range(3))
+        seen = []
+        real = flash.fused_forward
+        flash.fused_forward = lambda c, *, native: seen.append(c) or real(c, native=native)
+        try:
+            qkv.attention(q, k, v, mask=window)
+        finally:
+            flash.fused_forward = real
+        c, cache = seen[0], {}
+        q5, o, lse = _blocked(c.q, H), torch.empty(1, H, 1, T, D), torch.empty(1, H, 1, T)
+        jobs = [
+            native.Job(
+                q5[:, :, :, a:b],
+                flash._native_ranges(a, b, chunks, c.tiles, H, 1, cache),
+                o[:, :, :, a:b],
+                lse[:, :, :, a:b],
+            )
+            for a, b, chunks in c.plan.rows
+        ]
+        packed, name = native.pack(c.k, c.v), str(dtype).removeprefix("torch.")
+        out[f"{name} attention"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v, mask=window)
+        out[f"{name} dispatch"] = lambda q=q, k=k, v=v: qkv.dispatch(q, k, v, mask=window)
+        out[f"{name} pack"] = lambda c=c: native.pack(c.k, c.v)
+        out[f"{name} kernel"] = lambda j=jobs, p=packed, c=c: native.attend_many(j, p, c.scale)
+        if dtype != torch.float32:
+            out[f"{name} output rounding"] = lambda o=o, d=dtype: o.to(d)
+    return out
+
+
 def busy(n: int) -> list[subprocess.Popen]:
     """n CPU-bound processes (a Python busy loop each)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
@@ -107,9 +146,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--busy", type=int, default=2)
     parser.add_argument("--T", type=int, default=8192)
+    parser.add_argument("--parts", action="store_true", help="time the forward's pieces")
     args = parser.parse_args()
     calls = {}
-    for name, (ours, sdpa) in cases(args.T).items():
+    if args.parts:
+        calls = parts(args.T)
+    for name, (ours, sdpa) in ({} if args.parts else cases(args.T)).items():
         calls[f"qkv|{name}"], calls[f"sdpa|{name}"] = ours, sdpa
     quiet = measure(calls, args.rounds)
     load_quiet = os.getloadavg()[0]
@@ -125,6 +167,13 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}, {args.busy} busy processes; load average "
         f"{load_quiet:.1f} quiet, {load_busy:.1f} busy; medians of {args.rounds} rounds"
     )
+    if args.parts:
+        print("| piece | quiet | busy | slowdown |")
+        print("|---|---|---|---|")
+        for name in calls:
+            a, b = quiet[name], loaded[name]
+            print(f"| {name} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | {b / a:.2f}× |")
+        return
     print(
         "| case | qkv quiet | qkv busy | qkv slowdown | SDPA quiet | SDPA busy | SDPA slowdown "
         "| qkv ÷ SDPA slowdown |"
