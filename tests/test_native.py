@@ -391,6 +391,29 @@ def test_float32_reads_values_in_place_at_any_row_stride():
     np.testing.assert_allclose(lse[:, :, 0].double().numpy(), want_lse, atol=4e-6, rtol=0)
 
 
+@BOTH
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("at", [0, 16383, 16384, 40000 - 1])
+def test_the_one_thread_finiteness_check_finds_nan_and_inf_anywhere(dtype, value, at):
+    """native.finite (the dispatch's check of Q, K and V, in one thread) against
+    all_finite: the first and last elements, either side of its 16,384-value chunks; large
+    finite values are finite; a non-contiguous tensor takes all_finite."""
+    from qkv.kernels.reference import all_finite
+
+    x = (
+        torch.randn(40000).to(dtype) * 1e30
+        if dtype == torch.float32
+        else torch.randn(40000).to(dtype)
+    )
+    assert native.finite(x) and all_finite(x)
+    x[at] = value
+    assert not native.finite(x) and not all_finite(x)
+    y = torch.randn(200, 200).to(dtype).t()
+    y[3, 7] = value
+    assert not y.is_contiguous() and not native.finite(y)
+    assert native.finite(torch.zeros(0, dtype=dtype))
+
+
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
     q5 = torch.zeros(1, 2, 1, 8, 32, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)

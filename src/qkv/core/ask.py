@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._checks import Problem
-from ..kernels.reference import all_finite
+from ..kernels.tiled import native
 from ..kernels.tiled.plan import Plan
 from ..masks import Mask, MaskLike
 from ..scores import ScoreMod
@@ -79,7 +79,7 @@ class Ask:
         """Whether K holds no NaN/inf: read once per call, however many rules ask (each read
         is a pass over K, and on a busy machine a parallel region that can wait for a
         descheduled thread)."""
-        return all_finite(self.k)
+        return native.finite(self.k)
 
     @property
     def gpu(self) -> bool:

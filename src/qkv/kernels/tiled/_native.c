@@ -691,6 +691,37 @@ static PyObject *pack_py(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Whether the n values at x (float32, else bfloat16) are all finite (no exponent all ones):
+   one thread, no parallel region, so that on a busy machine no descheduled thread holds the
+   check up; chunk by chunk, stopping at the first chunk that holds NaN or inf. */
+static int all_finite(const void *x, int64_t n, int f32) {
+    const int64_t chunk = 1 << 14;
+    for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+        int64_t i1 = n - i0 < chunk ? n : i0 + chunk;
+        unsigned bad = 0;
+        if (f32) {
+            const uint32_t *u = (const uint32_t *)x;
+            for (int64_t i = i0; i < i1; i++) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
+        } else {
+            const uint16_t *u = (const uint16_t *)x;
+            for (int64_t i = i0; i < i1; i++) bad |= (u[i] & 0x7f80u) == 0x7f80u;
+        }
+        if (bad) return 0;
+    }
+    return 1;
+}
+
+static PyObject *finite_py(PyObject *self, PyObject *args) {
+    unsigned long long x;
+    long long n;
+    int f32, found;
+    if (!PyArg_ParseTuple(args, "KLp", &x, &n, &f32)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    found = all_finite((const void *)(uintptr_t)x, n, f32);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
 /* Whether this CPU runs the kernel in float32 (AVX-512F/BW/DQ/VL) or, f32 = 0, in bfloat16
    (that and AVX512-BF16). */
 static int cpu_runs(int f32) {
@@ -991,6 +1022,9 @@ static PyMethodDef methods[] = {
     {"available", available, METH_VARARGS,
      "available(float32): whether this CPU runs the kernel in float32 (AVX-512) or in "
      "bfloat16 (AVX512-BF16)."},
+    {"finite", finite_py, METH_VARARGS,
+     "finite(x, n, float32): whether n contiguous float32 (else bfloat16) values at x are "
+     "all finite, in one thread."},
     {"backward_many", backward_many, METH_VARARGS,
      "backward_many([call, ...], threads): every call (backward's arguments less threads, "
      "one B and H) in one parallel region, the gradients added in one fixed order."},
