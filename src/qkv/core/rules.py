@@ -113,7 +113,7 @@ def tiled_path(a: Ask) -> tuple[str, str]:
         )
     if a.tuning.native:
         if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
-            name = _NAMES[a.q.dtype]
+            name = str(a.q.dtype).removeprefix("torch.")
             return "tiled-native", f"qkv's native {name} kernel runs the plan in one call"
         half = a.q.dtype in (torch.bfloat16, torch.float16)
         if (
@@ -125,9 +125,6 @@ def tiled_path(a: Ask) -> tuple[str, str]:
                 "qkv's native float32 kernel runs the plan in one call, on float32 copies"
             )
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
-
-
-_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _tiled(a: Ask, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
