@@ -237,6 +237,38 @@ def test_sparse_block_map_equals_the_dense_one(T_q, T_k, q_offset, bq, bk):
         np.testing.assert_array_equal(codes, dense[want_rows, want_cols], err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "T_q,T_k,q_offset", [(37, 37, None), (13, 50, None), (50, 13, None), (5, 40, -20), (5, 40, 60)]
+)
+def test_intervals_are_exactly_the_mask_or_none(T_q, T_k, q_offset):
+    # What the native kernel masks by instead of a tile: every row's keys [lo, hi), where
+    # they are one interval; None (a tile then) where they are not, or are not known.
+    B = 2
+    rng = np.random.default_rng(T_q + T_k)
+    ids = np.repeat([4, 1, 7, 2], [3, T_k - 10, 5, 2])  # runs of distinct ids, unsorted
+    zoo = zoo_for(B, T_k) | {
+        "runs": masks.document(ids),
+        "runs&window": masks.document(ids) & masks.sliding_window(4),
+        "id_in_two_runs": masks.document(np.r_[ids[:-2], 4, 4]),
+        "window_at_an_offset": masks.sliding_window(6).shifted(9, 3, 200),
+        "prefix&padding": masks.prefix_lm(3) & masks.padding(rng.integers(0, T_k + 1, B)),
+    }
+    not_intervals = {"window|prefix", "~causal", "predicate", "key_indices", "id_in_two_runs"}
+    offset = T_k - T_q if q_offset is None else q_offset
+    for name, m in zoo.items():
+        found = m.intervals(np.arange(T_q) + offset)
+        if name in not_intervals:
+            assert found is None, name
+            continue
+        assert found is not None, name
+        lo, hi = found
+        assert lo.ndim == hi.ndim == 2 and lo.shape[1] == hi.shape[1] == T_q, name
+        keys = np.arange(T_k)
+        got = (keys >= lo[..., None]) & (keys < hi[..., None])  # (B|1, T_q, T_k)
+        want = m.to_numpy(B, 1, T_q, T_k, q_offset=q_offset)[:, 0]
+        np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want, err_msg=name)
+
+
 def test_sparse_block_map_scales_with_what_is_attended():
     # A window over 4M positions: its band is ~200K tiles, the dense map 2 G cells.
     import tracemalloc

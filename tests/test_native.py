@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import numpy as qnp
-from qkv.kernels.tiled import native
+from qkv.kernels.tiled import flash, native
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
 
@@ -26,6 +26,26 @@ pytestmark = pytest.mark.skipif(
     not native.available(), reason="native kernel not built, or no AVX512-BF16 here"
 )
 BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+
+
+def random_mask(kind, B, H_kv, G, R, N, g):
+    """A call's mask as the kernel takes it — a float bias (B|1, H_kv|1, G·R, N), or int32
+    row bounds (B|1, R, 2) — and as allowed keys, broadcastable to (B, H_kv, G·R, N). Row 0
+    has no key; bounds also run past the keys on either side, or lo > hi."""
+    if kind.startswith("bounds"):
+        lo, hi = (
+            torch.randint(-3, N + 4, (B if kind.endswith("batch") else 1, R), generator=g)
+            for _ in range(2)
+        )
+        hi[:, 0] = lo[:, 0]  # a row with no key
+        keys = torch.arange(N)
+        allowed = (keys >= lo[..., None]) & (keys < hi[..., None])  # (B|1, R, N)
+        allowed = allowed[:, None, None].expand(-1, 1, G, R, N).reshape(-1, 1, G * R, N)
+        return None, torch.stack([lo, hi], -1).int(), allowed
+    shape = {"shared": (1, 1), "per_head": (1, H_kv), "per_batch": (B, 1)}[kind]
+    allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
+    allowed[..., 0, :] = False  # a row with no key
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")), None, allowed
 
 
 @pytest.mark.parametrize(
@@ -38,7 +58,9 @@ BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["b
         (1, 1, 1, 5, 40, 31, 33, 256),  # two keys, the widest head
     ],
 )
-@pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "per_batch"])
+@pytest.mark.parametrize(
+    "bias_kind", ["none", "shared", "per_head", "per_batch", "bounds", "bounds_per_batch"]
+)
 @pytest.mark.parametrize(
     "dtype,parts",
     [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 2)],
@@ -49,16 +71,13 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
     N = k1 - k0
-    bias = None
+    bias = bounds = mask = None
     if bias_kind != "none":
-        shape = {"shared": (1, 1), "per_head": (1, H_kv), "per_batch": (B, 1)}[bias_kind]
-        allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
-        allowed[..., 0, :] = False  # a row with no key
-        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
+        mask = allowed.expand(B, H_kv, G * R, N).numpy()
     scale = 1 / math.sqrt(D)
-    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale, parts)
+    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale, parts, bounds=bounds)
     q = q5.reshape(B, H_kv, G * R, D)
-    mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N).numpy()
     want, want_lse = oracle_with_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
     got, got_lse = (
         out.reshape(B, H_kv, G * R, D).double().numpy(),
@@ -200,7 +219,7 @@ def test_native_output_within_its_own_rounding_on_random_problems(
         (1, 1, 1, 5, 40, 31, 33, 256),
     ],
 )
-@pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head"])
+@pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "bounds_per_batch"])
 @BOTH
 def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
@@ -209,23 +228,23 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
     q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
     N, scale = k1 - k0, 1 / math.sqrt(D)
-    bias = None
+    bias = bounds = mask = None
     if bias_kind != "none":
-        shape = {"shared": (1, 1), "per_head": (1, H_kv)}[bias_kind]
-        allowed = torch.rand(*shape, G * R, N, generator=g) < 0.6
-        allowed[..., 0, :] = False  # a row with no key
-        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
+        mask = allowed.expand(B, H_kv, G * R, N)
     qd, kd, vd = (
         x.double().requires_grad_()
         for x in (q5.reshape(B, H_kv, G * R, D), k[:, :, k0:k1], v[:, :, k0:k1])
     )
-    mask = None if bias is None else (bias == 0).expand(B, H_kv, G * R, N)
     out = qkv.attention(qd, kd, vd, mask=mask, scale=scale, backend="reference")
     dout = do5.reshape(B, H_kv, G * R, D).double()
     want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
     with torch.no_grad():  # a row with no key: lse -inf
         lse = torch.logsumexp(
-            qd @ kd.transpose(-1, -2) * scale + (0 if bias is None else bias.double()), -1
+            (qd @ kd.transpose(-1, -2) * scale).masked_fill(
+                torch.zeros((), dtype=torch.bool) if mask is None else ~mask, float("-inf")
+            ),
+            -1,
         )
         delta = (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
@@ -245,6 +264,7 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         dq,
         dk,
         dv,
+        bounds,
     )
     atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
     for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
@@ -305,6 +325,41 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
             rtol=0,
             atol=rounding_tolerance(b.numpy(), torch.bfloat16, 2.0),
         )
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
+@pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
+def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, monkeypatch, tune):
+    """A mask whose every row sees one interval of keys (Mask.intervals) is masked by each
+    row's bounds, forward and backward: no tile is evaluated (the tiles' torch ops, each a
+    parallel region of its own, were most of a pass's time on a busy machine); the others
+    still reach the kernel as a float bias."""
+    if small:
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
+    T_q, T_k = 61, 75
+    mask = mask_zoo(2, T_k, T_q)[name]
+    intervals = isinstance(mask, qkv.masks.Mask) and mask.intervals(np.arange(T_q)) is not None
+    tiles, masked = [], []
+    real_bias, real_fwd, real_bwd = flash._call_bias, native.attend_many, native.backward_many
+    monkeypatch.setattr(flash, "_call_bias", lambda *a: tiles.append(1) or real_bias(*a))
+    monkeypatch.setattr(
+        native,
+        "attend_many",
+        lambda jobs, *a: masked.extend(r[2:] for j in jobs for r in j.ranges) or real_fwd(jobs, *a),
+    )
+    monkeypatch.setattr(
+        native,
+        "backward_many",
+        lambda jobs, *a: masked.extend((j.bias, j.bounds) for j in jobs) or real_bwd(jobs, *a),
+    )
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.float32, seed=14)
+    grads(q, k, v, torch.ones(2, 4, T_q, 32), mask, backend="tiled")
+    assert masked, "it did not run natively"
+    if intervals:
+        assert not tiles and all(bias is None for bias, _ in masked)
+        assert any(bounds is not None for _, bounds in masked) or name == "full"
+    elif isinstance(mask, (qkv.masks.Mask, torch.Tensor)):
+        assert tiles and all(bounds is None for _, bounds in masked)
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,9 @@ class PredicateTiles:
             self._seen[key] = self.mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=self.device)
         return self._seen[key]
 
+    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.mask.intervals(np.arange(q0, q1) + self.p.q_offset)
+
 
 class DenseTiles:
     """A dense bool mask read one tile at a time (its size-1, broadcast dims kept whole)."""
@@ -134,6 +137,9 @@ class DenseTiles:
         rows = slice(q0, q1) if self.dense.shape[-2] > 1 else slice(None)
         cols = slice(k0, k1) if self.dense.shape[-1] > 1 else slice(None)
         return self.dense[..., rows, cols]
+
+    def bounds(self, q0: int, q1: int) -> None:
+        return None  # a tensor's mask is not known to be intervals
 
 
 def mask_tiles(

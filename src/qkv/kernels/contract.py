@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..tuning import Tuning
@@ -46,6 +47,12 @@ class MaskTiles(Protocol):
     shift_invariant: bool
 
     def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
+
+    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where every query's allowed keys are one interval: for queries q0..q1-1, the keys
+        [lo, hi) of each, (B|1, q1 - q0) arrays in the call's key positions (the native
+        kernel masks by them, no tile evaluated); None where they are not."""
+        ...
 
 
 class ModTiles(Protocol):

@@ -175,6 +175,14 @@ class Mask:
         EMPTY; unknown structure reaches every key."""
         return np.full(len(t.qa), -_FAR), np.full(len(t.qa), _FAR)
 
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys [lo, hi) each query position of ``q`` (absolute) may attend to, as two
+        (B|1, len(q)) integer arrays, when that is exactly the mask — every query's keys one
+        interval: the library's masks but key_indices, ands of them, documents whose ids
+        each form one run. None where it is not (or is unknown: predicates, ors, nots).
+        qkv's native kernel masks a row by its interval instead of evaluating a tile."""
+        return None
+
     def dense(
         self,
         B: int,
@@ -294,6 +302,12 @@ class _And(_Binary):
         (a, b), (c, d) = self.left._reach(t), self.right._reach(t)
         return np.maximum(a, c), np.minimum(b, d)
 
+    def intervals(self, q):
+        left, right = self.left.intervals(q), self.right.intervals(q)
+        if left is None or right is None:
+            return None
+        return np.maximum(left[0], right[0]), np.minimum(left[1], right[1])
+
     def __call__(self, b, h, q_idx, kv_idx):
         return self.left(b, h, q_idx, kv_idx) & self.right(b, h, q_idx, kv_idx)
 
@@ -375,6 +389,10 @@ class _Shifted(Mask):
     def _reach(self, t):
         lo, hi = self.inner._reach(t.shifted(self.dq, self.dk))
         return lo - self.dk, hi - self.dk
+
+    def intervals(self, q):
+        inner = self.inner.intervals(q + self.dq)
+        return None if inner is None else (inner[0] - self.dk, inner[1] - self.dk)
 
     def __repr__(self) -> str:
         return f"({self.inner!r} at queries +{self.dq}, keys +{self.dk})"

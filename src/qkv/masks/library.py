@@ -31,6 +31,9 @@ class _Full(Mask):
     def _classify(self, t):
         return np.full((), FULL, dtype=np.int8)
 
+    def intervals(self, q):
+        return _one_row(np.full(len(q), -_FAR), np.full(len(q), _FAR))
+
     def __repr__(self) -> str:
         return "full()"
 
@@ -50,6 +53,9 @@ class _Causal(Mask):
 
     def _reach(self, t):
         return np.full(len(t.qa), -_FAR), t.qb + 1
+
+    def intervals(self, q):
+        return _one_row(np.full(len(q), -_FAR), q + 1)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -77,6 +83,9 @@ class _SlidingWindow(Mask):
 
     def _reach(self, t):
         return t.qa - self.window + 1, t.qb + 1
+
+    def intervals(self, q):
+        return _one_row(q - self.window + 1, q + 1)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.window})"
@@ -115,6 +124,11 @@ class _Padding(Mask):
 
     def _reach(self, t):
         return np.full(len(t.qa), -_FAR), np.full(len(t.qa), self.lengths.max(initial=0))
+
+    def intervals(self, q):
+        return np.full((len(self.lengths), len(q)), -_FAR), np.repeat(
+            self.lengths[:, None], len(q), 1
+        )
 
     def __repr__(self) -> str:
         return f"padding({_short(self.lengths)})"
@@ -179,6 +193,17 @@ class _Document(Mask):
         hi = [np.searchsorted(row, b, "right") for row, b in zip(ids, last)]
         return np.min(lo, 0), np.max(hi, 0)
 
+    def intervals(self, q):
+        if not hasattr(self, "_runs"):
+            self._runs = _runs(self._rows())
+        if self._runs is None:
+            return None
+        lo, hi = self._runs
+        n = lo.shape[-1]
+        inside = (q >= 0) & (q < n)  # a query outside the ids has no document, no key
+        at = np.clip(q, 0, n - 1)
+        return np.where(inside, lo[:, at], 0), np.where(inside, hi[:, at], 0)
+
     def __repr__(self) -> str:
         return f"document({_short(self.ids)})"
 
@@ -203,6 +228,9 @@ class _PrefixLM(Mask):
 
     def _reach(self, t):
         return np.full(len(t.qa), -_FAR), np.maximum(t.qb + 1, self.prefix)
+
+    def intervals(self, q):
+        return _one_row(np.full(len(q), -_FAR), np.maximum(q + 1, self.prefix))
 
     def __repr__(self) -> str:
         return f"prefix_lm({self.prefix})"
@@ -312,6 +340,25 @@ def _spans(ids: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.nda
         np.minimum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
         np.maximum.reduceat(padded, at, -1)[:, ::2] if len(at) else ids[:, :0],
     )
+
+
+def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """For ids (B|1, n), each position's run of equal ids as [first, end) (B|1, n) arrays;
+    None if an id has two runs in a row (its keys are then not one interval)."""
+    n = ids.shape[-1]
+    starts = np.diff(ids, axis=-1, prepend=ids[:, :1] - 1) != 0  # a run begins
+    if any(len(np.unique(row[s])) < s.sum() for row, s in zip(ids, starts)):
+        return None
+    run = np.cumsum(starts, -1) - 1  # each position's run
+    first = [np.flatnonzero(s) for s in starts]  # each row's runs' first positions
+    lo = np.stack([f[r] for f, r in zip(first, run)])
+    hi = np.stack([np.append(f[1:], n)[r] for f, r in zip(first, run)])
+    return lo, hi
+
+
+def _one_row(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds the same for every batch row, as (1, n) arrays."""
+    return lo[None], hi[None]
 
 
 def full() -> Mask:

@@ -28,7 +28,9 @@
    zero past the last key, and vp V itself (D contiguous, rows vs[2] apart, never read past
    a call's keys). Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
-   contiguous, or NULL; out: float32 (B, H, G, R, D) with strides os[0..3], D contiguous;
+   contiguous, or NULL; bounds (instead of a bias, masks whose every row sees one interval
+   of keys): int32 (B|1, R, 2), each query position's keys [lo, hi) counted from k0,
+   stride bnb over B (0 where broadcast), or NULL; out: float32 (B, H, G, R, D) with strides os[0..3], D contiguous;
    lse: float32 (B, H, G, R) with strides ls[0..3]. D must be a multiple of 32. */
 
 #define PY_SSIZE_T_CLEAN
@@ -54,16 +56,20 @@
 typedef uint16_t bf16;
 
 /* A key range of a forward job: keys k0..k0+N-1 (begin: k0 rounded down to 32, lead: the
-   keys between), with its bias or none. */
+   keys between), with its bias, or its rows' bounds, or neither. */
 typedef struct {
     int64_t begin, lead, N;
     const float *bias;
     int64_t bs[3];
+    const int32_t *bounds; /* per query position r: the range's keys [lo, hi) it may see */
+    int64_t bnb;           /* bounds (B|1, R, 2): the stride over B, 0 where broadcast */
 } Seg;
 
 typedef struct {
     const void *q, *kp, *vp; /* bf16 or float (f32) */
     const float *bias;
+    const int32_t *bounds; /* as a Seg's */
+    int64_t bnb;
     float *out, *lse;
     int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
     int64_t B, H, G, R, D;
@@ -296,12 +302,34 @@ static inline __mmask16 lanes(int64_t n, int64_t first, int64_t last) {
     return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 
+/* The keys [*f, *l) of the nk from n0 (counted as first and last are) that row `row` of
+   the G·R rows of batch b may attend to: [first, last), narrowed by the row's bounds where
+   the range has them. */
+static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, int64_t first,
+                            int64_t last, int64_t *f, int64_t *l) {
+    *f = first, *l = last;
+    if (!j->bounds) return;
+    const int32_t *bd = j->bounds + b * j->bnb + 2 * (row % j->R);
+    int64_t lo = bd[0] + j->lead - n0, hi = bd[1] + j->lead - n0;
+    if (lo > *f) *f = lo;
+    if (hi < *l) *l = hi;
+}
+
 /* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
-   one of the tile's `rows` rows by the bias (rows from r0, the bias row of key n at
-   br + n - lead), if there is one. */
-TARGET static void live_blocks(const Job *j, const float *bias, int64_t r0, int rows,
+   one of the tile's `rows` rows (from r0, of batch b) by the row's bounds, or by the bias
+   (the bias row of key n at br + n - lead), if there is one. */
+TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64_t r0, int rows,
                                int64_t n0, int64_t nk, int64_t first, int64_t last, int *live) {
     const __m512 none = _mm512_set1_ps(-INFINITY);
+    if (j->bounds) {
+        for (int64_t sb = 0; sb < nk / 32; sb++) live[sb] = 0;
+        for (int i = 0; i < rows; i++) {
+            int64_t f, l;
+            row_keys(j, b, r0 + i, n0, first, last, &f, &l);
+            for (int64_t sb = f / 32; f < l && sb * 32 < l; sb++) live[sb] = 1;
+        }
+        return;
+    }
     for (int64_t sb = 0; sb < nk / 32; sb++) {
         live[sb] = 0;
         for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
@@ -356,6 +384,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
         Job one = *job, *j = &one; /* the job over this range alone */
         const Seg *seg = &job->segs[sg];
         one.begin = seg->begin, one.lead = seg->lead, one.N = seg->N, one.bias = seg->bias;
+        one.bounds = seg->bounds, one.bnb = seg->bnb;
         memcpy(one.bs, seg->bs, sizeof one.bs);
         int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
         const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
@@ -367,15 +396,17 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
             /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
                the rest is skipped (-inf scores, no ·V). */
             int live[KT / 32];
-            live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
+            live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
             scores(j, qt, kp, n0, nk, live, j->scale, S);
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
                 const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+                int64_t kf, kl; /* the keys this row may see */
+                row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
                 __m512 mx = none;
                 for (int64_t n = 0; n < nk; n += 16) {
                     if (!live[n / 32]) continue;
-                    __mmask16 in = lanes(n, first, last);
+                    __mmask16 in = lanes(n, kf, kl);
                     __m512 x = _mm512_loadu_ps(s + n);
                     if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
                     x = _mm512_mask_mov_ps(none, in, x); /* keys outside the call */
@@ -490,7 +521,7 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
     for (int64_t r0 = 0; r0 < GR; r0 += MR) {
         int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
         int live[KT / 32], any = 0;
-        live_blocks(j, bias, r0, rows, n0, nk, first, last, live);
+        live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
         for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
         if (!any) continue;
         load_rows(j, j->q, j->qs, b, h, r0, rows, (void *)qrows);
@@ -511,10 +542,12 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
             float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
                                                g * bj->des[2] + r * bj->des[3]] : 0.0f;
             const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+            int64_t kf, kl; /* the keys this row may see */
+            row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
             for (int64_t n = 0; n < nk; n += 16) {
                 __m512 p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    __mmask16 in = lanes(n, first, last);
+                    __mmask16 in = lanes(n, kf, kl);
                     __m512 x = _mm512_loadu_ps(&S[i][n]);
                     if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
                     x = _mm512_mask_mov_ps(none, in, x);
@@ -799,16 +832,19 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     }
     j->segs = segs, j->nseg = n; /* the caller frees them */
     for (Py_ssize_t s = 0; s < n; s++) {
-        unsigned long long bias;
-        long long k0, N, bs0, bs1, bs2;
+        unsigned long long bias, bounds;
+        long long k0, N, bs0, bs1, bs2, bnb;
         PyObject *one = PyList_GET_ITEM(ranges, s);
         if (!PyTuple_Check(one) ||
-            !PyArg_ParseTuple(one, "LL(KLLL)", &k0, &N, &bias, &bs0, &bs1, &bs2) ||
+            !PyArg_ParseTuple(one, "LL(KLLL)(KL)", &k0, &N, &bias, &bs0, &bs1, &bs2, &bounds,
+                              &bnb) ||
             !key_range(&segs[s], "attend", Nt, k0, N)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend: (k0, N, bias) a range");
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "attend: (k0, N, bias, bounds) a range");
             return 0;
         }
         segs[s].bias = (const float *)(uintptr_t)bias;
+        segs[s].bounds = (const int32_t *)(uintptr_t)bounds, segs[s].bnb = bnb;
         segs[s].bs[0] = bs0, segs[s].bs[1] = bs1, segs[s].bs[2] = bs2;
     }
 #ifdef QKV_X86
@@ -912,15 +948,17 @@ static PyObject *attend(PyObject *self, PyObject *args) { return one(args, run_c
 /* One backward call's arguments (backward's, less the thread count) into bj; 0 with a
    Python error set if they do not parse or fit. */
 static int parse_backward(BJob *bj, PyObject *args, int threads) {
-    unsigned long long q, dout, kp, kv, vk, bias, lse, delta, dq, dk, dv;
-    long long qs[4], dos[4], ks[2], kvs[3], vks[2], bs[3], ls[4], des[4], dqs[4], dks[3], dvs[3];
+    unsigned long long q, dout, kp, kv, vk, bias, bounds, lse, delta, dq, dk, dv;
+    long long qs[4], dos[4], ks[2], kvs[3], vks[2], bs[3], bnb, ls[4], des[4], dqs[4], dks[3],
+        dvs[3];
     long long B, H, G, R, D, Nt, k0, N;
     double scale;
     int f32;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLLL)(KLL)(KLLL)(KLLLL)(KLLLL)(KLLLL)(KLLL)(KLLL)"
-                          "(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLLL)(KLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
+                          "(KLLL)(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
                           &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1], &kvs[2],
-                          &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &lse, &ls[0],
+                          &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
+                          &lse, &ls[0],
                           &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
                           &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
                           &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
@@ -937,6 +975,7 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     j->kp = (const void *)(uintptr_t)kp;
     j->vp = (const void *)(uintptr_t)kv;
     j->bias = (const float *)(uintptr_t)bias;
+    j->bounds = (const int32_t *)(uintptr_t)bounds, j->bnb = bnb;
     bj->dout = (const void *)(uintptr_t)dout;
     bj->vk = (const void *)(uintptr_t)vk;
     bj->lse = (const float *)(uintptr_t)lse;

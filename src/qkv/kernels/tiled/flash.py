@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ...tuning import Tuning
@@ -239,9 +240,11 @@ def _native_ranges(
     G: int,
     cache: dict | None,
 ) -> list[_native.Range]:
-    """A query block's keys as the native kernel's ranges: every FULL stretch with no bias
-    (stretches that meet joined), every chunk's masked range with the mask's float bias over
-    just those keys. The kernel skips, per 32 keys and 8 rows, what the bias leaves empty."""
+    """A query block's keys as the native kernel's ranges: every FULL stretch unmasked
+    (stretches that meet joined), every chunk's masked range masked over just those keys —
+    by each row's bounds where the mask gives every row one interval of keys
+    (:meth:`qkv.masks.Mask.intervals`: no tile evaluated), else by the mask's float bias.
+    The kernel skips, per 32 keys and 8 rows, what the mask leaves empty."""
     ranges: list[_native.Range] = []
     for c in chunks:
         m0, m1 = c.masked if c.masked is not None else (c.k1, c.k1)
@@ -249,17 +252,29 @@ def _native_ranges(
             if a == b:
                 continue
             if masked:
-                tile = Call(q0, q1, a, b, (Chunk(a, b, (a, b)),))
-                ranges.append(
-                    _native.Range(
-                        a, b, _call_bias(tile, mask_tile, H_kv, G, torch.float32, cache)[0]
-                    )
-                )
-            elif ranges and ranges[-1].bias is None and ranges[-1].k1 == a:
+                bounds, bias = _bounds(mask_tile, q0, q1, a, b), None
+                if bounds is None:
+                    tile = Call(q0, q1, a, b, (Chunk(a, b, (a, b)),))
+                    bias = _call_bias(tile, mask_tile, H_kv, G, torch.float32, cache)[0]
+                ranges.append(_native.Range(a, b, bias, bounds))
+            elif ranges and ranges[-1].k1 == a and ranges[-1].bias is ranges[-1].bounds is None:
                 ranges[-1] = ranges[-1]._replace(k1=b)
             else:
                 ranges.append(_native.Range(a, b, None))
     return ranges
+
+
+def _bounds(mask_tile: MaskTiles | None, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+    """Queries q0..q1-1's keys within k0..k1-1 as the native kernel's row bounds (int32
+    (B|1, q1 - q0, 2), [lo, hi) counted from k0), where the mask gives each row one interval
+    of keys; None where it does not (or there is no mask). Within a call's span they are
+    the mask itself: its FULL blocks inside every row's interval, its EMPTY ones outside."""
+    found = None if mask_tile is None else mask_tile.bounds(q0, q1)
+    if found is None:
+        return None
+    lo, hi = (np.clip(x - k0, 0, k1 - k0) for x in found)
+    lo, hi = np.broadcast_arrays(lo, hi)
+    return torch.from_numpy(np.ascontiguousarray(np.stack([lo, hi], -1), dtype=np.int32))
 
 
 FLASH_BACKWARD: Any = getattr(
@@ -310,7 +325,8 @@ def fused_backward(
     jobs: list[_native.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in _backward_pieces(one, span)):
-            bias, _ = _call_bias(c, mask_tile, H_kv, G, acc, cache)
+            bounds = None if packed is None else _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1)
+            bias = None if bounds is not None else _call_bias(c, mask_tile, H_kv, G, acc, cache)[0]
             if packed is not None:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)
                 jobs.append(
@@ -325,6 +341,7 @@ def fused_backward(
                         dq5[:, :, :, at],
                         dk[:, :, c.k0 : c.k1],
                         dv[:, :, c.k0 : c.k1],
+                        bounds,
                     )
                 )
                 continue

@@ -193,24 +193,29 @@ def attend(
     p_parts: int = 2,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
-    k1 - k0) or None. A row with no allowed key: out 0, lse -inf. P enters ·V as ``p_parts``
-    bfloat16 parts (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and
-    ``lse`` (B, H_kv, G, R), float32 views, where given."""
-    job = Job(q5, [Range(k0, k1, bias)], out, lse)
+    k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
+    allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
+    (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and ``lse``
+    (B, H_kv, G, R), float32 views, where given."""
+    job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse)
     attend_many([job], packed, scale, p_parts)
     return job.out, job.lse
 
 
 class Range(NamedTuple):
     """Keys k0..k1-1 of a :class:`Job`, with their bias (float32, (B|1, H_kv|1, G·R,
-    k1 - k0)) or None."""
+    k1 - k0)), or their rows' ``bounds`` (a mask whose every row sees one interval of keys:
+    int32 (B|1, R, 2), each query position's keys [lo, hi) counted from k0, clamped to the
+    range), or neither."""
 
     k0: int
     k1: int
     bias: torch.Tensor | None
+    bounds: torch.Tensor | None = None
 
 
 class Job:
@@ -239,7 +244,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
     args = []
     for job in jobs:
         for r in job.ranges:
-            _check_call("attend", job.q5, packed, r.k0, r.k1, r.bias)
+            _check_call("attend", job.q5, packed, r.k0, r.k1, r.bias, r.bounds)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -258,7 +263,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
                 packed.values(),
-                [(r.k0, r.k1 - r.k0, _bias_at(r.bias)) for r in job.ranges],
+                [(r.k0, r.k1 - r.k0, _bias_at(r.bias), _bounds_at(r.bounds)) for r in job.ranges],
                 (out.data_ptr(), *out.stride()[:4]),
                 (lse.data_ptr(), *lse.stride()),
                 (B, H_kv, G, R, D),
@@ -272,7 +277,13 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
 
 
 def _check_call(
-    name: str, q5: torch.Tensor, packed: Packed, k0: int, k1: int, bias: torch.Tensor | None
+    name: str,
+    q5: torch.Tensor,
+    packed: Packed,
+    k0: int,
+    k1: int,
+    bias: torch.Tensor | None,
+    bounds: torch.Tensor | None,
 ) -> None:
     """Raise unless one call's rows, keys and bias fit each other: the kernel reads raw
     memory, and a wrong shape would read past the tensors."""
@@ -292,11 +303,24 @@ def _check_call(
                 or tuple(bias.shape[2:]) != (G * R, k1 - k0)
             )
         )
+        or (
+            bounds is not None
+            and (
+                bias is not None
+                or bounds.dtype != torch.int32
+                or not bounds.is_contiguous()
+                or bounds.ndim != 3
+                or bounds.shape[0] not in (1, B)
+                or tuple(bounds.shape[1:]) != (R, 2)
+            )
+        )
     ):
         raise ValueError(
             f"native.{name}: mismatched shapes q {tuple(q5.shape)}, packed k "
             f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
-            f"{None if bias is None else tuple(bias.shape)}"
+            f"{None if bias is None else tuple(bias.shape)}, bounds "
+            f"{None if bounds is None else (tuple(bounds.shape), bounds.dtype)} (a bias or "
+            "int32 bounds (B|1, R, 2), not both)"
         )
 
 
@@ -309,6 +333,14 @@ def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
         raise ValueError("native: the bias must be a contiguous float32 tensor")
     (sb, sh), (nb, nh) = bias.stride()[:2], bias.shape[:2]
     return bias.data_ptr(), sb if nb > 1 else 0, sh if nh > 1 else 0, bias.stride(2)
+
+
+def _bounds_at(bounds: torch.Tensor | None) -> tuple[int, int]:
+    """The kernel's view of checked bounds: their address and stride over B (0 where
+    broadcast); (0, 0) for none."""
+    if bounds is None:
+        return (0, 0)
+    return bounds.data_ptr(), bounds.stride(0) if bounds.shape[0] > 1 else 0
 
 
 def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
@@ -332,12 +364,14 @@ def backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    bounds: torch.Tensor | None = None,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
     for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
-    ``packed`` and ``vk`` from :func:`pack_backward`; bias as for :func:`attend`."""
-    job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv)
+    ``packed`` and ``vk`` from :func:`pack_backward`; bias, or bounds, as a
+    :class:`Range`'s."""
+    job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds)
     backward_many([job], packed, vk, scale)
 
 
@@ -354,6 +388,7 @@ class BackwardJob(NamedTuple):
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    bounds: torch.Tensor | None = None
 
 
 def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, scale: float) -> None:
@@ -365,7 +400,7 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
     not depend on the threads."""
     args = []
     for job in jobs:
-        _check_call("backward", job.q5, packed, job.k0, job.k1, job.bias)
+        _check_call("backward", job.q5, packed, job.k0, job.k1, job.bias, job.bounds)
         B, H_kv, G, R, D = job.q5.shape
         N = job.k1 - job.k0
         floats = (job.lse, job.delta, job.dq, job.dk, job.dv)
@@ -393,6 +428,7 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
                 packed.values(),
                 (vk.data_ptr(), *vk.stride()[:2]),
                 _bias_at(job.bias),
+                _bounds_at(job.bounds),
                 (job.lse.data_ptr(), *job.lse.stride()),
                 (job.delta.data_ptr(), *job.delta.stride()),
                 (job.dq.data_ptr(), *job.dq.stride()[:4]),
