@@ -77,12 +77,17 @@ class _TiledAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *mod_tensors)
         ctx.call = call
+        # An output nothing reads gets no gradient (None), not zeros to fill and check:
+        # each is a parallel region, and a busy machine makes every region dear.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, *mod_tensors = ctx.saved_tensors
         call = dataclasses.replace(ctx.call, q=q, k=k, v=v, mod_tensors=tuple(mod_tensors))
+        if dout is None:  # only the log-sum-exp is read
+            dout = torch.zeros_like(out)
         if dlse is not None and not bool(dlse.any()):
             dlse = None  # nothing reaches the log-sum-exp: the cheaper backward applies
         need_sinks = sinks is not None and ctx.needs_input_grad[1]
