@@ -655,71 +655,79 @@ static void backward_worker(Pass *ps) {
 }
 #endif /* QKV_X86 */
 
-/* K and V (B, H, T, D), strides ks/vs[0..2] with D contiguous, into the packed layout above,
-   keys T..Nt-1 zero: bfloat16 (pack_bf16) or float32 (pack_f32). */
-static void pack_bf16(const bf16 *k, const int64_t *ks, const bf16 *v, const int64_t *vs, bf16 *kp,
-                 bf16 *vp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t Nt, int threads) {
-    int64_t blocks = B * H * (Nt / 32);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-    for (int64_t it = 0; it < blocks; it++) {
-        int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
-        const bf16 *kh = k + b * ks[0] + h * ks[1], *vh = v + b * vs[0] + h * vs[1];
-        uint32_t *kb = (uint32_t *)(kp + it * 32 * D); /* (D/2, 32) pairs */
-        bf16 *vb = vp + it * 32 * D;                    /* (16, D, 2) */
-        for (int64_t kk = 0; kk < 32; kk++) {
-            int64_t n = nb * 32 + kk;
-            const bf16 *kr = kh + n * ks[2], *vr = vh + n * vs[2];
-            bf16 *vo = vb + (kk / 2) * D * 2 + (kk % 2);
-            if (n < T) {
-                for (int64_t d2 = 0; d2 < D / 2; d2++) {
-                    uint32_t pair;
-                    memcpy(&pair, kr + 2 * d2, 4);
-                    kb[d2 * 32 + kk] = pair;
-                }
-                for (int64_t d = 0; d < D; d++) vo[2 * d] = vr[d];
-            } else {
-                for (int64_t d2 = 0; d2 < D / 2; d2++) kb[d2 * 32 + kk] = 0;
-                for (int64_t d = 0; d < D; d++) vo[2 * d] = 0;
+/* Tensors (B, H, T, D), strides xs[0..2] with D contiguous, into the packed layouts above,
+   keys T..Nt-1 zero, 32 keys at a time: `values` 0, the score layout (float32: (D, 32);
+   bfloat16: (D/2, 32) pairs), 1, bfloat16's value layout ((16, D, 2)). */
+typedef struct {
+    const void *x;
+    int64_t xs[3];
+    void *dst;
+    int values;
+} Pack;
+
+static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t D,
+                       int64_t Nt, int f32) {
+    int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
+    for (int64_t kk = 0; kk < 32; kk++) {
+        int64_t n = nb * 32 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
+        if (f32) {
+            const float *xr = (const float *)p->x + at;
+            float *kb = (float *)p->dst + it * 32 * D; /* (D, 32) */
+            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
+        } else if (!p->values) {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            uint32_t *kb = (uint32_t *)((bf16 *)p->dst + it * 32 * D); /* (D/2, 32) pairs */
+            for (int64_t d2 = 0; d2 < D / 2; d2++) {
+                uint32_t pair = 0;
+                if (n < T) memcpy(&pair, xr + 2 * d2, 4);
+                kb[d2 * 32 + kk] = pair;
             }
+        } else {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            bf16 *vo = (bf16 *)p->dst + it * 32 * D + (kk / 2) * D * 2 + (kk % 2); /* (16, D, 2) */
+            for (int64_t d = 0; d < D; d++) vo[2 * d] = n < T ? xr[d] : 0;
         }
     }
 }
 
-static void pack_f32(const float *k, const int64_t *ks, float *kp, int64_t B, int64_t H,
-                     int64_t T, int64_t D, int64_t Nt, int threads) {
+/* Every pack of a pass in one parallel region. */
+static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t T, int64_t D,
+                     int64_t Nt, int threads, int f32) {
     int64_t blocks = B * H * (Nt / 32);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-    for (int64_t it = 0; it < blocks; it++) {
-        int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
-        const float *kh = k + b * ks[0] + h * ks[1];
-        float *kb = kp + it * 32 * D; /* (D, 32) */
-        for (int64_t kk = 0; kk < 32; kk++) {
-            int64_t n = nb * 32 + kk;
-            const float *kr = kh + n * ks[2];
-            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? kr[d] : 0.0f;
-        }
-    }
+    for (int64_t it = 0; it < n * blocks; it++)
+        pack_block(&packs[it / blocks], it % blocks, H, T, D, Nt, f32);
 }
 
 static PyObject *pack_py(PyObject *self, PyObject *args) {
-    unsigned long long k, v, kp, vp;
-    long long ks0, ks1, ks2, vs0, vs1, vs2, B, H, T, D, Nt;
+    PyObject *list;
+    long long B, H, T, D, Nt;
     int threads, f32;
-    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)KK(LLLLL)ip", &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1,
-                          &vs2, &kp, &vp, &B, &H, &T, &D, &Nt, &threads, &f32))
+    if (!PyArg_ParseTuple(args, "O!(LLLLL)ip", &PyList_Type, &list, &B, &H, &T, &D, &Nt,
+                          &threads, &f32))
         return NULL;
-    if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T");
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
+        PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T, "
+                        "at most 8 packs");
         return NULL;
     }
-    int64_t ks[3] = {ks0, ks1, ks2}, vs[3] = {vs0, vs1, vs2};
+    Pack packs[8];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long x, dst;
+        long long xs0, xs1, xs2;
+        int values;
+        PyObject *one = PyList_GET_ITEM(list, i);
+        if (!PyTuple_Check(one) ||
+            !PyArg_ParseTuple(one, "(KLLL)Kp", &x, &xs0, &xs1, &xs2, &dst, &values)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pack: a tuple a pack");
+            return NULL;
+        }
+        packs[i] = (Pack){(const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst,
+                          values && !f32};
+    }
     Py_BEGIN_ALLOW_THREADS
-    if (f32) /* (V is read as it is) */
-        pack_f32((const float *)(uintptr_t)k, ks, (float *)(uintptr_t)kp, B, H, T, D, Nt,
-                 threads);
-    else
-        pack_bf16((const bf16 *)(uintptr_t)k, ks, (const bf16 *)(uintptr_t)v, vs,
-                  (bf16 *)(uintptr_t)kp, (bf16 *)(uintptr_t)vp, B, H, T, D, Nt, threads);
+    pack_all(packs, n, B, H, T, D, Nt, threads, f32);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1073,8 +1081,9 @@ static PyMethodDef methods[] = {
      "(Nt, k0, N), scale, float32, threads): one call's gradients, added to dq (B, H, G, R, "
      "D; in key-block order), dk and dv."},
     {"pack", pack_py, METH_VARARGS,
-     "pack((k, *3 strides), (v, *3), kp, vp, (B, H, T, D, Nt), threads, float32): K and V "
-     "into the kernel's layout."},
+     "pack([((x, *3 strides), dst, values), ...], (B, H, T, D, Nt), threads, float32): "
+     "tensors into the kernel's score layout (values 0) or bfloat16's value layout (1), in "
+     "one parallel region."},
     {"attend_many", attend_many, METH_VARARGS,
      "attend_many([call, ...], threads): every call (attend's arguments less threads) in one "
      "parallel region, their work items dealt from one counter."},

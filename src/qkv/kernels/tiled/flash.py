@@ -9,6 +9,7 @@ length · D head dim.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -310,16 +311,15 @@ def fused_backward(
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
     do5 = _blocked(dout.to(q.dtype).contiguous(), H_kv)  # (a sum's dout is expanded)
-    dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (k, v))
+    # One zero fill for the three (one parallel region, not three)
+    dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device)
     if packed is not None:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta = row_dot(dout, out, acc) if delta is None else delta
         delta5 = _blocked(delta[..., None], H_kv)[..., 0]
-        dq5 = torch.zeros(B, H_kv, G, T_q, D)
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)
         lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None], H_kv)
-        dq5 = torch.zeros(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     span = call.tuning.backward_span
     jobs: list[_native.BackwardJob] = []
@@ -363,6 +363,15 @@ def fused_backward(
     if packed is not None:
         _native.backward_many(jobs, packed[0], packed[1], scale)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+
+
+def _zeros(
+    shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Zero tensors of these shapes, views of one buffer: filled at once."""
+    sizes = [math.prod(s) for s in shapes]
+    whole = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    return [x.view(*s) for x, s in zip(whole.split(sizes), shapes)]
 
 
 def _backward_pieces(c: Call, span: int) -> list[Call]:

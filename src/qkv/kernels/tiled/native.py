@@ -153,13 +153,21 @@ class Packed(NamedTuple):
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     """K and V (B, H_kv, T_k, D), float32 or bfloat16 with D contiguous, packed for
     :func:`attend`."""
-    B, H_kv, T_k, D = k.shape
-    Nt = (T_k + 31) // 32 * 32 + 32
-    if k.dtype == torch.float32:  # V is read in place
-        kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
-    else:
-        kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
-        vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
+    kp, vp = _packed(k, v, scores=[k], values=[v])
+    return Packed(kp[0], vp[0], _keys(k))
+
+
+def _keys(k: torch.Tensor) -> int:
+    """Nt: the packed keys, past T_k to a multiple of 32 and one 32-key block more (a call
+    from inside a block reads into the next)."""
+    return (k.shape[2] + 31) // 32 * 32 + 32
+
+
+def _packed(
+    k: torch.Tensor, v: torch.Tensor, scores: list[torch.Tensor], values: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``scores`` in the score layout and ``values`` in the value layout (float32: read in
+    place, so themselves), all of them in one parallel region; each one of K and V."""
     if (
         k.stride(-1) != 1
         or v.stride(-1) != 1
@@ -171,16 +179,19 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
             "native.pack: K and V of one shape and dtype (float32 or bfloat16), each with D "
             "contiguous"
         )
-    _native.pack(
-        (k.data_ptr(), *k.stride()[:3]),
-        (v.data_ptr(), *v.stride()[:3]),
-        kp.data_ptr(),
-        vp.data_ptr(),
-        (B, H_kv, T_k, D, Nt),
-        torch.get_num_threads(),
-        k.dtype == torch.float32,
-    )
-    return Packed(kp, vp, Nt)
+    B, H_kv, T_k, D = k.shape
+    Nt, f32 = _keys(k), k.dtype == torch.float32
+    if f32:
+        kps = [torch.empty(B, H_kv, Nt // 32, D, 32) for _ in scores]
+        vps = values
+    else:
+        kps = [torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=k.dtype) for _ in scores]
+        vps = [torch.empty(B, H_kv, Nt // 2, D, 2, dtype=k.dtype) for _ in values]
+    todo = [((x.data_ptr(), *x.stride()[:3]), p.data_ptr(), False) for x, p in zip(scores, kps)]
+    if not f32:
+        todo += [((x.data_ptr(), *x.stride()[:3]), p.data_ptr(), True) for x, p in zip(values, vps)]
+    _native.pack(todo, (B, H_kv, T_k, D, Nt), torch.get_num_threads(), f32)
+    return kps, vps
 
 
 def attend(
@@ -346,8 +357,8 @@ def _bounds_at(bounds: torch.Tensor | None) -> tuple[int, int]:
 def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
     """What :func:`backward` reads: K in both layouts (``Packed(k=scores, v=values)``: Q Kᵀ
     and dS K), and V in the score layout (dO Vᵀ)."""
-    kv, vk = pack(k, v), pack(v, k)
-    return Packed(kv.k, vk.v, kv.Nt), vk.k
+    (kp, vk), (kv,) = _packed(k, v, scores=[k, v], values=[k])
+    return Packed(kp, kv, _keys(k)), vk
 
 
 def backward(
