@@ -5,8 +5,10 @@ every head dim it takes), and through ``qkv.attention`` for every mask kind with
 T_k, forward and gradients, held to the output's own rounding (docs/semantics.md); and
 where it must not run."""
 
+import contextvars
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -286,6 +288,36 @@ def test_gradients_have_the_same_bits_run_to_run_and_at_any_thread_count(dtype):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+
+
+@BOTH
+def test_python_threads_may_run_it_at_once(dtype, monkeypatch):
+    """Several Python threads inside the native kernel at once (it releases the GIL; each
+    call has its own work list and buffers, and each calling thread its own OpenMP team):
+    every problem gets, forward and backward, the bits it gets alone."""
+    seen = []
+    real = native.attend_many
+    monkeypatch.setattr(native, "attend_many", lambda *a: seen.append(1) or real(*a))
+    mask = qkv.masks.sliding_window(37) & qkv.masks.padding([190, 250])
+    problems = []
+    for i in range(4):
+        q, k, v = make_qkv(2, 4, 2, 200 + 9 * i, 250, 32, 32, dtype=dtype, seed=20 + i)
+        problems.append((q, k, v, torch.randn(2, 4, 200 + 9 * i, 32).to(dtype)))
+
+    def run(p):
+        q, k, v, _ = p
+        return (
+            qkv.attention(q, k, v, mask=mask, backend="tiled"),
+            *grads(*p, mask, backend="tiled"),
+        )
+
+    alone = [run(p) for p in problems]
+    with ThreadPoolExecutor(4) as pool:  # each in this context (the suite's qkv.Tuning)
+        runs = [pool.submit(contextvars.copy_context().run, run, p) for p in problems * 3]
+        together = [r.result() for r in runs]
+    assert seen, "it did not run natively"
+    for i, got in enumerate(together):
+        assert all(torch.equal(a, b) for a, b in zip(alone[i % 4], got)), i
 
 
 @BOTH
