@@ -250,13 +250,12 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         )
         delta = (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
-    packed, vk = native.pack_backward(k, v)
     dq = torch.zeros(B, H_kv, G, R, D)
     native.backward(
         q5,
         do5,
-        packed,
-        vk,
+        k,
+        v,
         k0,
         k1,
         bias,
@@ -517,6 +516,11 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
         native.attend(q5.float(), packed, 0, 40, None, 1.0)  # float32 rows, bfloat16 keys
     with pytest.raises(ValueError, match="one shape and dtype"):
         native.pack(k.float(), k)
+    rows, dq, dkv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8, 32), torch.zeros(1, 2, 41, 32)
+    with pytest.raises(ValueError, match="past T_k"):  # the backward reads K and V as they are
+        native.backward(
+            q5.float(), q5.float(), k.float(), k.float(), 0, 41, None, rows, rows, 1.0, dq, dkv, dkv
+        )
 
 
 def test_auto_runs_bfloat16_natively_from_1024_squared_scores():

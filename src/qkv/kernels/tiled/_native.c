@@ -21,8 +21,9 @@
    CPU at run time, so the same build imports everywhere and Python falls back to torch's
    flash kernel where the CPU lacks the instructions.
 
-   Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. K and V come
-   packed once per forward pass (qkv/kernels/native.py), the 32 keys the score loop takes
+   Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. In the forward
+   K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
+   item's keys itself, from K and V as they are), the 32 keys the score loop takes
    at a time together. bfloat16, in the pairs VDPBF16PS multiplies: kp (B, H, Nt/32, D/2, 32,
    2) and vp (B, H, Nt/2, D, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
    zero past the last key, and vp V itself (D contiguous, rows vs[2] apart, never read past
@@ -83,6 +84,41 @@ typedef struct {
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
 } Job;
+
+/* A tensor (B, H, T, D), strides xs[0..2] with D contiguous, into the packed layouts above,
+   keys T.. zero, 32 keys at a time: `values` 0, the score layout (float32: (D, 32);
+   bfloat16: (D/2, 32) pairs), 1, bfloat16's value layout ((16, D, 2)). */
+typedef struct {
+    const void *x;
+    int64_t xs[3];
+    void *dst;
+    int values;
+} Pack;
+
+/* Keys n0..n0+31 of head (b, h) packed at dst. */
+static void pack32(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, int f32,
+                   void *dst) {
+    for (int64_t kk = 0; kk < 32; kk++) {
+        int64_t n = n0 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
+        if (f32) {
+            const float *xr = (const float *)p->x + at;
+            float *kb = dst; /* (D, 32) */
+            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
+        } else if (!p->values) {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            uint32_t *kb = dst; /* (D/2, 32) pairs */
+            for (int64_t d2 = 0; d2 < D / 2; d2++) {
+                uint32_t pair = 0;
+                if (n < T) memcpy(&pair, xr + 2 * d2, 4);
+                kb[d2 * 32 + kk] = pair;
+            }
+        } else {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            bf16 *vo = (bf16 *)dst + (kk / 2) * D * 2 + (kk % 2); /* (16, D, 2) */
+            for (int64_t d = 0; d < D; d++) vo[2 * d] = n < T ? xr[d] : 0;
+        }
+    }
+}
 
 #ifdef QKV_X86
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -464,9 +500,11 @@ static void forward_item(Job *j, int64_t it) {
    dQ's bits do not depend on which thread ran which block, nor on how many threads ran. */
 
 typedef struct {
-    Job f;            /* q, kp: K in the score layout, vp: K in the value layout, sizes */
-    const void *dout, *vk; /* dO like q; V in the score layout (the call's dtype) */
-    int64_t dos[4], vks[2];
+    Job f;            /* q; float32: vp K itself (read in place, strides vs); sizes */
+    const void *dout; /* dO like q */
+    int64_t dos[4];
+    Pack k, v, kv;    /* K and V (B, H, T, D) in the score layout, K in bfloat16's value one */
+    int64_t T;
     const float *lse, *delta; /* (B, H, G, R) */
     int64_t ls[4], des[4];
     float *dq;        /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
@@ -501,16 +539,24 @@ TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, in
     }
 }
 
+/* One work item: the key block of KB keys from n0 (of the call's, counted from begin) of
+   head (b, h), over all the call's rows. Its keys are packed here, into the thread's
+   `scratch` (3 · KB · D floats): no pass packs all of K and V beforehand. */
 TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                             float *dKa, float *dVa) { /* dq: this item's (G, R, D) share */
-    Job *j = &bj->f;
+                             float *dKa, float *dVa, void *scratch) {
+    Job *j = &bj->f; /* dq: this item's (G, R, D) share */
     int64_t D = j->D, GR = j->G * j->R;
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-    const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
+    size_t size = j->f32 ? 4 : 2;
+    char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * D * size;
+    for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
+        pack32(&bj->k, b, h, j->begin + n0 + s, bj->T, D, j->f32, kp + s * D * size);
+        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, D, j->f32, vk + s * D * size);
+        if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
+    }
     const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
-    const void *vk = elem(j, bj->vk, b * bj->vks[0] + h * bj->vks[1] + j->begin * D);
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
     float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
@@ -531,8 +577,8 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
             memcpy(qf + x, &uq, 4);
             memcpy(df + x, &ud, 4);
         }
-        scores(j, qrows, kp, n0, nk, live, j->scale, S);
-        scores(j, drows, vk, n0, nk, live, 1.0f, dP);
+        scores(j, qrows, kp, 0, nk, live, j->scale, S);
+        scores(j, drows, vk, 0, nk, live, 1.0f, dP);
         const __m512 none = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
         const __m512 scale = _mm512_set1_ps(j->scale);
         for (int i = 0; i < MR; i++) {
@@ -566,7 +612,7 @@ TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *
             pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O);
         } else { /* dS enters ·K as bfloat16 hi + lo */
             split_rows(dS, nk, Dh, Dl);
-            pv_bf16(j, kv, n0, nk, live, Dh, Dl, O);
+            pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O);
         }
         for (int i = 0; i < rows; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
@@ -641,53 +687,30 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
 
 static void backward_worker(Pass *ps) {
     int64_t items = ps->start[ps->n], c = 0;
+    void *scratch = malloc(3 * KB * MAX_D * sizeof(float)); /* this thread's packed keys */
     for (int64_t it; (it = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < items;) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];
         int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
         int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
         float *mem = calloc((size_t)(q + 2 * KB * D), sizeof(float));
-        if (!mem) break; /* (its item is not done: the caller raises) */
-        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + KB * D);
+        if (!mem || !scratch) { /* (its item is not done: the caller raises) */
+            free(mem);
+            break;
+        }
+        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + KB * D, scratch);
         commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
         __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
+    free(scratch);
 }
 #endif /* QKV_X86 */
 
-/* Tensors (B, H, T, D), strides xs[0..2] with D contiguous, into the packed layouts above,
-   keys T..Nt-1 zero, 32 keys at a time: `values` 0, the score layout (float32: (D, 32);
-   bfloat16: (D/2, 32) pairs), 1, bfloat16's value layout ((16, D, 2)). */
-typedef struct {
-    const void *x;
-    int64_t xs[3];
-    void *dst;
-    int values;
-} Pack;
-
+/* Packs block `it` of B·H·(Nt/32): 32 keys of one head. */
 static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t D,
                        int64_t Nt, int f32) {
-    int64_t bh = it / (Nt / 32), nb = it % (Nt / 32), b = bh / H, h = bh % H;
-    for (int64_t kk = 0; kk < 32; kk++) {
-        int64_t n = nb * 32 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
-        if (f32) {
-            const float *xr = (const float *)p->x + at;
-            float *kb = (float *)p->dst + it * 32 * D; /* (D, 32) */
-            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
-        } else if (!p->values) {
-            const bf16 *xr = (const bf16 *)p->x + at;
-            uint32_t *kb = (uint32_t *)((bf16 *)p->dst + it * 32 * D); /* (D/2, 32) pairs */
-            for (int64_t d2 = 0; d2 < D / 2; d2++) {
-                uint32_t pair = 0;
-                if (n < T) memcpy(&pair, xr + 2 * d2, 4);
-                kb[d2 * 32 + kk] = pair;
-            }
-        } else {
-            const bf16 *xr = (const bf16 *)p->x + at;
-            bf16 *vo = (bf16 *)p->dst + it * 32 * D + (kk / 2) * D * 2 + (kk % 2); /* (16, D, 2) */
-            for (int64_t d = 0; d < D; d++) vo[2 * d] = n < T ? xr[d] : 0;
-        }
-    }
+    int64_t bh = it / (Nt / 32), nb = it % (Nt / 32);
+    pack32(p, bh / H, bh % H, nb * 32, T, D, f32, (char *)p->dst + it * 32 * D * (f32 ? 4 : 2));
 }
 
 /* Every pack of a pass in one parallel region. */
@@ -956,36 +979,40 @@ static PyObject *attend(PyObject *self, PyObject *args) { return one(args, run_c
 /* One backward call's arguments (backward's, less the thread count) into bj; 0 with a
    Python error set if they do not parse or fit. */
 static int parse_backward(BJob *bj, PyObject *args, int threads) {
-    unsigned long long q, dout, kp, kv, vk, bias, bounds, lse, delta, dq, dk, dv;
-    long long qs[4], dos[4], ks[2], kvs[3], vks[2], bs[3], bnb, ls[4], des[4], dqs[4], dks[3],
-        dvs[3];
-    long long B, H, G, R, D, Nt, k0, N;
+    unsigned long long q, dout, k, v, bias, bounds, lse, delta, dq, dk, dv;
+    long long qs[4], dos[4], kst[3], vst[3], bs[3], bnb, ls[4], des[4], dqs[4], dks[3], dvs[3];
+    long long B, H, G, R, D, T, k0, N;
     double scale;
     int f32;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLL)(KLLL)(KLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                          "(KLLL)(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0],
-                          &dos[1], &dos[2], &dos[3], &kp, &ks[0], &ks[1], &kv, &kvs[0], &kvs[1], &kvs[2],
-                          &vk, &vks[0], &vks[1], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
-                          &lse, &ls[0],
-                          &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2], &des[3],
-                          &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0],
-                          &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2],
-                          &B, &H, &G, &R, &D, &Nt, &k0, &N, &scale, &f32))
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
+                          "(KLLL)(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
+                          &dos[0], &dos[1], &dos[2], &dos[3], &k, &kst[0], &kst[1], &kst[2], &v,
+                          &vst[0], &vst[1], &vst[2], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
+                          &lse, &ls[0], &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2],
+                          &des[3], &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1],
+                          &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B, &H, &G, &R, &D, &T, &k0, &N,
+                          &scale, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
     Seg keys;
     if (!call_sizes(j, "backward", B, H, G, R, D, scale, f32, threads) ||
-        !key_range(&keys, "backward", Nt, k0, N))
+        !key_range(&keys, "backward", T < 0 ? 0 : (T + 31) / 32 * 32 + 32, k0, N))
         return 0;
+    if (k0 + N > T) {
+        PyErr_SetString(PyExc_ValueError, "backward: the call's keys must lie within K and V");
+        return 0;
+    }
     j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N;
     j->q = (const void *)(uintptr_t)q;
-    j->kp = (const void *)(uintptr_t)kp;
-    j->vp = (const void *)(uintptr_t)kv;
+    j->vp = (const void *)(uintptr_t)k; /* float32 reads K's rows in place for dS K */
     j->bias = (const float *)(uintptr_t)bias;
     j->bounds = (const int32_t *)(uintptr_t)bounds, j->bnb = bnb;
     bj->dout = (const void *)(uintptr_t)dout;
-    bj->vk = (const void *)(uintptr_t)vk;
+    bj->k = (Pack){(const void *)(uintptr_t)k, {kst[0], kst[1], kst[2]}, NULL, 0};
+    bj->v = (Pack){(const void *)(uintptr_t)v, {vst[0], vst[1], vst[2]}, NULL, 0};
+    bj->kv = bj->k, bj->kv.values = 1;
+    bj->T = T;
     bj->lse = (const float *)(uintptr_t)lse;
     bj->delta = (const float *)(uintptr_t)delta;
     bj->dq = (float *)(uintptr_t)dq;
@@ -996,8 +1023,7 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
         bj->dqs[x] = dqs[x];
     }
     for (int x = 0; x < 3; x++)
-        j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x], j->vs[x] = kvs[x];
-    for (int x = 0; x < 2; x++) j->ks[x] = ks[x], bj->vks[x] = vks[x];
+        j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x], j->vs[x] = kst[x];
     j->parts = 2;
     bj->blocks = ((j->lead + N + 31) / 32 * 32 + KB - 1) / KB;
     return 1;
@@ -1076,10 +1102,10 @@ static PyMethodDef methods[] = {
      "backward_many([call, ...], threads): every call (backward's arguments less threads, "
      "one B and H) in one parallel region, the gradients added in one fixed order."},
     {"backward", backward_py, METH_VARARGS,
-     "backward((q, *4), (dout, *4), (K scores, *2), (K values, *2), (V scores, *2), "
-     "(bias|0, *3), (lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), "
-     "(Nt, k0, N), scale, float32, threads): one call's gradients, added to dq (B, H, G, R, "
-     "D; in key-block order), dk and dv."},
+     "backward((q, *4), (dout, *4), (k, *3), (v, *3), (bias|0, *3), (bounds|0, *1), "
+     "(lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), (T, k0, N), "
+     "scale, float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
+     "key-block order), dk and dv; K and V (B, H, T, D) as they are."},
     {"pack", pack_py, METH_VARARGS,
      "pack([((x, *3 strides), dst, values), ...], (B, H, T, D, Nt), threads, float32): "
      "tensors into the kernel's score layout (values 0) or bfloat16's value layout (1), in "

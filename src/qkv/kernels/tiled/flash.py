@@ -305,7 +305,7 @@ def fused_backward(
     dtypes = q.dtype, k.dtype, v.dtype
     if native != q.dtype:
         q, k, v = _working(q, k, v)
-    packed = None if native is None else _native.pack_backward(k, v)
+    natively = native is not None
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
@@ -313,7 +313,7 @@ def fused_backward(
     do5 = _blocked(dout.to(q.dtype).contiguous(), H_kv)  # (a sum's dout is expanded)
     # One zero fill for the three (one parallel region, not three)
     dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device)
-    if packed is not None:  # reads Delta, and lse -inf as "no key"
+    if natively:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta = row_dot(dout, out, acc) if delta is None else delta
         delta5 = _blocked(delta[..., None], H_kv)[..., 0]
@@ -325,9 +325,9 @@ def fused_backward(
     jobs: list[_native.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in _backward_pieces(one, span)):
-            bounds = None if packed is None else _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1)
+            bounds = None if not natively else _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1)
             bias = None if bounds is not None else _call_bias(c, mask_tile, H_kv, G, acc, cache)[0]
-            if packed is not None:  # run at the end, every call at once
+            if natively:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)
                 jobs.append(
                     _native.BackwardJob(
@@ -360,8 +360,8 @@ def fused_backward(
             dq5[:, :, :, c.q0 : c.q1] += dqc.view(B, H_kv, G, c.q1 - c.q0, D)
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
-    if packed is not None:
-        _native.backward_many(jobs, packed[0], packed[1], scale)
+    if natively:
+        _native.backward_many(jobs, k, v, scale)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

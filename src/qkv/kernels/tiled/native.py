@@ -152,22 +152,25 @@ class Packed(NamedTuple):
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     """K and V (B, H_kv, T_k, D), float32 or bfloat16 with D contiguous, packed for
-    :func:`attend`."""
-    kp, vp = _packed(k, v, scores=[k], values=[v])
-    return Packed(kp[0], vp[0], _keys(k))
+    :func:`attend`, in one parallel region."""
+    _check_keys(k, v)
+    B, H_kv, T_k, D = k.shape
+    Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
+    if k.dtype == torch.float32:  # V is read in place
+        kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
+    else:
+        kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
+        vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
+    todo = [((k.data_ptr(), *k.stride()[:3]), kp.data_ptr(), False)]
+    if k.dtype != torch.float32:
+        todo.append(((v.data_ptr(), *v.stride()[:3]), vp.data_ptr(), True))
+    _native.pack(todo, (B, H_kv, T_k, D, Nt), torch.get_num_threads(), k.dtype == torch.float32)
+    return Packed(kp, vp, Nt)
 
 
-def _keys(k: torch.Tensor) -> int:
-    """Nt: the packed keys, past T_k to a multiple of 32 and one 32-key block more (a call
-    from inside a block reads into the next)."""
-    return (k.shape[2] + 31) // 32 * 32 + 32
-
-
-def _packed(
-    k: torch.Tensor, v: torch.Tensor, scores: list[torch.Tensor], values: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``scores`` in the score layout and ``values`` in the value layout (float32: read in
-    place, so themselves), all of them in one parallel region; each one of K and V."""
+def _check_keys(k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise unless K and V are what the kernel reads in place: one shape, one dtype it
+    computes in, D contiguous."""
     if (
         k.stride(-1) != 1
         or v.stride(-1) != 1
@@ -176,22 +179,8 @@ def _packed(
         or k.dtype not in DTYPES
     ):
         raise ValueError(
-            "native.pack: K and V of one shape and dtype (float32 or bfloat16), each with D "
-            "contiguous"
+            "native: K and V of one shape and dtype (float32 or bfloat16), each with D contiguous"
         )
-    B, H_kv, T_k, D = k.shape
-    Nt, f32 = _keys(k), k.dtype == torch.float32
-    if f32:
-        kps = [torch.empty(B, H_kv, Nt // 32, D, 32) for _ in scores]
-        vps = values
-    else:
-        kps = [torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=k.dtype) for _ in scores]
-        vps = [torch.empty(B, H_kv, Nt // 2, D, 2, dtype=k.dtype) for _ in values]
-    todo = [((x.data_ptr(), *x.stride()[:3]), p.data_ptr(), False) for x, p in zip(scores, kps)]
-    if not f32:
-        todo += [((x.data_ptr(), *x.stride()[:3]), p.data_ptr(), True) for x, p in zip(values, vps)]
-    _native.pack(todo, (B, H_kv, T_k, D, Nt), torch.get_num_threads(), f32)
-    return kps, vps
 
 
 def attend(
@@ -255,7 +244,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
     args = []
     for job in jobs:
         for r in job.ranges:
-            _check_call("attend", job.q5, packed, r.k0, r.k1, r.bias, r.bounds)
+            _check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -287,10 +276,16 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
     _native.attend_many(args, torch.get_num_threads())
 
 
+def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
+    """(B, H_kv, D, dtype) of packed keys."""
+    B, H_kv, _, d = packed.k.shape[:4]
+    return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.k.dtype
+
+
 def _check_call(
     name: str,
     q5: torch.Tensor,
-    packed: Packed,
+    keys: tuple[int, int, int, torch.dtype],
     k0: int,
     k1: int,
     bias: torch.Tensor | None,
@@ -300,9 +295,7 @@ def _check_call(
     memory, and a wrong shape would read past the tensors."""
     B, H_kv, G, R, D = q5.shape
     if (
-        packed.k.shape[:2] != (B, H_kv)
-        or packed.k.shape[3] != (D if q5.dtype == torch.float32 else D // 2)
-        or q5.dtype != packed.k.dtype
+        keys != (B, H_kv, D, q5.dtype)
         or q5.stride(-1) != 1
         or R < 1
         or not 0 <= k0 < k1
@@ -327,8 +320,8 @@ def _check_call(
         )
     ):
         raise ValueError(
-            f"native.{name}: mismatched shapes q {tuple(q5.shape)}, packed k "
-            f"{tuple(packed.k.shape)}, keys {k0}..{k1}, bias "
+            f"native.{name}: mismatched shapes q {tuple(q5.shape)}, keys (B, H_kv, D, dtype) "
+            f"{keys}, keys {k0}..{k1}, bias "
             f"{None if bias is None else tuple(bias.shape)}, bounds "
             f"{None if bounds is None else (tuple(bounds.shape), bounds.dtype)} (a bias or "
             "int32 bounds (B|1, R, 2), not both)"
@@ -354,18 +347,11 @@ def _bounds_at(bounds: torch.Tensor | None) -> tuple[int, int]:
     return bounds.data_ptr(), bounds.stride(0) if bounds.shape[0] > 1 else 0
 
 
-def pack_backward(k: torch.Tensor, v: torch.Tensor) -> tuple[Packed, torch.Tensor]:
-    """What :func:`backward` reads: K in both layouts (``Packed(k=scores, v=values)``: Q Kᵀ
-    and dS K), and V in the score layout (dO Vᵀ)."""
-    (kp, vk), (kv,) = _packed(k, v, scores=[k, v], values=[k])
-    return Packed(kp, kv, _keys(k)), vk
-
-
 def backward(
     q5: torch.Tensor,
     do5: torch.Tensor,
-    packed: Packed,
-    vk: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k0: int,
     k1: int,
     bias: torch.Tensor | None,
@@ -379,11 +365,11 @@ def backward(
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
-    for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), bfloat16;
-    ``packed`` and ``vk`` from :func:`pack_backward`; bias, or bounds, as a
-    :class:`Range`'s."""
+    for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), K and V
+    (B, H_kv, T_k, D) as they are (each work item packs its own keys), all float32 or all
+    bfloat16; bias, or bounds, as a :class:`Range`'s."""
     job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds)
-    backward_many([job], packed, vk, scale)
+    backward_many([job], k, v, scale)
 
 
 class BackwardJob(NamedTuple):
@@ -402,16 +388,22 @@ class BackwardJob(NamedTuple):
     bounds: torch.Tensor | None = None
 
 
-def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, scale: float) -> None:
+def backward_many(jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
     """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
     whose threads take the calls' work items (a key block of one head each) from one
     counter; each item's shares of dQ, dK and dV are added in one fixed order (call by
     call, block by block) by whichever thread holds the lock when the share before is in.
     Calls whose keys overlap never race, no thread waits for a slower one, and the bits do
-    not depend on the threads."""
+    not depend on the threads. Each item packs its own keys of K and V (no packed copy of
+    them for the pass)."""
+    _check_keys(k, v)
+    B_k, H_k, T_k, D_k = k.shape
     args = []
     for job in jobs:
-        _check_call("backward", job.q5, packed, job.k0, job.k1, job.bias, job.bounds)
+        keys = (B_k, H_k, D_k, k.dtype)
+        _check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
+        if job.k1 > T_k:
+            raise ValueError(f"native.backward: keys {job.k0}..{job.k1} past T_k = {T_k}")
         B, H_kv, G, R, D = job.q5.shape
         N = job.k1 - job.k0
         floats = (job.lse, job.delta, job.dq, job.dk, job.dv)
@@ -435,9 +427,8 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
             (
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (job.do5.data_ptr(), *job.do5.stride()[:4]),
-                (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                packed.values(),
-                (vk.data_ptr(), *vk.stride()[:2]),
+                (k.data_ptr(), *k.stride()[:3]),
+                (v.data_ptr(), *v.stride()[:3]),
                 _bias_at(job.bias),
                 _bounds_at(job.bounds),
                 (job.lse.data_ptr(), *job.lse.stride()),
@@ -446,9 +437,9 @@ def backward_many(jobs: list[BackwardJob], packed: Packed, vk: torch.Tensor, sca
                 (job.dk.data_ptr(), *job.dk.stride()[:3]),
                 (job.dv.data_ptr(), *job.dv.stride()[:3]),
                 (B, H_kv, G, R, D),
-                (packed.Nt, job.k0, N),
+                (T_k, job.k0, N),
                 scale,
-                packed.k.dtype == torch.float32,
+                k.dtype == torch.float32,
             )
         )
     _native.backward_many(args, torch.get_num_threads())
