@@ -96,7 +96,7 @@ def _single(queue) -> None:
     )
 
 
-def _rank(rank, world, port, schedule, queue, piece=2048) -> None:
+def _rank(rank, world, port, schedule, queue, piece=1024) -> None:
     torch.set_num_threads(1)  # 4 processes on this 2-core machine: no oversubscription
     dist.init_process_group(
         "gloo",
@@ -124,7 +124,7 @@ def _rank(rank, world, port, schedule, queue, piece=2048) -> None:
     dist.destroy_process_group()
 
 
-def memory(schedules=("allgather", "ring"), piece=2048) -> None:
+def memory(schedules=("allgather", "ring"), piece=1024) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     p = ctx.Process(target=_single, args=(queue,))
@@ -158,7 +158,7 @@ def memory(schedules=("allgather", "ring"), piece=2048) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["memory"]:
         args = sys.argv[2:]
-        piece = int(args[args.index("--piece") + 1]) if "--piece" in args else 2048
+        piece = int(args[args.index("--piece") + 1]) if "--piece" in args else 1024
         names = [a for a in args if a in ("allgather", "ring")] or ["allgather", "ring"]
         memory(names, piece)
     else:

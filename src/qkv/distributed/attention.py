@@ -38,7 +38,7 @@ def attention(
     dropout_p: float = 0.0,
     group: dist.ProcessGroup | None = None,
     check: bool = True,
-    ring_piece: int = 2048,
+    ring_piece: int = 1024,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the whole sequence, each rank passing and receiving its own positions.
