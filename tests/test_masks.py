@@ -267,6 +267,8 @@ def test_intervals_are_exactly_the_mask_or_none(T_q, T_k, q_offset):
         got = (keys >= lo[..., None]) & (keys < hi[..., None])  # (B|1, T_q, T_k)
         want = m.to_numpy(B, 1, T_q, T_k, q_offset=q_offset)[:, 0]
         np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want, err_msg=name)
+    lo, hi = masks.document(np.zeros(0, int)).intervals(np.arange(3))  # no ids: no keys
+    assert (lo == hi).all()
 
 
 def test_sparse_block_map_scales_with_what_is_attended():

@@ -194,8 +194,11 @@ class _Document(Mask):
         return np.min(lo, 0), np.max(hi, 0)
 
     def intervals(self, q):
-        if not hasattr(self, "_runs"):
-            self._runs = _runs(self._rows())
+        ids = self._rows()
+        if ids.shape[-1] == 0:  # no ids: no query has a document
+            return np.zeros((len(ids), len(q)), np.int64), np.zeros((len(ids), len(q)), np.int64)
+        if not hasattr(self, "_runs"):  # computed once, when first asked for
+            self._runs = _runs(ids)
         if self._runs is None:
             return None
         lo, hi = self._runs

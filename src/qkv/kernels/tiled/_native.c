@@ -31,8 +31,9 @@
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
    contiguous, or NULL; bounds (instead of a bias, masks whose every row sees one interval
    of keys): int32 (B|1, R, 2), each query position's keys [lo, hi) counted from k0,
-   stride bnb over B (0 where broadcast), or NULL; out: float32 (B, H, G, R, D) with strides os[0..3], D contiguous;
-   lse: float32 (B, H, G, R) with strides ls[0..3]. D must be a multiple of 32. */
+   stride bnb over B (0 where broadcast), or NULL; out: float32 (B, H, G, R, D) with
+   strides os[0..3], D contiguous; lse: float32 (B, H, G, R) with strides ls[0..3]. D must
+   be a multiple of 32. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
