@@ -325,7 +325,7 @@ def fused_backward(
     jobs: list[_native.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in _backward_pieces(one, span)):
-            bounds = None if not natively else _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1)
+            bounds = _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1) if natively else None
             bias = None if bounds is not None else _call_bias(c, mask_tile, H_kv, G, acc, cache)[0]
             if natively:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)
