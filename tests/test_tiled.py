@@ -13,6 +13,7 @@ import qkv
 from qkv import masks
 from qkv import numpy as qnp
 from qkv.kernels.tiled import flash as K
+from qkv.kernels.tiled.calls import calls as calls_of
 from tests.helpers import (
     LSE_BACKENDS,
     grads,
@@ -86,7 +87,7 @@ def test_calls_cover_each_block_s_keys_exactly_once(T_q, T_k):
     for name, mask in mask_zoo(2, T_k, T_q).items():
         plan = make_tiled_plan(mask, Problem(0, 2, 2, 2, T_q, T_k, 8, 8, T_k - T_q, 1.0), tuning)
         count = np.zeros((T_q, T_k), int)
-        for _, _, group in K.calls(plan, tuning):
+        for _, _, group in calls_of(plan, tuning):
             for c in group:
                 assert c.k0 < c.k1 and c.q0 < c.q1, (name, c)
                 if c.chunks is None:  # every key FULL for every query of the call
