@@ -144,7 +144,7 @@ def _native_ranges(
             if a == b:
                 continue
             if masked:
-                bounds, bias = _bounds(mask_tile, q0, q1, a, b), None
+                bounds, bias = _bounds(mask_tile, q0, q1, a, b, cache), None
                 if bounds is None:
                     tile = Call(q0, q1, a, b, (Chunk(a, b, (a, b)),))
                     bias = _call_bias(tile, mask_tile, H_kv, G, torch.float32, cache)[0]
@@ -156,17 +156,25 @@ def _native_ranges(
     return ranges
 
 
-def _bounds(mask_tile: MaskTiles | None, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+def _bounds(
+    mask_tile: MaskTiles | None, q0: int, q1: int, k0: int, k1: int, cache: dict | None
+) -> torch.Tensor | None:
     """Queries q0..q1-1's keys within k0..k1-1 as the native kernel's row bounds (int32
     (B|1, q1 - q0, 2), [lo, hi) counted from k0), where the mask gives each row one interval
     of keys; None where it does not (or there is no mask). Within a call's span they are
-    the mask itself: its FULL blocks inside every row's interval, its EMPTY ones outside."""
+    the mask itself: its FULL blocks inside every row's interval, its EMPTY ones outside.
+    ``cache`` (a shift-invariant mask's, as :func:`_call_bias`'s) keeps one per layout."""
+    key = ("bounds", q1 - q0, q0 - k0, k1 - k0)
+    if cache is not None and key in cache:
+        return cache[key]
     found = None if mask_tile is None else mask_tile.bounds(q0, q1)
-    if found is None:
-        return None
-    lo, hi = (np.clip(x - k0, 0, k1 - k0) for x in found)
-    lo, hi = np.broadcast_arrays(lo, hi)
-    return torch.from_numpy(np.ascontiguousarray(np.stack([lo, hi], -1), dtype=np.int32))
+    bounds = None
+    if found is not None:
+        lo, hi = np.broadcast_arrays(*(np.clip(x - k0, 0, k1 - k0) for x in found))
+        bounds = torch.from_numpy(np.ascontiguousarray(np.stack([lo, hi], -1), dtype=np.int32))
+    if cache is not None:
+        cache[key] = bounds
+    return bounds
 
 
 FLASH_BACKWARD: Any = getattr(
@@ -216,7 +224,7 @@ def fused_backward(
     jobs: list[_native.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in backward_pieces(one, span)):
-            bounds = _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1) if natively else None
+            bounds = _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1, cache) if natively else None
             bias = None if bounds is not None else _call_bias(c, mask_tile, H_kv, G, acc, cache)[0]
             if natively:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)

@@ -398,9 +398,8 @@ def backward_many(jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, sca
     them for the pass)."""
     _check_keys(k, v)
     B_k, H_k, T_k, D_k = k.shape
-    args = []
+    keys, args = (B_k, H_k, D_k, k.dtype), []
     for job in jobs:
-        keys = (B_k, H_k, D_k, k.dtype)
         _check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
         if job.k1 > T_k:
             raise ValueError(f"native.backward: keys {job.k0}..{job.k1} past T_k = {T_k}")
