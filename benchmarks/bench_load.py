@@ -115,17 +115,9 @@ def parts(T: int) -> dict[str, object]:
             qkv.attention(q, k, v, mask=window)
         finally:
             flash.fused_forward = real
-        c, cache = seen[0], {}
+        c = seen[0]
         q5, o, lse = _blocked(c.q, H), torch.empty(1, H, 1, T, D), torch.empty(1, H, 1, T)
-        jobs = [
-            native.Job(
-                q5[:, :, :, a:b],
-                flash._native_ranges(a, b, chunks, c.tiles, H, 1, cache),
-                o[:, :, :, a:b],
-                lse[:, :, :, a:b],
-            )
-            for a, b, chunks in c.plan.rows
-        ]
+        jobs = flash.native_jobs(c.plan, q5, o, lse, c.tiles, {})
         packed, name = native.pack(c.k, c.v), str(dtype).removeprefix("torch.")
         out[f"{name} attention"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v, mask=window)
         out[f"{name} dispatch"] = lambda q=q, k=k, v=v: qkv.dispatch(q, k, v, mask=window)

@@ -21,7 +21,7 @@ from ..contract import Lowered, MaskTiles
 from ..reference import accumulation_dtype, all_finite
 from . import native as _native
 from .calls import Call, backward_pieces, calls
-from .plan import Chunk, _blocked, _fit, _rows, row_dot
+from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
 
 # torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
 # online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
@@ -81,15 +81,7 @@ def fused_forward(
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     if native is not None:
-        jobs = [
-            _native.Job(
-                q5[:, :, :, q0:q1],
-                _native_ranges(q0, q1, chunks, mask_tile, H_kv, G, cache),
-                out[:, :, :, q0:q1],
-                lse[:, :, :, q0:q1],
-            )
-            for q0, q1, chunks in plan.rows
-        ]
+        jobs = native_jobs(plan, q5, out, lse, mask_tile, cache)
         _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts)
         return out.view(B, H, T_q, D), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
@@ -121,6 +113,29 @@ def fused_forward(
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+
+
+def native_jobs(
+    plan: Plan,
+    q5: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask_tile: MaskTiles | None,
+    cache: dict | None,
+) -> list[_native.Job]:
+    """The forward pass as the native kernel's jobs: each query block of the plan one job
+    over its key ranges (:func:`_native_ranges`), written into its rows of ``out`` (B, H_kv,
+    G, T_q, D) and ``lse``; q5 (B, H_kv, G, T_q, D)."""
+    H_kv, G = q5.shape[1], q5.shape[2]
+    return [
+        _native.Job(
+            q5[:, :, :, q0:q1],
+            _native_ranges(q0, q1, chunks, mask_tile, H_kv, G, cache),
+            out[:, :, :, q0:q1],
+            lse[:, :, :, q0:q1],
+        )
+        for q0, q1, chunks in plan.rows
+    ]
 
 
 def _native_ranges(
