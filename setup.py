@@ -1,5 +1,6 @@
 """The native kernels, built at install with the system C compiler: the tiled step in float32
-and bfloat16 (src/qkv/kernels/tiled/_native.c) and the decode step over a paged KV cache
+and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set in _step512.c and
+_step256.c) and the decode step over a paged KV cache
 (src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
 runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md). Everything else is
 in pyproject.toml."""
@@ -10,8 +11,11 @@ setup(
     ext_modules=[
         Extension(
             "qkv.kernels.tiled._native",
-            ["src/qkv/kernels/tiled/_native.c"],
-            depends=["src/qkv/kernels/_exp.h"],
+            [f"src/qkv/kernels/tiled/{name}.c" for name in ("_native", "_step512", "_step256")],
+            depends=[
+                "src/qkv/kernels/_exp.h",
+                *(f"src/qkv/kernels/tiled/{h}.h" for h in ("_kernel", "_simd", "_bf16", "_step")),
+            ],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

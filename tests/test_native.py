@@ -27,7 +27,25 @@ if os.environ.get("QKV_REQUIRE_NATIVE") and native._native is None:  # CI: it mu
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="native kernel not built, or no AVX512-BF16 here"
 )
-BOTH = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+STEPS = {
+    "bf16": (torch.bfloat16, ""),
+    "f32": (torch.float32, ""),
+    "f32-avx2": (torch.float32, "avx2"),
+}
+BOTH = pytest.mark.parametrize("dtype", list(STEPS), indirect=True)
+
+
+@pytest.fixture
+def dtype(request):
+    """The dtype a test runs the kernel in, and the step it runs on: "f32-avx2" pins float32
+    to the AVX2 step (native.use_isa), which a CPU with AVX-512 runs too — so that CI tests
+    both steps on whichever CPU it has."""
+    dtype, isa = STEPS[request.param]
+    if isa and isa not in native.isas():
+        pytest.skip(f"this CPU cannot run the {isa} step")
+    with native.use_isa(isa):
+        assert not isa or native.isa(dtype) == isa
+        yield dtype
 
 
 def random_mask(kind, B, H_kv, G, R, N, g):
@@ -65,8 +83,9 @@ def random_mask(kind, B, H_kv, G, R, N, g):
 )
 @pytest.mark.parametrize(
     "dtype,parts",
-    [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 2)],
-    ids=["bf16-p1", "bf16-p2", "f32"],
+    [("bf16", 1), ("bf16", 2), ("f32", 2), ("f32-avx2", 2)],
+    ids=["bf16-p1", "bf16-p2", "f32", "f32-avx2"],
+    indirect=["dtype"],
 )
 def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts):
     g = torch.Generator().manual_seed(B * 1000 + R)

@@ -114,7 +114,8 @@ def tiled_path(a: Ask) -> tuple[str, str]:
     if a.tuning.native:
         if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
             name = str(a.q.dtype).removeprefix("torch.")
-            return "tiled-native", f"qkv's native {name} kernel runs the plan in one call"
+            on = native.isa(a.q.dtype)
+            return "tiled-native", f"qkv's native {name} kernel ({on}) runs the plan in one call"
         half = a.q.dtype in (torch.bfloat16, torch.float16)
         if (
             half
@@ -122,7 +123,8 @@ def tiled_path(a: Ask) -> tuple[str, str]:
             and _native_wins(a, torch.float32)
         ):
             return "tiled-native-upcast", (
-                "qkv's native float32 kernel runs the plan in one call, on float32 copies"
+                f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
+                "float32 copies"
             )
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 

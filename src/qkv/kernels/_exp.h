@@ -1,26 +1,46 @@
-/* e^x for 16 float32 lanes (AVX-512F), shared by qkv's native kernels (_paged.c,
-   tiled/_native.c): x = n·ln2 + r with ln2 in two parts (Cody-Waite, so r stays exact for
-   large |x|), e^r by its degree-7 Taylor polynomial (|r| <= ln2/2: error under float32's
-   rounding), scaled by 2^n. Inputs below -104 give exp(-104), 0 in float32 or its smallest
-   subnormal; NaN stays NaN. */
+/* e^x for 16 float32 lanes (AVX-512F) and for 8 (AVX2 + FMA), shared by qkv's native
+   kernels (_paged.c, tiled/_step.h): x = n·ln2 + r with ln2 in two parts (Cody-Waite, so r
+   stays exact for large |x|), e^r by its degree-7 Taylor polynomial (|r| <= ln2/2: error
+   under float32's rounding), scaled by 2^n. NaN stays NaN. */
 #ifndef QKV_EXP_H
 #define QKV_EXP_H
 #include <immintrin.h>
 
+/* p = e^r for x = n·ln2 + r, in the intrinsics PRE_* of one width (_mm512 or _mm256). */
+#define QKV_EXP_POLY(PRE, x, n, p)                                              \
+    do {                                                                        \
+        __typeof__(x) r = PRE##_fnmadd_ps(n, PRE##_set1_ps(0.693145751953125f), x); \
+        r = PRE##_fnmadd_ps(n, PRE##_set1_ps(1.428606765330187045e-06f), r);  \
+        p = PRE##_set1_ps(1.0f / 5040);                                         \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 720));                    \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 120));                    \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 24));                     \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 6));                      \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(0.5f));                          \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                          \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                          \
+    } while (0)
+
+/* Inputs below -104 give exp(-104): 0 in float32 or its smallest subnormal. */
 static inline __attribute__((always_inline, target("avx512f"))) __m512 qkv_exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p;
+    QKV_EXP_POLY(_mm512, x, n, p);
     return _mm512_scalef_ps(p, n);
+}
+
+/* For the x >= -87 the tiled step keeps (it zeroes the rest): AVX2 has no scalef, so 2^n is
+   built in the exponent bits, and inputs below -88 give 0 (2^-127 built as 0). */
+static inline __attribute__((always_inline, target("avx2,fma"))) __m256 qkv_exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-88.0f), x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 p;
+    QKV_EXP_POLY(_mm256, x, n, p);
+    __m256i two_n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif

@@ -1,7 +1,9 @@
-/* qkv's native attention step for x86-64 CPUs with AVX-512: the forward and the backward
-   of the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in
-   one parallel region (attend_many, backward_many), in float32 (AVX-512F) or bfloat16
-   (AVX512-BF16).
+/* qkv's native attention step for x86-64 CPUs: the forward and the backward of the tiled
+   kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in one parallel
+   region (attend_many, backward_many), in float32 (AVX-512F, or AVX2 + FMA where the CPU
+   has no AVX-512) or bfloat16 (AVX512-BF16). This file is the Python module and the
+   passes; the step itself — what one work item computes — is _step.h, compiled per
+   instruction set (_step512.c, _step256.c) over the vectors of _simd.h.
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp; the scores, the online
    softmax state and the output accumulate in float32. In float32 both matmuls are float32
@@ -16,10 +18,11 @@
    runs on torch's own thread pool (threads of a second pool would compete with torch's
    spinning ones for the cores: measured 2× slower calls).
 
-   The module builds without AVX-512 flags: each function is compiled for its target alone
-   (TARGET: AVX-512F/BW/DQ/VL; TARGET_BF16: that and AVX512-BF16) and `available()` asks the
-   CPU at run time, so the same build imports everywhere and Python falls back to torch's
-   flash kernel where the CPU lacks the instructions.
+   The module builds without AVX-512 or AVX2 flags: each function is compiled for its target
+   alone and the CPU is asked at run time (`isa()`), so the same build imports everywhere
+   and Python falls back to torch's flash kernel where the CPU lacks the instructions.
+   QKV_NATIVE_ISA=avx2 in the environment (or `use_isa("avx2")`) runs float32 on the AVX2
+   step on a CPU with AVX-512 too: to test and measure it.
 
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. In the forward
    K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
@@ -43,453 +46,25 @@
 #include <string.h>
 #include <omp.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define QKV_X86 1
-#include <immintrin.h>
-#include "../_exp.h"
-#endif
-
-#define MR 8      /* query rows per register tile */
-#define KT 128    /* keys per online-softmax step */
-#define ROWS 32   /* query rows per work item */
-#define MAX_D 256
-#define KB 64     /* keys per backward work item */
-
-typedef uint16_t bf16;
-
-/* A key range of a forward job: keys k0..k0+N-1 (begin: k0 rounded down to 32, lead: the
-   keys between), with its bias, or its rows' bounds, or neither. */
-typedef struct {
-    int64_t begin, lead, N;
-    const float *bias;
-    int64_t bs[3];
-    const int32_t *bounds; /* per query position r: the range's keys [lo, hi) it may see */
-    int64_t bnb;           /* bounds (B|1, R, 2): the stride over B, 0 where broadcast */
-} Seg;
-
-typedef struct {
-    const void *q, *kp, *vp; /* bf16 or float (f32) */
-    const float *bias;
-    const int32_t *bounds; /* as a Seg's */
-    int64_t bnb;
-    float *out, *lse;
-    int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
-    int64_t B, H, G, R, D;
-    int64_t begin;  /* the first packed key the call reads (a multiple of 32) */
-    int64_t lead;   /* keys read before the call's first key (0 to 31) */
-    int64_t N;      /* the call's keys */
-    float scale;
-    int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
-    int f32;        /* Q, K, V float32 (else bfloat16) */
-    int64_t items, tiles;
-    const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
-    int64_t nseg;
-} Job;
-
-/* A tensor (B, H, T, D), strides xs[0..2] with D contiguous, into the packed layouts above,
-   keys T.. zero, 32 keys at a time: `values` 0, the score layout (float32: (D, 32);
-   bfloat16: (D/2, 32) pairs), 1, bfloat16's value layout ((16, D, 2)). */
-typedef struct {
-    const void *x;
-    int64_t xs[3];
-    void *dst;
-    int values;
-} Pack;
-
-/* Keys n0..n0+31 of head (b, h) packed at dst. */
-static void pack32(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, int f32,
-                   void *dst) {
-    for (int64_t kk = 0; kk < 32; kk++) {
-        int64_t n = n0 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
-        if (f32) {
-            const float *xr = (const float *)p->x + at;
-            float *kb = dst; /* (D, 32) */
-            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
-        } else if (!p->values) {
-            const bf16 *xr = (const bf16 *)p->x + at;
-            uint32_t *kb = dst; /* (D/2, 32) pairs */
-            for (int64_t d2 = 0; d2 < D / 2; d2++) {
-                uint32_t pair = 0;
-                if (n < T) memcpy(&pair, xr + 2 * d2, 4);
-                kb[d2 * 32 + kk] = pair;
-            }
-        } else {
-            const bf16 *xr = (const bf16 *)p->x + at;
-            bf16 *vo = (bf16 *)dst + (kk / 2) * D * 2 + (kk % 2); /* (16, D, 2) */
-            for (int64_t d = 0; d < D; d++) vo[2 * d] = n < T ? xr[d] : 0;
-        }
-    }
-}
+#include "_kernel.h"
 
 #ifdef QKV_X86
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-/* e^x in float32 for x <= 0 (scores minus their running max); exactly 0 below -87, so that
-   a masked key (-inf) weighs nothing and a row with none allowed keeps a sum of 0. */
-TARGET static inline __m512 exp_neg(__m512 x) {
-    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    return _mm512_maskz_mov_ps(keep, qkv_exp16(x));
+/* A forward work item or a backward one, by the call's instruction set. */
+static void forward_item(const Job *j, int64_t it) {
+    if (j->isa == ISA_AVX2)
+        qkv_forward_item_avx2(j, it);
+    else
+        qkv_forward_item_avx512(j, it);
 }
 
-/* 32 float32 values as bfloat16 hi (rounded) at hi, and, if lo is given, what hi leaves of
-   them rounded again at lo: hi + lo carry about 16 bits. Returns hi's values, lane-wise
-   summed over the two halves, as float32. */
-TARGET_BF16 static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo) {
-    __m512i hw = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-    __m512 h0 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16));
-    __m512 h1 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
-    _mm512_storeu_si512(hi, hw);
-    if (lo)
-        _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1),
-                                                             _mm512_sub_ps(p0, h0)));
-    return _mm512_add_ps(h0, h1);
+static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                      float *dV, void *scratch) {
+    if (bj->f.isa == ISA_AVX2)
+        qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
+    else
+        qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
 }
-
-/* out[i] = q_i · k_n for MR rows and the 32 keys of one packed block kb (bfloat16 pairs).
-   (The sums stay in local registers until the end: __m512 may alias anything, so sums
-   kept in *out would be stored and reloaded at every step.) */
-TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb,
-                                  __m512 out[MR][2]) {
-    int64_t D = j->D;
-    __m512 acc[MR][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t d2 = 0; d2 < D / 2; d2++) {
-        const bf16 *at = kb + d2 * 64;
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512(at), k1 = (__m512bh)_mm512_loadu_si512(at + 32);
-        for (int i = 0; i < MR; i++) {
-            int32_t pair;
-            memcpy(&pair, qt + i * D + 2 * d2, 4);
-            __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k1);
-        }
-    }
-    memcpy(out, acc, sizeof acc);
-}
-
-/* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi (+ lo when PARTS is 2), for
-   4 rows at a time and NV 16-column vectors of the head dim at a time. */
-TARGET_BF16 static inline __attribute__((always_inline)) void pv_block(
-        const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
-        const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
-    int64_t D = j->D;
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
-    for (int64_t n2 = 0; n2 < nk / 2; n2++) {
-        if (!live[n2 / 16]) { /* P = 0 over the block */
-            n2 += 15;
-            continue;
-        }
-        const bf16 *at = vp + ((n0 / 2 + n2) * D + c0) * 2;
-        __m512bh vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(at + 32 * c);
-        for (int i = 0; i < 4; i++) {
-            int32_t hi, lo = 0;
-            memcpy(&hi, Ph + (i0 + i) * KT + 2 * n2, 4);
-            if (PARTS == 2) memcpy(&lo, Pl + (i0 + i) * KT + 2 * n2, 4);
-            __m512bh ph = (__m512bh)_mm512_set1_epi32(hi), pl = (__m512bh)_mm512_set1_epi32(lo);
-            for (int c = 0; c < NV; c++) {
-                acc[i][c] = _mm512_dpbf16_ps(acc[i][c], ph, vv[c]);
-                if (PARTS == 2) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pl, vv[c]);
-            }
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
-}
-
-TARGET_BF16 static void pv_bf16(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live,
-                      const bf16 *Ph, const bf16 *Pl, float *O) {
-    for (int i0 = 0; i0 < MR; i0 += 4) {
-        int64_t c0 = 0;
-        if (j->parts == 2) {
-            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 2);
-            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 2); /* D % 64 == 32 */
-        } else {
-            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 1);
-            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 1);
-        }
-    }
-}
-
-/* float32: acc[i] = q_i · k_n as dots_bf16, the block kb (D, 32). */
-TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, __m512 out[MR][2]) {
-    int64_t D = j->D;
-    __m512 acc[MR][2];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d++, kb += 32) {
-        __m512 k0 = _mm512_loadu_ps(kb), k1 = _mm512_loadu_ps(kb + 16);
-        for (int i = 0; i < MR; i++) {
-            __m512 qb = _mm512_set1_ps(qt[i * D + d]);
-            acc[i][0] = _mm512_fmadd_ps(qb, k0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(qb, k1, acc[i][1]);
-        }
-    }
-    memcpy(out, acc, sizeof acc);
-}
-
-/* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
-   vs[2] apart: V itself, never read past the call's last key), for 4 rows and NV 16-column
-   vectors at a time. */
-TARGET static inline __attribute__((always_inline)) void pv_block_f32(
-        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
-        int64_t ps, float *O, int i0, int64_t c0, const int NV) {
-    int64_t D = j->D;
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
-    for (int64_t n = 0; n < last; n++) {
-        if (!live[n / 32]) { /* P = 0 over the block */
-            n += 31;
-            continue;
-        }
-        const float *at = vp + (n0 + n) * j->vs[2] + c0;
-        __m512 vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(at + 16 * c);
-        for (int i = 0; i < 4; i++) {
-            __m512 p = _mm512_set1_ps(P[(i0 + i) * ps + n]);
-            for (int c = 0; c < NV; c++) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
-        }
-    }
-    for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
-}
-
-TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last,
-                          const int *live, const float *P, int64_t ps, float *O) {
-    for (int i0 = 0; i0 < MR; i0 += 4) {
-        int64_t c0 = 0;
-        for (; c0 + 64 <= j->D; c0 += 64) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, c0, 4);
-        if (c0 < j->D) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, c0, 2); /* D % 64 == 32 */
-    }
-}
-
-/* The element `at` elements past `base` in the call's dtype. */
-static inline const void *elem(const Job *j, const void *base, int64_t at) {
-    return (const char *)base + at * (j->f32 ? 4 : 2);
-}
-
-/* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype) and the nk keys from
-   n0 (nk: a multiple of 32), -inf over the 32-key blocks not live (no row of the tile may
-   attend to them). */
-TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t n0, int64_t nk,
-                          const int *live, float by, float S[MR][KT]) {
-    __m512 scale = _mm512_set1_ps(by), none = _mm512_set1_ps(-INFINITY), acc[MR][2];
-    for (int64_t jb = 0; jb < nk; jb += 32) {
-        if (live[jb / 32]) {
-            const void *kb = elem(j, kp, (n0 + jb) / 32 * j->D * 32);
-            if (j->f32)
-                dots_f32(j, qt, kb, acc);
-            else
-                dots_bf16(j, qt, kb, acc);
-        }
-        for (int i = 0; i < MR; i++) {
-            _mm512_storeu_ps(&S[i][jb], live[jb / 32] ? _mm512_mul_ps(acc[i][0], scale) : none);
-            _mm512_storeu_ps(&S[i][jb + 16], live[jb / 32] ? _mm512_mul_ps(acc[i][1], scale) : none);
-        }
-    }
-}
-
-/* One row's P = e^(s - base) over the live 32-key blocks of its nk scores: stored for ·V
-   (float32 at pf; or bfloat16 hi at ph and, with parts 2, lo at pl); adds Σ P to *sum and
-   Σ of what ·V sees of it to *seen. */
-TARGET static void probs_f32(const float *s, int64_t nk, const int *live, float base, float *pf,
-                             float *sum, float *seen) {
-    __m512 acc = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
-    for (int64_t n = 0; n < nk; n += 16) {
-        if (!live[n / 32]) continue;
-        __m512 p = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
-        _mm512_storeu_ps(pf + n, p);
-        acc = _mm512_add_ps(acc, p);
-    }
-    *sum = *seen = _mm512_reduce_add_ps(acc);
-}
-
-TARGET_BF16 static void probs_bf16(const float *s, int64_t nk, const int *live, float base,
-                                   bf16 *ph, bf16 *pl, float *sum, float *seen) {
-    __m512 all = _mm512_setzero_ps(), hi = _mm512_setzero_ps(), vb = _mm512_set1_ps(base);
-    for (int64_t n = 0; n < nk; n += 32) {
-        if (!live[n / 32]) continue;
-        __m512 p0 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n), vb));
-        __m512 p1 = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + n + 16), vb));
-        hi = _mm512_add_ps(hi, split(p0, p1, ph + n, pl ? pl + n : NULL));
-        all = _mm512_add_ps(all, _mm512_add_ps(p0, p1));
-    }
-    *sum = _mm512_reduce_add_ps(all);
-    *seen = _mm512_reduce_add_ps(hi);
-}
-
-/* dS rows (float32, KB keys each) as bfloat16 hi + lo for ·K. */
-TARGET_BF16 static void split_rows(const float dS[MR][KB], int64_t nk, bf16 *Dh, bf16 *Dl) {
-    for (int i = 0; i < MR; i++)
-        for (int64_t n = 0; n < nk; n += 32)
-            split(_mm512_loadu_ps(&dS[i][n]), _mm512_loadu_ps(&dS[i][n + 16]), Dh + i * KT + n,
-                  Dl + i * KT + n);
-}
-
-/* The lanes of the 16 keys from n that lie in [first, last). */
-static inline __mmask16 lanes(int64_t n, int64_t first, int64_t last) {
-    int64_t lo = first - n, hi = last - n;
-    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
-    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
-    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-}
-
-/* The keys [*f, *l) of the nk from n0 (counted as first and last are) that row `row` of
-   the G·R rows of batch b may attend to: [first, last), narrowed by the row's bounds where
-   the range has them. */
-static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, int64_t first,
-                            int64_t last, int64_t *f, int64_t *l) {
-    *f = first, *l = last;
-    if (!j->bounds) return;
-    const int32_t *bd = j->bounds + b * j->bnb + 2 * (row % j->R);
-    int64_t lo = bd[0] + j->lead - n0, hi = bd[1] + j->lead - n0;
-    if (lo > *f) *f = lo;
-    if (hi < *l) *l = hi;
-}
-
-/* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
-   one of the tile's `rows` rows (from r0, of batch b) by the row's bounds, or by the bias
-   (the bias row of key n at br + n - lead), if there is one. */
-TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64_t r0, int rows,
-                               int64_t n0, int64_t nk, int64_t first, int64_t last, int *live) {
-    const __m512 none = _mm512_set1_ps(-INFINITY);
-    if (j->bounds) {
-        for (int64_t sb = 0; sb < nk / 32; sb++) live[sb] = 0;
-        for (int i = 0; i < rows; i++) {
-            int64_t f, l;
-            row_keys(j, b, r0 + i, n0, first, last, &f, &l);
-            for (int64_t sb = f / 32; f < l && sb * 32 < l; sb++) live[sb] = 1;
-        }
-        return;
-    }
-    for (int64_t sb = 0; sb < nk / 32; sb++) {
-        live[sb] = 0;
-        for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
-            __mmask16 in = lanes(n, first, last);
-            if (!bias) live[sb] = in != 0;
-            for (int i = 0; bias && in && i < rows && !live[sb]; i++) {
-                const float *br = bias + (r0 + i) * j->bs[2] + n0 - j->lead;
-                live[sb] = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, br + n),
-                                                   none, _CMP_NEQ_OQ) != 0;
-            }
-        }
-    }
-}
-
-/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
-   dst, zero past `rows`. */
-static void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b, int64_t h,
-                      int64_t r0, int rows, void *dst) {
-    size_t size = (size_t)j->D * (j->f32 ? 4 : 2);
-    for (int i = 0; i < MR; i++) {
-        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-        char *to = (char *)dst + i * size;
-        if (i < rows)
-            memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
-        else
-            memset(to, 0, size);
-    }
-}
-
-/* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
-   padding) over the keys of every range of the job, one online softmax: then out and lse. */
-TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
-    int64_t D = job->D, GR = job->G * job->R;
-    const __m512 none = _mm512_set1_ps(-INFINITY);
-    float qt[MR * MAX_D]; /* Q's rows in the call's dtype */
-    float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
-    float Pf[MR * KT];           /* float32 P */
-    bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
-    int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
-    if (rows < MR) { /* padding rows enter ·V as P = 0 */
-        memset(Pf, 0, sizeof Pf);
-        memset(Ph, 0, sizeof Ph);
-        memset(Pl, 0, sizeof Pl);
-    }
-    load_rows(job, job->q, job->qs, b, h, r0, rows, qt);
-    for (int i = 0; i < MR; i++) {
-        m[i] = -INFINITY;
-        l[i] = lp[i] = 0.0f;
-    }
-    memset(O, 0, sizeof(float) * MR * D);
-    for (int64_t sg = 0; sg < job->nseg; sg++) {
-        Job one = *job, *j = &one; /* the job over this range alone */
-        const Seg *seg = &job->segs[sg];
-        one.begin = seg->begin, one.lead = seg->lead, one.N = seg->N, one.bias = seg->bias;
-        one.bounds = seg->bounds, one.bnb = seg->bnb;
-        memcpy(one.bs, seg->bs, sizeof one.bs);
-        int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
-        const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
-        const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
-        for (int64_t n0 = 0; n0 < Np; n0 += KT) {
-            int64_t nk = Np - n0 < KT ? Np - n0 : KT;
-            int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-            /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
-               the rest is skipped (-inf scores, no ·V). */
-            int live[KT / 32];
-            live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
-            scores(j, qt, kp, n0, nk, live, j->scale, S);
-            for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
-                float *s = S[i];
-                const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-                int64_t kf, kl; /* the keys this row may see */
-                row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
-                __m512 mx = none;
-                for (int64_t n = 0; n < nk; n += 16) {
-                    if (!live[n / 32]) continue;
-                    __mmask16 in = lanes(n, kf, kl);
-                    __m512 x = _mm512_loadu_ps(s + n);
-                    if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
-                    x = _mm512_mask_mov_ps(none, in, x); /* keys outside the call */
-                    _mm512_storeu_ps(s + n, x);
-                    mx = _mm512_max_ps(mx, x);
-                }
-                float mt = _mm512_reduce_max_ps(mx), mnew = mt > m[i] ? mt : m[i];
-                float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
-                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
-                float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
-                if (j->f32)
-                    probs_f32(s, nk, live, base, Pf + i * KT, &sum, &seen);
-                else
-                    probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
-                               &sum, &seen);
-                l[i] = l[i] * alpha + sum;
-                lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
-                m[i] = mnew;
-                if (alpha != 1.0f) {
-                    __m512 va = _mm512_set1_ps(alpha);
-                    for (int64_t d = 0; d < D; d += 16)
-                        _mm512_storeu_ps(O + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + i * D + d), va));
-                }
-            }
-            if (j->f32)
-                pv_f32(j, vp, n0, last, live, Pf, KT, O);
-            else
-                pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
-        }
-    }
-    for (int i = 0; i < rows; i++) {
-        int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
-        float *o = job->out + b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
-        float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] = O[i * D + d] * inv;
-        job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
-            l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
-    }
-}
-
-/* Each thread takes work items until none is left. */
-/* One forward work item of a call: ROWS query rows of one (b, h). */
-static void forward_item(Job *j, int64_t it) {
-    int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
-    for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
-}
+#endif
 
 /* ---- the backward: dQ, dK, dV of one call, from the whole rows' lse and Delta ----------
 
@@ -500,129 +75,8 @@ static void forward_item(Job *j, int64_t it) {
    dK and dV are its own; its share of dQ is added to dq in key-block order (commit), so
    dQ's bits do not depend on which thread ran which block, nor on how many threads ran. */
 
-typedef struct {
-    Job f;            /* q; float32: vp K itself (read in place, strides vs); sizes */
-    const void *dout; /* dO like q */
-    int64_t dos[4];
-    Pack k, v, kv;    /* K and V (B, H, T, D) in the score layout, K in bfloat16's value one */
-    int64_t T;
-    const float *lse, *delta; /* (B, H, G, R) */
-    int64_t ls[4], des[4];
-    float *dq;        /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
-    int64_t dqs[4];
-    float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
-    int64_t dks[3], dvs[3];
-    int64_t blocks;   /* key blocks per head */
-} BJob;
 
-/* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
-   4 keys × 32 columns at a time, so that 8 independent FMA chains hide the FMA latency. */
-TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, int rows,
-                         const int *live, int64_t nk, float *acc) {
-    int64_t D = j->D;
-    for (int64_t n = 0; n < nk; n += 4) {
-        if (!live[n / 32]) continue;
-        for (int64_t c = 0; c < D; c += 32) {
-            __m512 a[4][2];
-            for (int k = 0; k < 4; k++)
-                for (int e = 0; e < 2; e++) a[k][e] = _mm512_loadu_ps(acc + (n + k) * D + c + 16 * e);
-            for (int i = 0; i < rows; i++) {
-                __m512 x0 = _mm512_loadu_ps(x + i * D + c), x1 = _mm512_loadu_ps(x + i * D + c + 16);
-                for (int k = 0; k < 4; k++) {
-                    __m512 w = _mm512_set1_ps(W[i][n + k]);
-                    a[k][0] = _mm512_fmadd_ps(w, x0, a[k][0]);
-                    a[k][1] = _mm512_fmadd_ps(w, x1, a[k][1]);
-                }
-            }
-            for (int k = 0; k < 4; k++)
-                for (int e = 0; e < 2; e++) _mm512_storeu_ps(acc + (n + k) * D + c + 16 * e, a[k][e]);
-        }
-    }
-}
-
-/* One work item: the key block of KB keys from n0 (of the call's, counted from begin) of
-   head (b, h), over all the call's rows. Its keys are packed here, into the thread's
-   `scratch` (3 · KB · D floats): no pass packs all of K and V beforehand. */
-TARGET static void key_block(BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                             float *dKa, float *dVa, void *scratch) {
-    Job *j = &bj->f; /* dq: this item's (G, R, D) share */
-    int64_t D = j->D, GR = j->G * j->R;
-    int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
-    int64_t nk = Np - n0 < KB ? Np - n0 : KB;
-    int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-    size_t size = j->f32 ? 4 : 2;
-    char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * D * size;
-    for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
-        pack32(&bj->k, b, h, j->begin + n0 + s, bj->T, D, j->f32, kp + s * D * size);
-        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, D, j->f32, vk + s * D * size);
-        if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
-    }
-    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
-    const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
-    bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
-    float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
-    const void *qrows = j->f32 ? (void *)qf : qt, *drows = j->f32 ? (void *)df : dt;
-    float O[MR * MAX_D];
-    memset(dKa, 0, sizeof(float) * KB * D);
-    memset(dVa, 0, sizeof(float) * KB * D);
-    for (int64_t r0 = 0; r0 < GR; r0 += MR) {
-        int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
-        int live[KT / 32], any = 0;
-        live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
-        for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
-        if (!any) continue;
-        load_rows(j, j->q, j->qs, b, h, r0, rows, (void *)qrows);
-        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, (void *)drows);
-        for (int64_t x = 0; !j->f32 && x < MR * D; x++) { /* float32 copies for dK and dV */
-            uint32_t uq = (uint32_t)qt[x] << 16, ud = (uint32_t)dt[x] << 16;
-            memcpy(qf + x, &uq, 4);
-            memcpy(df + x, &ud, 4);
-        }
-        scores(j, qrows, kp, 0, nk, live, j->scale, S);
-        scores(j, drows, vk, 0, nk, live, 1.0f, dP);
-        const __m512 none = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
-        const __m512 scale = _mm512_set1_ps(j->scale);
-        for (int i = 0; i < MR; i++) {
-            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            float lse = i < rows ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] +
-                                           r * bj->ls[3]] : -INFINITY;
-            float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
-                                               g * bj->des[2] + r * bj->des[3]] : 0.0f;
-            const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-            int64_t kf, kl; /* the keys this row may see */
-            row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
-            for (int64_t n = 0; n < nk; n += 16) {
-                __m512 p = zero, ds = zero;
-                if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    __mmask16 in = lanes(n, kf, kl);
-                    __m512 x = _mm512_loadu_ps(&S[i][n]);
-                    if (br) x = _mm512_mask_add_ps(x, in, x, _mm512_maskz_loadu_ps(in, br + n));
-                    x = _mm512_mask_mov_ps(none, in, x);
-                    p = exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(lse)));
-                    ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(
-                        _mm512_loadu_ps(&dP[i][n]), _mm512_set1_ps(delta))), scale);
-                }
-                _mm512_storeu_ps(&P[i][n], p);
-                _mm512_storeu_ps(&dS[i][n], ds);
-            }
-        }
-        outer(j, P, df, rows, live, nk, dVa);
-        outer(j, dS, qf, rows, live, nk, dKa);
-        memset(O, 0, sizeof(float) * MR * D);
-        if (j->f32) {
-            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O);
-        } else { /* dS enters ·K as bfloat16 hi + lo */
-            split_rows(dS, nk, Dh, Dl);
-            pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O);
-        }
-        for (int i = 0; i < rows; i++) {
-            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            float *dqr = dq + (g * j->R + r) * D;
-            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
-        }
-    }
-}
-
+#ifdef QKV_X86
 /* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,
    dk and dv. */
 static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
@@ -787,31 +241,63 @@ static PyObject *finite_py(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
-/* Whether this CPU runs the kernel in float32 (AVX-512F/BW/DQ/VL) or, f32 = 0, in bfloat16
-   (that and AVX512-BF16). */
-static int cpu_runs(int f32) {
+/* The instruction set this CPU runs the step on in float32 (f32) or bfloat16: AVX-512
+   (F/BW/DQ/VL; bfloat16 needs AVX512-BF16 too), else, for float32, AVX2 + FMA; ISA_NONE if
+   neither. `pinned` (use_isa; QKV_NATIVE_ISA at import) takes float32 to AVX2 where the
+   CPU has both. */
+static int pinned = ISA_NONE;
+
+static int cpu_isa(int f32) {
 #ifdef QKV_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           (f32 || __builtin_cpu_supports("avx512bf16"));
+    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!f32) return avx512 && __builtin_cpu_supports("avx512bf16") ? ISA_AVX512 : ISA_NONE;
+    if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
+    return avx512 ? ISA_AVX512 : ISA_NONE;
 #else
-    return 0;
+    return ISA_NONE;
 #endif
+}
+
+static const char *isa_name(int isa) {
+    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "";
 }
 
 static PyObject *available(PyObject *self, PyObject *args) {
     int f32;
     if (!PyArg_ParseTuple(args, "p", &f32)) return NULL;
-    return PyBool_FromLong(cpu_runs(f32));
+    return PyBool_FromLong(cpu_isa(f32) != ISA_NONE);
+}
+
+static PyObject *isa_py(PyObject *self, PyObject *args) {
+    int f32;
+    if (!PyArg_ParseTuple(args, "p", &f32)) return NULL;
+    return PyUnicode_FromString(isa_name(cpu_isa(f32)));
+}
+
+/* Pins float32 to AVX2 ("avx2") or lets the CPU choose (""); returns the pin before. */
+static PyObject *use_isa(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (strcmp(name, "") != 0 && strcmp(name, "avx2") != 0) {
+        PyErr_Format(PyExc_ValueError, "use_isa: \"avx2\" or \"\" (the CPU's choice), not %R",
+                     PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    PyObject *before = PyUnicode_FromString(isa_name(pinned));
+    pinned = name[0] ? ISA_AVX2 : ISA_NONE;
+    return before;
 }
 
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
                       long long R, long long D, double scale, int f32, int threads) {
-    if (!cpu_runs(f32)) {
-        PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has no AVX-512"
+    j->isa = cpu_isa(f32);
+    if (j->isa == ISA_NONE) {
+        PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
                                                 : "this CPU has no AVX512-BF16");
         return 0;
     }
@@ -1094,8 +580,14 @@ static PyObject *backward_py(PyObject *self, PyObject *args) { return one(args, 
 
 static PyMethodDef methods[] = {
     {"available", available, METH_VARARGS,
-     "available(float32): whether this CPU runs the kernel in float32 (AVX-512) or in "
-     "bfloat16 (AVX512-BF16)."},
+     "available(float32): whether this CPU runs the kernel in float32 (AVX-512, or AVX2 + "
+     "FMA) or in bfloat16 (AVX512-BF16)."},
+    {"isa", isa_py, METH_VARARGS,
+     "isa(float32): the instruction set the kernel runs on in float32 or bfloat16 here: "
+     "\"avx512\", \"avx2\", or \"\" (none)."},
+    {"use_isa", use_isa, METH_VARARGS,
+     "use_isa(name): \"avx2\" runs float32 on the AVX2 step where the CPU has AVX-512 too "
+     "(to test and measure it); \"\" lets the CPU choose. Returns the setting before."},
     {"finite", finite_py, METH_VARARGS,
      "finite(x, n, float32): whether n contiguous float32 (else bfloat16) values at x are "
      "all finite, in one thread."},
@@ -1122,7 +614,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "qkv's native attention step (AVX-512; bfloat16: AVX512-BF16).",
+                                    "qkv's native attention step (AVX-512 or AVX2; bfloat16: AVX512-BF16).",
                                     -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

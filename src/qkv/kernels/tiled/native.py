@@ -1,5 +1,6 @@
 """qkv's native step (``_native.c``, built at install): the fused forward and backward calls
-of a pass in one native call each, in float32 (AVX-512 FMAs) or bfloat16 (Q, K and V kept
+of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
+no AVX-512) or bfloat16 (Q, K and V kept
 in bfloat16 — the matmuls as bfloat16 dot products accumulated in float32, P and dS entering
 their matmul as bfloat16 hi + lo parts, about 16 bits); the softmax state in float32 either
 way. docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the
@@ -10,11 +11,13 @@ Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N key
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,9 +35,57 @@ DTYPES = (torch.float32, torch.bfloat16)
 @functools.cache
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
-    AVX-512; bfloat16: AVX512-BF16 too), asked once, when first needed."""
+    AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16), asked once, when first needed."""
     f32 = dtype == torch.float32
     return dtype in DTYPES and _native is not None and bool(_native.available(f32))
+
+
+def isa(dtype: torch.dtype = torch.float32) -> str:
+    """The instruction set the native kernel runs ``dtype`` on here: "avx512", "avx2", or ""
+    where it cannot run it (not built, another CPU, another dtype)."""
+    if _native is None or dtype not in DTYPES:
+        return ""
+    return str(_native.isa(dtype == torch.float32))
+
+
+def isas() -> tuple[str, ...]:
+    """The instruction sets this CPU can run the float32 step on, of the two it is compiled
+    for: both on a CPU with AVX-512 (where AVX2 runs only when pinned, :func:`use_isa`),
+    "avx2" alone on one with AVX2 + FMA only, or none. (bfloat16 runs on AVX-512 with
+    AVX512-BF16 alone.)"""
+    if not available(torch.float32):
+        return ()
+    found = []
+    for name in ("", "avx2"):
+        with use_isa(name):
+            found.append(isa())
+    return tuple(dict.fromkeys(found))
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Within the block, float32 runs on the AVX2 step (``name`` "avx2") even where the CPU
+    has AVX-512, or on the CPU's choice (""): to test and measure the AVX2 step on any
+    machine. Process-wide (every thread's calls), as ``QKV_NATIVE_ISA=avx2`` in the
+    environment is from import. The probe (:func:`probe`) is made once per process, with
+    the step in use then."""
+    if _native is None:
+        raise RuntimeError("use_isa: the native kernel is not built")
+    before = _native.use_isa(name)
+    try:
+        yield
+    finally:
+        _native.use_isa(before)
+
+
+if _native is not None and os.environ.get("QKV_NATIVE_ISA"):
+    try:
+        _native.use_isa(os.environ["QKV_NATIVE_ISA"])
+    except ValueError:
+        raise ValueError(
+            f"QKV_NATIVE_ISA={os.environ['QKV_NATIVE_ISA']!r}: \"avx2\" pins float32 to the "
+            "AVX2 step; unset it to let the CPU choose"
+        ) from None
 
 
 class Probe(NamedTuple):

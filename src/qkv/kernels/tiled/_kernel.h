@@ -1,0 +1,163 @@
+/* What the native step's translation units share (_native.c: the Python module and the
+   passes; _step512.c and _step256.c: the step for AVX-512 and for AVX2, from _step.h): the
+   sizes, a call's description, the layouts (_native.c's opening comment) and the scalar
+   helpers. */
+#ifndef QKV_KERNEL_H
+#define QKV_KERNEL_H
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QKV_X86 1
+#endif
+
+#define MR 8      /* query rows per register tile */
+#define KT 128    /* keys per online-softmax step */
+#define ROWS 32   /* query rows per work item */
+#define MAX_D 256
+#define KB 64     /* keys per backward work item */
+
+/* The vector instruction sets the step is compiled for; float32 runs on either, bfloat16
+   on AVX-512 (with AVX512-BF16) alone. */
+enum { ISA_NONE = 0, ISA_AVX2 = 256, ISA_AVX512 = 512 };
+
+typedef uint16_t bf16;
+typedef uint16_t lanemask; /* one bit per lane of 16 float32 */
+
+/* A key range of a forward job: keys k0..k0+N-1 (begin: k0 rounded down to 32, lead: the
+   keys between), with its bias, or its rows' bounds, or neither. */
+typedef struct {
+    int64_t begin, lead, N;
+    const float *bias;
+    int64_t bs[3];
+    const int32_t *bounds; /* per query position r: the range's keys [lo, hi) it may see */
+    int64_t bnb;           /* bounds (B|1, R, 2): the stride over B, 0 where broadcast */
+} Seg;
+
+typedef struct {
+    const void *q, *kp, *vp; /* bf16 or float (f32) */
+    const float *bias;
+    const int32_t *bounds; /* as a Seg's */
+    int64_t bnb;
+    float *out, *lse;
+    int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
+    int64_t B, H, G, R, D;
+    int64_t begin;  /* the first packed key the call reads (a multiple of 32) */
+    int64_t lead;   /* keys read before the call's first key (0 to 31) */
+    int64_t N;      /* the call's keys */
+    float scale;
+    int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
+    int f32;        /* Q, K, V float32 (else bfloat16) */
+    int isa;        /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */
+    int64_t items, tiles;
+    const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
+    int64_t nseg;
+} Job;
+
+/* A tensor (B, H, T, D), strides xs[0..2] with D contiguous, into the packed layouts above,
+   keys T.. zero, 32 keys at a time: `values` 0, the score layout (float32: (D, 32);
+   bfloat16: (D/2, 32) pairs), 1, bfloat16's value layout ((16, D, 2)). */
+typedef struct {
+    const void *x;
+    int64_t xs[3];
+    void *dst;
+    int values;
+} Pack;
+
+/* A backward call: dQ, dK, dV of one call, from the whole rows' lse and Delta. */
+typedef struct {
+    Job f;            /* q; vp: K itself (read in place, strides vs); sizes */
+    const void *dout; /* dO like q */
+    int64_t dos[4];
+    Pack k, v, kv;    /* K and V (B, H, T, D) as they are: score layout, K in bf16's value one */
+    int64_t T;
+    const float *lse, *delta; /* (B, H, G, R) */
+    int64_t ls[4], des[4];
+    float *dq;        /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
+    int64_t dqs[4];
+    float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
+    int64_t dks[3], dvs[3];
+    int64_t blocks;   /* key blocks per head */
+} BJob;
+
+/* Keys n0..n0+31 of head (b, h) packed at dst. */
+static inline void pack32(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D,
+                          int f32, void *dst) {
+    for (int64_t kk = 0; kk < 32; kk++) {
+        int64_t n = n0 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
+        if (f32) {
+            const float *xr = (const float *)p->x + at;
+            float *kb = dst; /* (D, 32) */
+            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
+        } else if (!p->values) {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            uint32_t *kb = dst; /* (D/2, 32) pairs */
+            for (int64_t d2 = 0; d2 < D / 2; d2++) {
+                uint32_t pair = 0;
+                if (n < T) memcpy(&pair, xr + 2 * d2, 4);
+                kb[d2 * 32 + kk] = pair;
+            }
+        } else {
+            const bf16 *xr = (const bf16 *)p->x + at;
+            bf16 *vo = (bf16 *)dst + (kk / 2) * D * 2 + (kk % 2); /* (16, D, 2) */
+            for (int64_t d = 0; d < D; d++) vo[2 * d] = n < T ? xr[d] : 0;
+        }
+    }
+}
+
+/* The element `at` elements past `base` in the call's dtype. */
+static inline const void *elem(const Job *j, const void *base, int64_t at) {
+    return (const char *)base + at * (j->f32 ? 4 : 2);
+}
+
+/* The lanes of the 16 keys from n that lie in [first, last). */
+static inline lanemask lanes(int64_t n, int64_t first, int64_t last) {
+    int64_t lo = first - n, hi = last - n;
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
+    return hi <= lo ? 0 : (lanemask)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+/* The keys [*f, *l) of the nk from n0 (counted as first and last are) that row `row` of
+   the G·R rows of batch b may attend to: [first, last), narrowed by the row's bounds where
+   the range has them. */
+static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, int64_t first,
+                            int64_t last, int64_t *f, int64_t *l) {
+    *f = first, *l = last;
+    if (!j->bounds) return;
+    const int32_t *bd = j->bounds + b * j->bnb + 2 * (row % j->R);
+    int64_t lo = bd[0] + j->lead - n0, hi = bd[1] + j->lead - n0;
+    if (lo > *f) *f = lo;
+    if (hi < *l) *l = hi;
+}
+
+/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
+   dst, zero past `rows`. */
+static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b,
+                             int64_t h, int64_t r0, int rows, void *dst) {
+    size_t size = (size_t)j->D * (j->f32 ? 4 : 2);
+    for (int i = 0; i < MR; i++) {
+        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+        char *to = (char *)dst + i * size;
+        if (i < rows)
+            memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
+        else
+            memset(to, 0, size);
+    }
+}
+
+/* The step, per instruction set (_step.h): a forward work item (ROWS query rows of one
+   (b, h), every range of the job) into out and lse; a backward one (KB keys from n0 of
+   head (b, h), all rows) into its own dq share (G, R, D), dK and dV (KB, D), with
+   `scratch` (3 · KB · MAX_D floats) for its packed keys. */
+#ifdef QKV_X86
+#pragma GCC visibility push(hidden)
+void qkv_forward_item_avx512(const Job *j, int64_t it);
+void qkv_key_block_avx512(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
+                          float *dK, float *dV, void *scratch);
+void qkv_forward_item_avx2(const Job *j, int64_t it);
+void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
+                        float *dK, float *dV, void *scratch);
+#pragma GCC visibility pop
+#endif
+#endif

@@ -1,0 +1,109 @@
+/* The vectors the native step is written in (_step.h), for the instruction set QKV_ISA its
+   translation unit sets: vf, 16 float32 lanes, and lanemask, a bit per lane. With AVX-512
+   (512) a vf is one zmm register and every operation one instruction; with AVX2 + FMA (256)
+   a vf is two ymm registers, a masked load is VMASKMOVPS and a masked move a blend. Also
+   the register blocking each allows: AVX-512 has 32 vector registers, AVX2 16, so the
+   AVX2 step keeps fewer rows, keys or columns in registers at once. */
+#ifndef QKV_SIMD_H
+#define QKV_SIMD_H
+#include <immintrin.h>
+#include <math.h>
+#include "../_exp.h"
+
+#if QKV_ISA == 512
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define VI static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define NAMED(x) x##_avx512
+#define DOT_ROWS 8   /* scores: rows × 32 keys of accumulators (16 zmm) */
+#define PV_ROWS 4    /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
+#define PV_COLS 4
+#define OUTER_KEYS 4 /* dK, dV: keys × 32 columns (8 zmm) */
+
+typedef __m512 vf;
+VI vf vzero(void) { return _mm512_setzero_ps(); }
+VI vf vset1(float x) { return _mm512_set1_ps(x); }
+VI vf vload(const float *p) { return _mm512_loadu_ps(p); }
+VI void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+VI vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+VI vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+VI vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+VI vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+VI vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a · b + c */
+VI float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+VI float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+/* The lanes of m from p, 0 in the others (which are not read). */
+VI vf vloadz(lanemask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+/* on in the lanes of m, off in the others. */
+VI vf vblend(lanemask m, vf off, vf on) { return _mm512_mask_mov_ps(off, m, on); }
+/* The lanes where a >= b; where a != b (neither NaN). */
+VI lanemask vge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+VI lanemask vne(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+VI vf vexp(vf x) { return qkv_exp16(x); }
+
+#elif QKV_ISA == 256
+#define TARGET __attribute__((target("avx2,fma")))
+#define VI static inline __attribute__((always_inline, target("avx2,fma")))
+#define NAMED(x) x##_avx2
+#define DOT_ROWS 3   /* 3 rows × 32 keys: 12 ymm (the 8 rows as 3, 3, 2) */
+#define PV_ROWS 3    /* 3 rows × 32 columns: 12 ymm */
+#define PV_COLS 2
+#define OUTER_KEYS 2 /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
+
+typedef struct {
+    __m256 lo, hi;
+} vf;
+/* The 8 lanes of m's low byte as a ymm mask. */
+VI __m256i ymask(unsigned m) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)m), bit), bit);
+}
+#define BOTH(f, a, b) ((vf){f((a).lo, (b).lo), f((a).hi, (b).hi)})
+VI vf vzero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+VI vf vset1(float x) { return (vf){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+VI vf vload(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+VI void vstore(float *p, vf x) { _mm256_storeu_ps(p, x.lo), _mm256_storeu_ps(p + 8, x.hi); }
+VI vf vadd(vf a, vf b) { return BOTH(_mm256_add_ps, a, b); }
+VI vf vsub(vf a, vf b) { return BOTH(_mm256_sub_ps, a, b); }
+VI vf vmul(vf a, vf b) { return BOTH(_mm256_mul_ps, a, b); }
+VI vf vmax(vf a, vf b) { return BOTH(_mm256_max_ps, a, b); }
+VI vf vfma(vf a, vf b, vf c) {
+    return (vf){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+VI float vsum(vf x) {
+    __m256 s = _mm256_add_ps(x.lo, x.hi);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+VI float vhmax(vf x) {
+    __m256 s = _mm256_max_ps(x.lo, x.hi);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+VI vf vloadz(lanemask m, const float *p) {
+    return (vf){_mm256_maskload_ps(p, ymask(m)), _mm256_maskload_ps(p + 8, ymask(m >> 8))};
+}
+VI vf vblend(lanemask m, vf off, vf on) {
+    return (vf){_mm256_blendv_ps(off.lo, on.lo, _mm256_castsi256_ps(ymask(m))),
+                _mm256_blendv_ps(off.hi, on.hi, _mm256_castsi256_ps(ymask(m >> 8)))};
+}
+VI lanemask vcmp_bits(__m256 lo, __m256 hi) {
+    return (lanemask)(_mm256_movemask_ps(lo) | _mm256_movemask_ps(hi) << 8);
+}
+VI lanemask vge(vf a, vf b) {
+    return vcmp_bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_GE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GE_OQ));
+}
+VI lanemask vne(vf a, vf b) {
+    return vcmp_bits(_mm256_cmp_ps(a.lo, b.lo, _CMP_NEQ_OQ),
+                     _mm256_cmp_ps(a.hi, b.hi, _CMP_NEQ_OQ));
+}
+VI vf vexp(vf x) { return (vf){qkv_exp8(x.lo), qkv_exp8(x.hi)}; }
+#else
+#error "QKV_ISA: 512 or 256"
+#endif
+
+/* e^x for x <= 0 (scores minus their running max); exactly 0 below -87, so that a masked
+   key (-inf) weighs nothing and a row with none allowed keeps a sum of 0. */
+VI vf exp_neg(vf x) { return vblend(vge(x, vset1(-87.0f)), vzero(), vexp(x)); }
+#endif

@@ -1,0 +1,362 @@
+/* The native step, written once over the vectors of _simd.h and compiled per instruction
+   set: _step512.c (AVX-512; with _bf16.h, bfloat16 too) and _step256.c (AVX2 + FMA, float32
+   alone). What each function computes is the same on both; the AVX2 one keeps fewer rows
+   or keys in registers at a time (_simd.h), and its sums may round differently.
+
+   Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
+   over every key range of the job, one online softmax; scores, softmax state and output in
+   float32. Backward, per block of KB keys of one head over all rows: S = Q Kᵀ · scale +
+   bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta = rowsum(dO ∘
+   O)); dV += Pᵀ dO and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the
+   forward's ·V step). Work is skipped per 32-key block that no row of a tile may attend. */
+#ifndef QKV_BF16
+#define QKV_BF16 0
+#endif
+
+/* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 and the 32 keys
+   of the packed block kb (D, 32). (The sums stay in local registers until the end: a vector
+   type may alias anything, so sums kept in *S would be stored and reloaded at every step.) */
+TARGET static inline __attribute__((always_inline)) void dots_rows(
+        const Job *j, const float *qt, const float *kb, int64_t jb, vf scale, float S[MR][KT],
+        int i0, const int NR) {
+    int64_t D = j->D;
+    vf acc[DOT_ROWS][2];
+    for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = vzero();
+    for (int64_t d = 0; d < D; d++) {
+        for (int i = 0; i < NR; i++) {
+            vf qb = vset1(qt[(i0 + i) * D + d]);
+            acc[i][0] = vfma(qb, vload(kb + d * 32), acc[i][0]);
+            acc[i][1] = vfma(qb, vload(kb + d * 32 + 16), acc[i][1]);
+        }
+    }
+    for (int i = 0; i < NR; i++) {
+        vstore(&S[i0 + i][jb], vmul(acc[i][0], scale));
+        vstore(&S[i0 + i][jb + 16], vmul(acc[i][1], scale));
+    }
+}
+
+/* The MR rows, DOT_ROWS at a time. */
+TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, int64_t jb,
+                            vf scale, float S[MR][KT]) {
+    int i0 = 0;
+    for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, DOT_ROWS);
+    if (MR % DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, MR % DOT_ROWS);
+}
+
+/* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
+   vs[2] apart: V itself, never read past the call's last key), for the NR rows from i0 and
+   NV 16-column vectors from c0. */
+TARGET static inline __attribute__((always_inline)) void pv_block_f32(
+        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
+        int64_t ps, float *O, int i0, const int NR, int64_t c0, const int NV) {
+    int64_t D = j->D;
+    vf acc[PV_ROWS][PV_COLS];
+    for (int i = 0; i < NR; i++)
+        for (int c = 0; c < NV; c++) acc[i][c] = vload(O + (i0 + i) * D + c0 + 16 * c);
+    for (int64_t n32 = 0; n32 < last; n32 += 32) {
+        if (!live[n32 / 32]) continue; /* P = 0 over the block */
+        int64_t stop = last - n32 < 32 ? last - n32 : 32, step = j->vs[2];
+        const float *at = vp + (n0 + n32) * step + c0, *pr = P + i0 * ps + n32;
+        for (int64_t n = 0; n < stop; n++, at += step) {
+            for (int i = 0; i < NR; i++) {
+                vf p = vset1(pr[i * ps + n]);
+                for (int c = 0; c < NV; c++) acc[i][c] = vfma(p, vload(at + 16 * c), acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int c = 0; c < NV; c++) vstore(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
+}
+
+/* The NR rows from i0 over every column: PV_COLS vectors at a time, then the 32 left. */
+TARGET static inline __attribute__((always_inline)) void pv_rows(
+        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
+        int64_t ps, float *O, int i0, const int NR) {
+    int64_t c0 = 0;
+    for (; c0 + 16 * PV_COLS <= j->D; c0 += 16 * PV_COLS)
+        pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, NR, c0, PV_COLS);
+    if (c0 < j->D) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, NR, c0, 2);
+}
+
+/* The MR rows, PV_ROWS at a time. */
+TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last,
+                          const int *live, const float *P, int64_t ps, float *O) {
+    int i0 = 0;
+    for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, PV_ROWS);
+    if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, MR % PV_ROWS);
+}
+
+/* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype) and the nk keys from
+   n0 (nk: a multiple of 32), -inf over the 32-key blocks not live (no row of the tile may
+   attend to them). */
+TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t n0, int64_t nk,
+                          const int *live, float by, float S[MR][KT]) {
+    const vf scale = vset1(by), none = vset1(-INFINITY);
+    for (int64_t jb = 0; jb < nk; jb += 32) {
+        const void *kb = elem(j, kp, (n0 + jb) / 32 * j->D * 32);
+        if (!live[jb / 32])
+            for (int i = 0; i < MR; i++) vstore(&S[i][jb], none), vstore(&S[i][jb + 16], none);
+#if QKV_BF16
+        else if (!j->f32)
+            dots_bf16(j, qt, kb, jb, scale, S);
+#endif
+        else
+            dots_f32(j, qt, kb, jb, scale, S);
+    }
+}
+
+/* One row's P = e^(s - base) over the live 32-key blocks of its nk scores, stored at pf
+   for ·V; returns Σ P. */
+TARGET static float probs_f32(const float *s, int64_t nk, const int *live, float base,
+                              float *pf) {
+    vf acc = vzero(), vb = vset1(base);
+    for (int64_t n = 0; n < nk; n += 16) {
+        if (!live[n / 32]) continue;
+        vf p = exp_neg(vsub(vload(s + n), vb));
+        vstore(pf + n, p);
+        acc = vadd(acc, p);
+    }
+    return vsum(acc);
+}
+
+/* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
+   one of the tile's `rows` rows (from r0, of batch b) by the row's bounds, or by the bias
+   (the bias row of key n at br + n - lead), if there is one. */
+TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64_t r0, int rows,
+                               int64_t n0, int64_t nk, int64_t first, int64_t last, int *live) {
+    const vf none = vset1(-INFINITY);
+    if (j->bounds) {
+        for (int64_t sb = 0; sb < nk / 32; sb++) live[sb] = 0;
+        for (int i = 0; i < rows; i++) {
+            int64_t f, l;
+            row_keys(j, b, r0 + i, n0, first, last, &f, &l);
+            for (int64_t sb = f / 32; f < l && sb * 32 < l; sb++) live[sb] = 1;
+        }
+        return;
+    }
+    for (int64_t sb = 0; sb < nk / 32; sb++) {
+        live[sb] = 0;
+        for (int64_t n = sb * 32; n < sb * 32 + 32 && !live[sb]; n += 16) {
+            lanemask in = lanes(n, first, last);
+            if (!bias) live[sb] = in != 0;
+            for (int i = 0; bias && in && i < rows && !live[sb]; i++) {
+                const float *br = bias + (r0 + i) * j->bs[2] + n0 - j->lead;
+                live[sb] = (vne(vloadz(in, br + n), none) & in) != 0;
+            }
+        }
+    }
+}
+
+/* A row's 16 scores from n: plus its bias where it has one, -inf outside its keys (the
+   lanes of `in`). */
+TARGET static inline __attribute__((always_inline)) vf masked(const float *s, const float *br,
+                                                             lanemask in) {
+    vf x = vload(s);
+    if (br) x = vadd(x, vloadz(in, br)); /* 0 outside `in`, which the -inf then replaces */
+    return vblend(in, vset1(-INFINITY), x);
+}
+
+/* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
+   padding) over the keys of every range of the job, one online softmax: then out and lse. */
+TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
+    int64_t D = job->D, GR = job->G * job->R;
+    float qt[MR * MAX_D]; /* Q's rows in the call's dtype */
+    float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
+    float Pf[MR * KT];           /* float32 P */
+    int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+#if QKV_BF16
+    bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
+    if (rows < MR) memset(Ph, 0, sizeof Ph), memset(Pl, 0, sizeof Pl);
+#endif
+    if (rows < MR) memset(Pf, 0, sizeof Pf); /* padding rows enter ·V as P = 0 */
+    load_rows(job, job->q, job->qs, b, h, r0, rows, qt);
+    for (int i = 0; i < MR; i++) {
+        m[i] = -INFINITY;
+        l[i] = lp[i] = 0.0f;
+    }
+    memset(O, 0, sizeof(float) * MR * D);
+    for (int64_t sg = 0; sg < job->nseg; sg++) {
+        Job one = *job, *j = &one; /* the job over this range alone */
+        const Seg *seg = &job->segs[sg];
+        one.begin = seg->begin, one.lead = seg->lead, one.N = seg->N, one.bias = seg->bias;
+        one.bounds = seg->bounds, one.bnb = seg->bnb;
+        memcpy(one.bs, seg->bs, sizeof one.bs);
+        int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+        const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
+        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+        const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
+        for (int64_t n0 = 0; n0 < Np; n0 += KT) {
+            int64_t nk = Np - n0 < KT ? Np - n0 : KT;
+            int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+            /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
+               the rest is skipped (-inf scores, no ·V). */
+            int live[KT / 32];
+            live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
+            scores(j, qt, kp, n0, nk, live, j->scale, S);
+            for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
+                float *s = S[i];
+                const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+                int64_t kf, kl; /* the keys this row may see */
+                row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
+                vf mx = vset1(-INFINITY);
+                for (int64_t n = 0; n < nk; n += 16) {
+                    if (!live[n / 32]) continue;
+                    vf x = masked(s + n, br ? br + n : NULL, lanes(n, kf, kl));
+                    vstore(s + n, x);
+                    mx = vmax(mx, x);
+                }
+                float mt = vhmax(mx), mnew = mt > m[i] ? mt : m[i];
+                float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
+                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
+                float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
+#if QKV_BF16
+                if (!j->f32)
+                    probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
+                               &sum, &seen);
+                else
+#endif
+                    sum = seen = probs_f32(s, nk, live, base, Pf + i * KT);
+                l[i] = l[i] * alpha + sum;
+                lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
+                m[i] = mnew;
+                if (alpha != 1.0f) {
+                    vf va = vset1(alpha);
+                    for (int64_t d = 0; d < D; d += 16)
+                        vstore(O + i * D + d, vmul(vload(O + i * D + d), va));
+                }
+            }
+#if QKV_BF16
+            if (!j->f32)
+                pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
+            else
+#endif
+                pv_f32(j, vp, n0, last, live, Pf, KT, O);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
+        float *o = job->out + b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
+        float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = O[i * D + d] * inv;
+        job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
+            l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
+    }
+}
+
+/* One forward work item of a call: ROWS query rows of one (b, h). */
+TARGET void NAMED(qkv_forward_item)(const Job *j, int64_t it) {
+    int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
+    for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
+}
+
+/* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
+   OUTER_KEYS keys × 32 columns at a time, independent FMA chains that hide the FMA
+   latency. */
+TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, int rows,
+                         const int *live, int64_t nk, float *acc) {
+    int64_t D = j->D;
+    for (int64_t n = 0; n < nk; n += OUTER_KEYS) {
+        if (!live[n / 32]) continue;
+        for (int64_t c = 0; c < D; c += 32) {
+            vf a[OUTER_KEYS][2];
+            for (int k = 0; k < OUTER_KEYS; k++)
+                for (int e = 0; e < 2; e++) a[k][e] = vload(acc + (n + k) * D + c + 16 * e);
+            for (int i = 0; i < rows; i++) {
+                vf x0 = vload(x + i * D + c), x1 = vload(x + i * D + c + 16);
+                for (int k = 0; k < OUTER_KEYS; k++) {
+                    vf w = vset1(W[i][n + k]);
+                    a[k][0] = vfma(w, x0, a[k][0]);
+                    a[k][1] = vfma(w, x1, a[k][1]);
+                }
+            }
+            for (int k = 0; k < OUTER_KEYS; k++)
+                for (int e = 0; e < 2; e++) vstore(acc + (n + k) * D + c + 16 * e, a[k][e]);
+        }
+    }
+}
+
+/* One backward work item: the key block of KB keys from n0 (of the call's, counted from
+   begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
+   thread's `scratch` (3 · KB · D floats): no pass packs all of K and V beforehand. dq: this
+   item's (G, R, D) share; dKa, dVa: its keys' (KB, D). */
+TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
+                                 float *dKa, float *dVa, void *scratch) {
+    const Job *j = &bj->f;
+    int64_t D = j->D, GR = j->G * j->R;
+    int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+    int64_t nk = Np - n0 < KB ? Np - n0 : KB;
+    int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+    size_t size = j->f32 ? 4 : 2;
+    char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * D * size;
+    for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
+        pack32(&bj->k, b, h, j->begin + n0 + s, bj->T, D, j->f32, kp + s * D * size);
+        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, D, j->f32, vk + s * D * size);
+        if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
+    }
+    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+    const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
+    float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
+#if QKV_BF16
+    bf16 qt[MR * MAX_D], dt[MR * MAX_D], Dh[MR * KT], Dl[MR * KT];
+    const void *qrows = j->f32 ? (void *)qf : qt, *drows = j->f32 ? (void *)df : dt;
+#else
+    const void *qrows = qf, *drows = df;
+#endif
+    float O[MR * MAX_D];
+    memset(dKa, 0, sizeof(float) * KB * D);
+    memset(dVa, 0, sizeof(float) * KB * D);
+    for (int64_t r0 = 0; r0 < GR; r0 += MR) {
+        int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+        int live[KT / 32], any = 0;
+        live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
+        for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
+        if (!any) continue;
+        load_rows(j, j->q, j->qs, b, h, r0, rows, (void *)qrows);
+        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, (void *)drows);
+#if QKV_BF16
+        for (int64_t x = 0; !j->f32 && x < MR * D; x++) { /* float32 copies for dK and dV */
+            uint32_t uq = (uint32_t)qt[x] << 16, ud = (uint32_t)dt[x] << 16;
+            memcpy(qf + x, &uq, 4);
+            memcpy(df + x, &ud, 4);
+        }
+#endif
+        scores(j, qrows, kp, 0, nk, live, j->scale, S);
+        scores(j, drows, vk, 0, nk, live, 1.0f, dP);
+        const vf zero = vzero(), scale = vset1(j->scale);
+        for (int i = 0; i < MR; i++) {
+            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+            float lse = i < rows ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] +
+                                           r * bj->ls[3]] : -INFINITY;
+            float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
+                                               g * bj->des[2] + r * bj->des[3]] : 0.0f;
+            const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+            int64_t kf, kl; /* the keys this row may see */
+            row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
+            for (int64_t n = 0; n < nk; n += 16) {
+                vf p = zero, ds = zero;
+                if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
+                    vf x = masked(&S[i][n], br ? br + n : NULL, lanes(n, kf, kl));
+                    p = exp_neg(vsub(x, vset1(lse)));
+                    ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), scale);
+                }
+                vstore(&P[i][n], p);
+                vstore(&dS[i][n], ds);
+            }
+        }
+        outer(j, P, df, rows, live, nk, dVa);
+        outer(j, dS, qf, rows, live, nk, dKa);
+        memset(O, 0, sizeof(float) * MR * D);
+#if QKV_BF16
+        if (!j->f32) { /* dS enters ·K as bfloat16 hi + lo */
+            split_rows(dS, nk, Dh, Dl);
+            pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O);
+        } else
+#endif
+            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O);
+        for (int i = 0; i < rows; i++) {
+            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+            float *dqr = dq + (g * j->R + r) * D;
+            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
+        }
+    }
+}
