@@ -2,6 +2,7 @@
 
     python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
     python benchmarks/bench_load.py --parts    # where the window forward's time goes
+    python benchmarks/bench_load.py --isa avx2 # float32 on the native AVX2 step
 
 Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
 backward, float32 and bfloat16 (float32 also with ``Tuning.native`` off: torch's flash
@@ -12,7 +13,10 @@ T = 4096 through the tiled kernel (``auto`` gives it to SDPA) — runs through
 processes (a Python busy loop each) run beside it. Medians of interleaved rounds; the
 slowdown of each is busy ÷ quiet, and the table's last column is qkv's slowdown ÷ SDPA's
 (the issue's target: ≤ 1.25). torch keeps its default thread count. Name the CPU beside
-the figures (``lscpu``).
+the figures (``lscpu``). ``--isa avx2`` runs the float32 cases alone, on the native
+kernel's AVX2 step (what a CPU without AVX-512 runs; ``qkv.kernels.tiled.native.use_isa``);
+add ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`` to the
+environment to hold torch (SDPA, and the "native off" rows) to AVX2 as well.
 """
 
 import argparse
@@ -31,11 +35,11 @@ import qkv
 H, D = 8, 64
 
 
-def cases(T: int):
+def cases(T: int, dtypes=(torch.float32, torch.bfloat16)):
     """name -> (qkv call, SDPA call), each a function of nothing that runs one pass."""
     g = torch.Generator().manual_seed(0)
     out = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         q, k, v = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(3))
         window = qkv.masks.sliding_window(256)
         dense = window.dense(1, 1, T, T).contiguous()
@@ -139,11 +143,20 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=2)
     parser.add_argument("--T", type=int, default=8192)
     parser.add_argument("--parts", action="store_true", help="time the forward's pieces")
+    parser.add_argument("--isa", choices=["", "avx2"], default="", help="pin float32's step")
     args = parser.parse_args()
+    from qkv.kernels.tiled import native
+
+    with native.use_isa(args.isa):
+        run(args, native.isa())
+
+
+def run(args, isa: str) -> None:
     calls = {}
     if args.parts:
         calls = parts(args.T)
-    for name, (ours, sdpa) in ({} if args.parts else cases(args.T)).items():
+    dtypes = (torch.float32,) if args.isa else (torch.float32, torch.bfloat16)
+    for name, (ours, sdpa) in ({} if args.parts else cases(args.T, dtypes)).items():
         calls[f"qkv|{name}"], calls[f"sdpa|{name}"] = ours, sdpa
     quiet = measure(calls, args.rounds)
     load_quiet = os.getloadavg()[0]
@@ -157,7 +170,8 @@ def main() -> None:
             p.kill()
     print(
         f"torch threads {torch.get_num_threads()}, {args.busy} busy processes; load average "
-        f"{load_quiet:.1f} quiet, {load_busy:.1f} busy; medians of {args.rounds} rounds"
+        f"{load_quiet:.1f} quiet, {load_busy:.1f} busy; medians of {args.rounds} rounds; "
+        f"native float32 step: {isa or 'none'}; torch: {torch.backends.cpu.get_cpu_capability()}"
     )
     if args.parts:
         print("| piece | quiet | busy | slowdown |")

@@ -83,7 +83,7 @@ if _native is not None and os.environ.get("QKV_NATIVE_ISA"):
         _native.use_isa(os.environ["QKV_NATIVE_ISA"])
     except ValueError:
         raise ValueError(
-            f"QKV_NATIVE_ISA={os.environ['QKV_NATIVE_ISA']!r}: \"avx2\" pins float32 to the "
+            f'QKV_NATIVE_ISA={os.environ["QKV_NATIVE_ISA"]!r}: "avx2" pins float32 to the '
             "AVX2 step; unset it to let the CPU choose"
         ) from None
 
