@@ -25,8 +25,9 @@ from tests.tolerances import LOW_PRECISION, rounding_tolerance
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._native is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
 pytestmark = pytest.mark.skipif(
-    not native.available(), reason="native kernel not built, or no AVX512-BF16 here"
+    not native.available(torch.float32), reason="native kernel not built, or no AVX-512/AVX2 here"
 )
+BF16 = pytest.mark.skipif(not native.available(torch.bfloat16), reason="no AVX512-BF16 here")
 STEPS = {
     "bf16": (torch.bfloat16, ""),
     "f32": (torch.float32, ""),
@@ -41,6 +42,8 @@ def dtype(request):
     to the AVX2 step (native.use_isa), which a CPU with AVX-512 runs too — so that CI tests
     both steps on whichever CPU it has."""
     dtype, isa = STEPS[request.param]
+    if not native.available(dtype):
+        pytest.skip(f"this CPU cannot run the kernel in {dtype}")
     if isa and isa not in native.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
     with native.use_isa(isa):
@@ -181,6 +184,7 @@ def test_a_forward_pass_is_one_native_call_with_the_same_bits_at_any_thread_coun
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
+@BF16
 def test_long_rows_stay_within_their_own_rounding(monkeypatch):
     """T = 2048 keys per row, where a kernel rounding P to bfloat16 drifts."""
     q, k, v = make_qkv(1, 2, 2, 256, 2048, 64, 64, dtype=torch.bfloat16, seed=4)
@@ -193,6 +197,7 @@ def test_long_rows_stay_within_their_own_rounding(monkeypatch):
     )
 
 
+@BF16
 @given(
     T_q=st.sampled_from([1, 2, 7, 31, 33, 100]),
     T_k=st.sampled_from([1, 3, 32, 65, 200]),
@@ -519,6 +524,7 @@ def test_the_one_thread_finiteness_check_finds_nan_and_inf_anywhere(dtype, value
     assert native.finite(torch.zeros(0, dtype=dtype))
 
 
+@BF16
 def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
     q5 = torch.zeros(1, 2, 1, 8, 32, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 40, 32, dtype=torch.bfloat16)
@@ -542,6 +548,7 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
         )
 
 
+@BF16
 def test_auto_runs_bfloat16_natively_from_1024_squared_scores():
     """``auto`` takes the native kernel for bfloat16 calls of 1024 × 1024 scores or more,
     forward or training (faster than SDPA here: docs/kernels.md#the-native-kernel), and keeps
