@@ -382,6 +382,23 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
         )
 
 
+@pytest.mark.parametrize("isa", ["", "avx2"])
+def test_the_dispatch_names_the_step_that_runs(isa, tune):
+    """``qkv.dispatch`` says which instruction set's step runs float32, and pinning it to
+    AVX2 (``QKV_NATIVE_ISA=avx2`` / ``use_isa``) changes what it says and what runs."""
+    if isa and isa not in native.isas():
+        pytest.skip(f"this CPU cannot run the {isa} step")
+    tune(native_probe=False)
+    q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, dtype=torch.float32, seed=3)
+    with native.use_isa(isa):
+        want = isa or native.isa()
+        d = qkv.dispatch(q, k, v, mask=qkv.masks.sliding_window(64))
+        assert d.path == "tiled-native" and f"native float32 kernel ({want})" in d.reason
+    assert native.isa() == native.isas()[0]  # the pin is undone after the block
+    with pytest.raises(ValueError, match="avx2"):
+        native._native.use_isa("sse")
+
+
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
 def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, monkeypatch, tune):
