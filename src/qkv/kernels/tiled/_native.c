@@ -68,13 +68,9 @@ static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *d
 
 /* ---- the backward: dQ, dK, dV of one call, from the whole rows' lse and Delta ----------
 
-   For a block of KB keys and a tile of MR rows: S = Q Kᵀ · scale + bias, P = e^(S - lse),
-   dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta = rowsum(dO ∘ O)); then dV += Pᵀ dO and
-   dK += dSᵀ Q in float32 (P and dS unrounded), dQ += dS K with dS as bfloat16 hi + lo
-   (the forward's ·V step). A work item is one key block of one head, over all rows: its
-   dK and dV are its own; its share of dQ is added to dq in key-block order (commit), so
-   dQ's bits do not depend on which thread ran which block, nor on how many threads ran. */
-
+   A work item is one key block of one head, over all rows (_step.h computes it): its dK
+   and dV are its own; its share of dQ is added to dq in key-block order (commit), so dQ's
+   bits do not depend on which thread ran which block, nor on how many threads ran. */
 
 #ifdef QKV_X86
 /* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,

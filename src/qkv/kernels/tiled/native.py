@@ -1,9 +1,8 @@
 """qkv's native step (``_native.c``, built at install): the fused forward and backward calls
 of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
-no AVX-512) or bfloat16 (Q, K and V kept
-in bfloat16 — the matmuls as bfloat16 dot products accumulated in float32, P and dS entering
-their matmul as bfloat16 hi + lo parts, about 16 bits); the softmax state in float32 either
-way. docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the
+no AVX-512) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
+accumulated in float32, P and dS entering their matmul as bfloat16 hi + lo parts, about 16
+bits); the softmax state in float32 either way. docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the
 CPU lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
