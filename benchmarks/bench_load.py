@@ -3,11 +3,14 @@
     python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
     python benchmarks/bench_load.py --parts    # where the window forward's time goes
     python benchmarks/bench_load.py --isa avx2 # float32 on the native AVX2 step
+    python benchmarks/bench_load.py --only softcap   # the cases whose name holds "softcap"
 
 Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
 backward, float32 and bfloat16 (float32 also with ``Tuning.native`` off: torch's flash
 kernel call by call, what float32 ran before the native kernel took it), and causal at
-T = 4096 through the tiled kernel (``auto`` gives it to SDPA) — runs through
+T = 4096 through the tiled kernel (``auto`` gives it to SDPA), and the window with Gemma 2's
+soft-cap (native, and the PyTorch loop; SDPA, which has no soft-cap, times the plain
+window) — runs through
 ``qkv.attention`` and through torch's SDPA (the dense bool mask for the window,
 ``is_causal`` for causal), first on a quiet machine, then while ``--busy`` CPU-bound
 processes (a Python busy loop each) run beside it. Medians of interleaved rounds; the
@@ -38,27 +41,22 @@ H, D = 8, 64
 def cases(T: int, dtypes=(torch.float32, torch.bfloat16)):
     """name -> (qkv call, SDPA call), each a function of nothing that runs one pass."""
     g = torch.Generator().manual_seed(0)
-    out = {}
+    out: dict = {}
+    window = qkv.masks.sliding_window(256)
     for dtype in dtypes:
         q, k, v = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(3))
-        window = qkv.masks.sliding_window(256)
-        dense = window.dense(1, 1, T, T).contiguous()
         for native in (True, False) if dtype == torch.float32 else (True,):
             name = str(dtype).removeprefix("torch.") + ("" if native else " (native off)")
             ours = functools.partial(_qkv, mask=window, native=native)
-            out[f"sliding_window(256) T={T} {name} forward"] = (
-                lambda q=q, k=k, v=v, f=ours: f(q, k, v),
-                lambda q=q, k=k, v=v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-            )
-            out[f"sliding_window(256) T={T} {name} fwd+bwd"] = (
-                _backward(ours, q, k, v),
-                _backward(
-                    lambda q, k, v, m=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-                    q,
-                    k,
-                    v,
-                ),
-            )
+            _window(out, f"sliding_window(256) T={T} {name}", ours, q, k, v)
+    # Gemma 2's soft-cap on the window: the native kernel applies it (the loop, native off);
+    # SDPA, which cannot, times the plain window as the baseline.
+    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    cap = qkv.scores.softcap(50.0)
+    for native in (True, False):
+        name = f"sliding_window(256)+softcap(50) T={T} float32" + ("" if native else " (loop)")
+        ours = functools.partial(_qkv, mask=window, native=native, score_mod=cap)
+        _window(out, name, ours, q, k, v)
     q, k, v = (torch.randn(1, H, 4096, D, generator=g) for _ in range(3))
     causal = functools.partial(_qkv, mask=qkv.masks.causal(), backend="tiled")
     out["causal T=4096 float32 forward (tiled)"] = (
@@ -72,9 +70,20 @@ def cases(T: int, dtypes=(torch.float32, torch.bfloat16)):
     return out
 
 
-def _qkv(q, k, v, *, mask, native=True, backend="auto"):
+def _window(out: dict, name: str, ours, q, k, v) -> None:
+    """A window case, forward and forward + backward, beside SDPA with the dense mask."""
+    dense = qkv.masks.sliding_window(256).dense(1, 1, q.shape[2], k.shape[2]).contiguous()
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+    out[f"{name} forward"] = (lambda: ours(q, k, v), lambda: sdpa(q, k, v))
+    out[f"{name} fwd+bwd"] = (_backward(ours, q, k, v), _backward(sdpa, q, k, v))
+
+
+def _qkv(q, k, v, *, mask, native=True, backend="auto", score_mod=None):
     with qkv.tuned(native=native):
-        return qkv.attention(q, k, v, mask=mask, backend=backend)
+        return qkv.attention(q, k, v, mask=mask, backend=backend, score_mod=score_mod)
 
 
 def _backward(fn, q, k, v):
@@ -144,6 +153,7 @@ def main() -> None:
     parser.add_argument("--T", type=int, default=8192)
     parser.add_argument("--parts", action="store_true", help="time the forward's pieces")
     parser.add_argument("--isa", choices=["", "avx2"], default="", help="pin float32's step")
+    parser.add_argument("--only", default="", help="the cases whose name holds this text")
     args = parser.parse_args()
     from qkv.kernels.tiled import native
 
@@ -157,7 +167,8 @@ def run(args, isa: str) -> None:
         calls = parts(args.T)
     dtypes = (torch.float32,) if args.isa else (torch.float32, torch.bfloat16)
     for name, (ours, sdpa) in ({} if args.parts else cases(args.T, dtypes)).items():
-        calls[f"qkv|{name}"], calls[f"sdpa|{name}"] = ours, sdpa
+        if args.only in name:
+            calls[f"qkv|{name}"], calls[f"sdpa|{name}"] = ours, sdpa
     quiet = measure(calls, args.rounds)
     load_quiet = os.getloadavg()[0]
     others = busy(args.busy)

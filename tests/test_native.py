@@ -6,6 +6,7 @@ T_k, forward and gradients, held to the output's own rounding (docs/semantics.md
 where it must not run."""
 
 import contextvars
+import dataclasses
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import numpy as qnp
+from qkv.core.call import lowered, prepare
 from qkv.kernels.tiled import flash, native
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
@@ -90,7 +92,8 @@ def random_mask(kind, B, H_kv, G, R, N, g):
     ids=["bf16-p1", "bf16-p2", "f32", "f32-avx2"],
     indirect=["dtype"],
 )
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts):
+@pytest.mark.parametrize("cap", [0.0, 2.5], ids=["", "softcap"])
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts, cap):
     g = torch.Generator().manual_seed(B * 1000 + R)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
@@ -99,10 +102,17 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     if bias_kind != "none":
         bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
         mask = allowed.expand(B, H_kv, G * R, N).numpy()
-    scale = 1 / math.sqrt(D)
-    out, lse = native.attend(q5, native.pack(k, v), k0, k1, bias, scale, parts, bounds=bounds)
+    scale = 3 / math.sqrt(D) if cap else 1 / math.sqrt(D)  # scores up to ~±10: capped
+    packed = native.pack(k, v)
+    out, lse = native.attend(q5, packed, k0, k1, bias, scale, parts, bounds=bounds, softcap=cap)
     q = q5.reshape(B, H_kv, G * R, D)
-    want, want_lse = oracle_with_lse(q, k[:, :, k0:k1], v[:, :, k0:k1], mask, scale)
+    want, want_lse = qnp.attention(
+        *(x.double().numpy() for x in (q, k[:, :, k0:k1], v[:, :, k0:k1])),
+        mask=mask,
+        scale=scale,
+        score_mod=qkv.scores.softcap(cap) if cap else None,
+        return_lse=True,
+    )
     got, got_lse = (
         out.reshape(B, H_kv, G * R, D).double().numpy(),
         lse.reshape(B, H_kv, G * R).double().numpy(),
@@ -114,6 +124,8 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     atol = {1: rounding_tolerance(want, torch.bfloat16, 1.0), 2: 2e-5}[parts]
     if dtype == torch.float32:  # float32 inputs, float32 arithmetic: a few ulps
         atol = 4e-6
+    if cap:  # tanh near 0 as 1 - 2/(e^2x + 1): a few units of 1's last place, times the cap
+        atol += 2.5 * 4 * 2**-24
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     empty = np.isneginf(want_lse)
     assert np.array_equal(np.isneginf(got_lse), empty)
@@ -246,14 +258,19 @@ def test_native_output_within_its_own_rounding_on_random_problems(
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "bounds_per_batch"])
+@pytest.mark.parametrize("cap", [0.0, 2.5], ids=["", "softcap"])
 @BOTH
-def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype):
+def test_one_backward_call_equals_float64_autograd(
+    B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, cap
+):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
-    arithmetic (on bfloat16 inputs, dS enters ·K as hi + lo), so float32's error."""
+    arithmetic (on bfloat16 inputs, dS enters ·K as hi + lo), so float32's error; with a
+    soft-cap, through its derivative 1 - tanh²."""
     g = torch.Generator().manual_seed(7 * R + D)
     q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
-    N, scale = k1 - k0, 1 / math.sqrt(D)
+    N, scale = k1 - k0, (3 if cap else 1) / math.sqrt(D)
+    mod = qkv.scores.softcap(cap) if cap else None
     bias = bounds = mask = None
     if bias_kind != "none":
         bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
@@ -262,17 +279,13 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         x.double().requires_grad_()
         for x in (q5.reshape(B, H_kv, G * R, D), k[:, :, k0:k1], v[:, :, k0:k1])
     )
-    out = qkv.attention(qd, kd, vd, mask=mask, scale=scale, backend="reference")
+    out, lse = qkv.attention(
+        qd, kd, vd, mask=mask, scale=scale, backend="reference", score_mod=mod, return_lse=True
+    )
     dout = do5.reshape(B, H_kv, G * R, D).double()
     want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
     with torch.no_grad():  # a row with no key: lse -inf
-        lse = torch.logsumexp(
-            (qd @ kd.transpose(-1, -2) * scale).masked_fill(
-                torch.zeros((), dtype=torch.bool) if mask is None else ~mask, float("-inf")
-            ),
-            -1,
-        )
-        delta = (dout * out).sum(-1)
+        lse, delta = lse.detach(), (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
     dq = torch.zeros(B, H_kv, G, R, D)
     native.backward(
@@ -290,6 +303,7 @@ def test_one_backward_call_equals_float64_autograd(B, H_kv, G, R, T_k, k0, k1, D
         dk,
         dv,
         bounds,
+        softcap=cap,
     )
     atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
     for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
@@ -380,6 +394,73 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
             rtol=0,
             atol=rounding_tolerance(b.numpy(), torch.bfloat16, 2.0),
         )
+
+
+@BOTH
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
+@pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
+def test_a_soft_cap_runs_natively(name, small, dtype, monkeypatch, tune):
+    """``scores.softcap`` (Gemma 2's), the one modification the native kernel applies: both
+    passes native, every mask kind, T_q != T_k, GQA, against float64 autograd through the
+    reference on the same inputs; out within its own rounding, gradients within 2e-4 of
+    their scale (bfloat16: their own rounding of the float32 answer, twice over)."""
+    if small:
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
+    T_q, T_k = 61, 75
+    mask, cap = mask_zoo(2, T_k, T_q)[name], qkv.scores.softcap(2.0)
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=15)
+    q = (q.float() * 2).to(dtype)  # scores up to ~±8: well into the cap
+    g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(16)).to(dtype)
+    assert qkv.dispatch(q, k, v, mask=mask, score_mod=cap, backend="tiled").path == "tiled-native"
+    seen = calls(monkeypatch)
+    out = qkv.attention(q, k, v, mask=mask, score_mod=cap, backend="tiled")
+    got = grads(q, k, v, g, mask, backend="tiled", score_mod=cap)
+    assert len(seen) == 3, "forward, and forward + backward, natively"
+    exact = [x.double() for x in (q, k, v, g)]
+    want_out = qkv.attention(*exact[:3], mask=mask, score_mod=cap, backend="reference")
+    want = grads(*exact, mask, backend="reference", score_mod=cap)
+    np.testing.assert_allclose(
+        out.double().numpy(), want_out.numpy(), rtol=0, atol=tolerance(want_out.numpy(), dtype)
+    )
+    for a, b in zip(got, want):
+        b = b.numpy()
+        atol = rounding_tolerance(b, dtype, 2.0) if dtype == torch.bfloat16 else 2e-4 * abs(b).max()
+        np.testing.assert_allclose(a.double().numpy(), b, rtol=0, atol=atol)
+
+
+def test_a_soft_cap_the_native_kernel_cannot_run_takes_the_loop(monkeypatch, tune):
+    """Native off (or a call it cannot take), a soft-cap runs in the PyTorch loop — never
+    in torch's flash kernel, which has no soft-cap — and the dispatch says why."""
+    tune(native=False)
+    cap = qkv.scores.softcap(2.0)
+    q, k, v = make_qkv(1, 4, 2, 40, 50, 32, 32, dtype=torch.float32, seed=17)
+    d = qkv.dispatch(q, k, v, mask=qkv.masks.causal(), score_mod=cap, backend="tiled")
+    assert d.path == "tiled-loop"
+    seen = calls(monkeypatch)
+    out = qkv.attention(q, k, v, mask=qkv.masks.causal(), score_mod=cap, backend="tiled")
+    assert not seen
+    want = qkv.attention(
+        *(x.double() for x in (q, k, v)),
+        mask=qkv.masks.causal(),
+        score_mod=cap,
+        backend="reference",
+    )
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=1e-5, rtol=0)
+    prep = prepare(
+        q,
+        k,
+        v,
+        mask=qkv.masks.causal(),
+        scale=None,
+        q_offset=None,
+        dropout_p=0.0,
+        return_lse=False,
+        backend="tiled",
+        score_mod=cap,
+    )
+    call = dataclasses.replace(lowered(prep, q, k, v), path="tiled-flash")
+    with pytest.raises(ValueError, match="soft-cap"):  # refused, not dropped
+        flash.fused_forward(call, native=None)
 
 
 @pytest.mark.parametrize("isa", ["", "avx2"])

@@ -96,14 +96,17 @@ def _causal_at_the_end(a: Ask) -> bool:
 def tiled_path(a: Ask) -> tuple[str, str]:
     """Which code of the tiled kernel runs this call, and why: "tiled-op" while tracing (the
     op decides at run time, by this function); the PyTorch loop where a score modification
-    is applied, the fused calls are turned off or torch's flash kernel cannot take the call;
-    qkv's native kernel for float32 and bfloat16 where it can run it and the probe found it
-    worth it; else torch's flash kernel, call by call. Reads K (and for the native kernel Q
-    and V) once, to know they are finite."""
+    other than a soft-cap is applied, the fused calls are turned off or torch's flash kernel
+    cannot take the call; qkv's native kernel for float32 and bfloat16 where it can run it
+    and the probe found it worth it (a soft-cap applied in it); else torch's flash kernel,
+    call by call, or the loop for a soft-cap. Reads K (and for the native kernel Q and V)
+    once, to know they are finite."""
     if a.tracing:
         return "tiled-op", "the tiled kernel as one opaque op, which picks its code at run time"
-    if a.mod is not None:
-        return "tiled-loop", "the PyTorch loop applies the score modification tile by tile"
+    loop = "the PyTorch loop applies the score modification tile by tile"
+    cap = None if a.mod is None else a.mod.softcap
+    if a.mod is not None and cap is None:
+        return "tiled-loop", loop
     if not a.tuning.fused:
         return "tiled-loop", "the PyTorch loop: fused calls turned off (Tuning.fused)"
     if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):
@@ -111,11 +114,14 @@ def tiled_path(a: Ask) -> tuple[str, str]:
             "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
             "D_v != D, NaN/inf in the keys, or this torch lacks it)"
         )
+    capped = "" if cap is None else f", the soft-cap ({cap:g}) applied in it"
     if a.tuning.native:
         if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
             name = str(a.q.dtype).removeprefix("torch.")
             on = native.isa(a.q.dtype)
-            return "tiled-native", f"qkv's native {name} kernel ({on}) runs the plan in one call"
+            return "tiled-native", (
+                f"qkv's native {name} kernel ({on}) runs the plan in one call{capped}"
+            )
         half = a.q.dtype in (torch.bfloat16, torch.float16)
         if (
             half
@@ -124,8 +130,10 @@ def tiled_path(a: Ask) -> tuple[str, str]:
         ):
             return "tiled-native-upcast", (
                 f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
-                "float32 copies"
+                f"float32 copies{capped}"
             )
+    if cap is not None:
+        return "tiled-loop", f"{loop} (the native kernel cannot run this call)"
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 
 

@@ -76,6 +76,9 @@ class ScoreMod:
     #: The term depends on ``kv_idx - q_idx`` (and h) only: kernels may reuse it along a
     #: diagonal, as they do a shift-invariant mask.
     shift_invariant = False
+    #: The cap where the modification is a soft-cap and nothing else (``cap · tanh(s /
+    #: cap)``), which qkv's native kernel applies itself; None for every other.
+    softcap: float | None = None
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.apply(score, b, h, q_idx, kv_idx, q_idx)

@@ -110,7 +110,7 @@ class _Softcap(ScoreMod):
             or not (math.isfinite(cap) and cap > 0)
         ):
             raise ValueError(f"softcap cap must be a finite number > 0; got {cap!r}")
-        self.cap = float(cap)
+        self.cap = self.softcap = float(cap)
 
     def apply(self, score, b, h, q_idx, kv_idx, row):
         xp = np if _numpy(score) else torch

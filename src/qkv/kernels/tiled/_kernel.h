@@ -46,6 +46,7 @@ typedef struct {
     int64_t lead;   /* keys read before the call's first key (0 to 31) */
     int64_t N;      /* the call's keys */
     float scale;
+    float cap;      /* > 0: the scaled scores soft-capped, cap · tanh(s / cap); 0: not */
     int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;        /* Q, K, V float32 (else bfloat16) */
     int isa;        /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */

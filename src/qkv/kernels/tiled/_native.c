@@ -290,7 +290,7 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
-                      long long R, long long D, double scale, int f32, int threads) {
+                      long long R, long long D, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
@@ -303,7 +303,12 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
         return 0;
     }
     j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
+    if (!(cap >= 0.0 && cap < INFINITY)) {
+        PyErr_Format(PyExc_ValueError, "%s: the soft-cap must be finite and > 0 (0: none)", name);
+        return 0;
+    }
     j->scale = (float)scale;
+    j->cap = (float)cap;
     j->f32 = f32;
     return 1;
 }
@@ -328,16 +333,16 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, vs2, os0, os1, os2, os3, ls0, ls1, ls2,
         ls3;
     long long B, H, G, R, D, Nt;
-    double scale;
+    double scale, cap;
     int parts, f32;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldip", &q, &qs0, &qs1,
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Lddip", &q, &qs0, &qs1,
                           &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2, &PyList_Type, &ranges,
                           &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B, &H, &G,
-                          &R, &D, &Nt, &scale, &parts, &f32))
+                          &R, &D, &Nt, &scale, &cap, &parts, &f32))
         return 0;
-    if (!call_sizes(j, "attend", B, H, G, R, D, scale, f32, threads)) return 0;
+    if (!call_sizes(j, "attend", B, H, G, R, D, scale, cap, f32, threads)) return 0;
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
     if (!segs) {
@@ -465,21 +470,21 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long q, dout, k, v, bias, bounds, lse, delta, dq, dk, dv;
     long long qs[4], dos[4], kst[3], vst[3], bs[3], bnb, ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, T, k0, N;
-    double scale;
+    double scale, cap;
     int f32;
     if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                          "(KLLL)(LLLLL)(LLL)dp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
+                          "(KLLL)(LLLLL)(LLL)ddp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
                           &dos[0], &dos[1], &dos[2], &dos[3], &k, &kst[0], &kst[1], &kst[2], &v,
                           &vst[0], &vst[1], &vst[2], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
                           &lse, &ls[0], &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2],
                           &des[3], &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1],
                           &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B, &H, &G, &R, &D, &T, &k0, &N,
-                          &scale, &f32))
+                          &scale, &cap, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
     Seg keys;
-    if (!call_sizes(j, "backward", B, H, G, R, D, scale, f32, threads) ||
+    if (!call_sizes(j, "backward", B, H, G, R, D, scale, cap, f32, threads) ||
         !key_range(&keys, "backward", T < 0 ? 0 : (T + 31) / 32 * 32 + 32, k0, N))
         return 0;
     if (k0 + N > T) {
@@ -593,7 +598,7 @@ static PyMethodDef methods[] = {
     {"backward", backward_py, METH_VARARGS,
      "backward((q, *4), (dout, *4), (k, *3), (v, *3), (bias|0, *3), (bounds|0, *1), "
      "(lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), (T, k0, N), "
-     "scale, float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
+     "scale, softcap, float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
      "key-block order), dk and dv; K and V (B, H, T, D) as they are."},
     {"pack", pack_py, METH_VARARGS,
      "pack([((x, *3 strides), dst, values), ...], (B, H, T, D, Nt), threads, float32): "
@@ -604,7 +609,8 @@ static PyMethodDef methods[] = {
      "parallel region, their work items dealt from one counter."},
     {"attend", attend, METH_VARARGS,
      "attend((q, *4 strides), (kp, *2), (vp, *2), [(k0, N, (bias|0, *3)), ...], (out, *4), "
-     "(lse, *4), (B, H, G, R, D), Nt, scale, parts, float32, threads): one call of the step "
+     "(lse, *4), (B, H, G, R, D), Nt, scale, softcap, parts, float32, threads): one call of "
+     "the step "
      "over key ranges of the packed buffers (one online softmax across them), into out and "
      "lse (float32)."},
     {NULL, NULL, 0, NULL}};

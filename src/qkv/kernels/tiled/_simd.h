@@ -28,6 +28,8 @@ VI vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 VI vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 VI vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 VI vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+VI vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+VI vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 VI vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a · b + c */
 VI float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 VI float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
@@ -66,6 +68,8 @@ VI vf vadd(vf a, vf b) { return BOTH(_mm256_add_ps, a, b); }
 VI vf vsub(vf a, vf b) { return BOTH(_mm256_sub_ps, a, b); }
 VI vf vmul(vf a, vf b) { return BOTH(_mm256_mul_ps, a, b); }
 VI vf vmax(vf a, vf b) { return BOTH(_mm256_max_ps, a, b); }
+VI vf vmin(vf a, vf b) { return BOTH(_mm256_min_ps, a, b); }
+VI vf vdiv(vf a, vf b) { return BOTH(_mm256_div_ps, a, b); }
 VI vf vfma(vf a, vf b, vf c) {
     return (vf){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
@@ -106,4 +110,12 @@ VI vf vexp(vf x) { return (vf){qkv_exp8(x.lo), qkv_exp8(x.hi)}; }
 /* e^x for x <= 0 (scores minus their running max); exactly 0 below -87, so that a masked
    key (-inf) weighs nothing and a row with none allowed keeps a sum of 0. */
 VI vf exp_neg(vf x) { return vblend(vge(x, vset1(-87.0f)), vzero(), vexp(x)); }
+
+/* tanh(x) = 1 - 2 / (e^2x + 1) for finite x, clamped to ±9 first (tanh is ±1 in float32
+   beyond): near 0 within a few units of 1's last place, as torch's sigmoid form in the
+   PyTorch loop is. */
+VI vf vtanh(vf x) {
+    vf e = vexp(vmul(vset1(2.0f), vmin(vmax(x, vset1(-9.0f)), vset1(9.0f))));
+    return vsub(vset1(1.0f), vdiv(vset1(2.0f), vadd(e, vset1(1.0f))));
+}
 #endif

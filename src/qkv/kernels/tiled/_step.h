@@ -5,10 +5,12 @@
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
    over every key range of the job, one online softmax; scores, softmax state and output in
-   float32. Backward, per block of KB keys of one head over all rows: S = Q Kᵀ · scale +
-   bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta = rowsum(dO ∘
-   O)); dV += Pᵀ dO and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the
-   forward's ·V step). Work is skipped per 32-key block that no row of a tile may attend. */
+   float32; with a soft-cap (cap > 0), the scaled scores become cap · tanh(s / cap) before
+   the bias or bounds mask them. Backward, per block of KB keys of one head over all rows:
+   S = Q Kᵀ · scale (soft-capped) + bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP -
+   Delta) · scale (Delta = rowsum(dO ∘ O); with a soft-cap, · (1 - t²) too); dV += Pᵀ dO
+   and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the forward's ·V
+   step). Work is skipped per 32-key block that no row of a tile may attend. */
 #ifndef QKV_BF16
 #define QKV_BF16 0
 #endif
@@ -119,6 +121,15 @@ TARGET static float probs_f32(const float *s, int64_t nk, const int *live, float
     return vsum(acc);
 }
 
+/* The scores of the tile's live blocks soft-capped in place: cap · tanh(s / cap). (Blocks
+   not live stay -inf.) */
+TARGET static void soft_cap(float S[MR][KT], int64_t nk, const int *live, float cap) {
+    const vf c = vset1(cap), inv = vset1(1.0f / cap);
+    for (int i = 0; i < MR; i++)
+        for (int64_t n = 0; n < nk; n += 16)
+            if (live[n / 32]) vstore(&S[i][n], vmul(c, vtanh(vmul(vload(&S[i][n]), inv))));
+}
+
 /* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
    one of the tile's `rows` rows (from r0, of batch b) by the row's bounds, or by the bias
    (the bias row of key n at br + n - lead), if there is one. */
@@ -193,6 +204,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
             int live[KT / 32];
             live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
             scores(j, qt, kp, n0, nk, live, j->scale, S);
+            if (j->cap > 0.0f) soft_cap(S, nk, live, j->cap);
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
                 const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
@@ -322,7 +334,8 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
 #endif
         scores(j, qrows, kp, 0, nk, live, j->scale, S);
         scores(j, drows, vk, 0, nk, live, 1.0f, dP);
-        const vf zero = vzero(), scale = vset1(j->scale);
+        const vf zero = vzero(), scale = vset1(j->scale), one = vset1(1.0f);
+        const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
         for (int i = 0; i < MR; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
             float lse = i < rows ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] +
@@ -335,9 +348,15 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
+                    vf chain = scale; /* dS by the scaled score: with a soft-cap, · 1 - t² */
+                    if (j->cap > 0.0f) { /* s -> cap · t, t = tanh(s / cap) */
+                        vf t = vtanh(vmul(vload(&S[i][n]), inv));
+                        vstore(&S[i][n], vmul(cap, t));
+                        chain = vmul(scale, vsub(one, vmul(t, t)));
+                    }
                     vf x = masked(&S[i][n], br ? br + n : NULL, lanes(n, kf, kl));
                     p = exp_neg(vsub(x, vset1(lse)));
-                    ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), scale);
+                    ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), chain);
                 }
                 vstore(&P[i][n], p);
                 vstore(&dS[i][n], ds);

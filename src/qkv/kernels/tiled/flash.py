@@ -69,6 +69,7 @@ def fused_forward(
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
     reads each key/value head once). out in the accumulation dtype, as lse."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
+    cap = _softcap(call, native)
     if native != q.dtype:
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
@@ -82,7 +83,7 @@ def fused_forward(
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     if native is not None:
         jobs = native_jobs(plan, q5, out, lse, mask_tile, cache)
-        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts)
+        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts, cap)
         return out.view(B, H, T_q, D), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
@@ -113,6 +114,21 @@ def fused_forward(
             rows = torch.arange(g0, g1)[~done]
             out[:, :, :, rows], lse[:, :, :, rows] = 0.0, float("-inf")
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+
+
+def _softcap(call: Lowered, native: torch.dtype | None) -> float:
+    """The soft-cap the native kernel applies (0: none). A modification is the fused steps'
+    only as a soft-cap in the native kernel (the dispatch sends every other to the loop):
+    anything else here is refused, not dropped."""
+    mod = call.mod_tiles
+    if mod is None:
+        return 0.0
+    if mod.softcap is None or native is None:
+        raise ValueError(
+            "the fused steps apply no score modification but a soft-cap, in the native kernel "
+            f"(path {call.path!r}): run it through the PyTorch loop"
+        )
+    return mod.softcap
 
 
 def native_jobs(
@@ -216,6 +232,7 @@ def fused_backward(
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
     kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
+    cap = _softcap(call, native)
     dtypes = q.dtype, k.dtype, v.dtype
     if native != q.dtype:
         q, k, v = _working(q, k, v)
@@ -275,7 +292,7 @@ def fused_backward(
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
     if natively:
-        _native.backward_many(jobs, k, v, scale)
+        _native.backward_many(jobs, k, v, scale, cap)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

@@ -2,8 +2,9 @@
 of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
 no AVX-512) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
 accumulated in float32, P and dS entering their matmul as bfloat16 hi + lo parts, about 16
-bits); the softmax state in float32 either way. docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the
-CPU lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
+bits); the softmax state in float32 either way. docs/kernels.md#the-native-kernel gives its
+measurements; where it is not built or the CPU lacks the instructions, the fused calls run
+torch's flash kernel in float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
 """
@@ -244,15 +245,17 @@ def attend(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     bounds: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32:
+    """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32
+    (with ``softcap`` > 0 the scaled scores soft-capped first, cap · tanh(s / cap)):
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
     allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
     (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and ``lse``
     (B, H_kv, G, R), float32 views, where given."""
     job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse)
-    attend_many([job], packed, scale, p_parts)
+    attend_many([job], packed, scale, p_parts, softcap)
     return job.out, job.lse
 
 
@@ -286,7 +289,9 @@ class Job:
         self.lse = torch.empty(B, H_kv, G, R) if lse is None else lse
 
 
-def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2) -> None:
+def attend_many(
+    jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2, softcap: float = 0.0
+) -> None:
     """Every call of a forward pass (:func:`attend`'s, over one packed K and V) in one native
     call: one parallel region whose threads take the calls' work items from one counter, so
     a thread descheduled on a busy machine holds up only the item it is on, and the pass
@@ -319,6 +324,7 @@ def attend_many(jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2)
                 (B, H_kv, G, R, D),
                 packed.Nt,
                 scale,
+                softcap,
                 p_parts,
                 packed.k.dtype == torch.float32,
             )
@@ -412,14 +418,15 @@ def backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     bounds: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
     for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), K and V
     (B, H_kv, T_k, D) as they are (each work item packs its own keys), all float32 or all
-    bfloat16; bias, or bounds, as a :class:`Range`'s."""
+    bfloat16; bias, or bounds, as a :class:`Range`'s; ``softcap`` as :func:`attend`'s."""
     job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds)
-    backward_many([job], k, v, scale)
+    backward_many([job], k, v, scale, softcap)
 
 
 class BackwardJob(NamedTuple):
@@ -438,7 +445,9 @@ class BackwardJob(NamedTuple):
     bounds: torch.Tensor | None = None
 
 
-def backward_many(jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+def backward_many(
+    jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0
+) -> None:
     """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
     whose threads take the calls' work items (a key block of one head each) from one
     counter; each item's shares of dQ, dK and dV are added in one fixed order (call by
@@ -488,6 +497,7 @@ def backward_many(jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, sca
                 (B, H_kv, G, R, D),
                 (T_k, job.k0, N),
                 scale,
+                softcap,
                 k.dtype == torch.float32,
             )
         )
