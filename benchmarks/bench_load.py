@@ -3,14 +3,14 @@
     python benchmarks/bench_load.py [--rounds 7] [--busy 2] [--T 8192]
     python benchmarks/bench_load.py --parts    # where the window forward's time goes
     python benchmarks/bench_load.py --isa avx2 # float32 on the native AVX2 step
-    python benchmarks/bench_load.py --only softcap   # the cases whose name holds "softcap"
+    python benchmarks/bench_load.py --only +alibi  # the cases whose name holds "+alibi"
 
 Each case — ``sliding_window(256)`` at T (B = 1, H = 8, D = 64) forward and forward +
 backward, float32 and bfloat16 (float32 also with ``Tuning.native`` off: torch's flash
 kernel call by call, what float32 ran before the native kernel took it), and causal at
 T = 4096 through the tiled kernel (``auto`` gives it to SDPA), and the window with Gemma 2's
-soft-cap (native, and the PyTorch loop; SDPA, which has no soft-cap, times the plain
-window) — runs through
+soft-cap and with ALiBi (native, and the PyTorch loop; SDPA times the plain window) — runs
+through
 ``qkv.attention`` and through torch's SDPA (the dense bool mask for the window,
 ``is_causal`` for causal), first on a quiet machine, then while ``--busy`` CPU-bound
 processes (a Python busy loop each) run beside it. Medians of interleaved rounds; the
@@ -49,14 +49,18 @@ def cases(T: int, dtypes=(torch.float32, torch.bfloat16)):
             name = str(dtype).removeprefix("torch.") + ("" if native else " (native off)")
             ours = functools.partial(_qkv, mask=window, native=native)
             _window(out, f"sliding_window(256) T={T} {name}", ours, q, k, v)
-    # Gemma 2's soft-cap on the window: the native kernel applies it (the loop, native off);
-    # SDPA, which cannot, times the plain window as the baseline.
+    # Gemma 2's soft-cap and ALiBi on the window: the native kernel applies them (the loop,
+    # native off); SDPA times the plain window as the baseline.
     q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
-    cap = qkv.scores.softcap(50.0)
-    for native in (True, False):
-        name = f"sliding_window(256)+softcap(50) T={T} float32" + ("" if native else " (loop)")
-        ours = functools.partial(_qkv, mask=window, native=native, score_mod=cap)
-        _window(out, name, ours, q, k, v)
+    mods = {
+        "softcap(50)": qkv.scores.softcap(50.0),
+        "alibi": qkv.scores.alibi(qkv.scores.alibi_slopes(H)),
+    }
+    for mod_name, mod in mods.items():
+        for native in (True, False):
+            name = f"sliding_window(256)+{mod_name} T={T} float32" + ("" if native else " (loop)")
+            ours = functools.partial(_qkv, mask=window, native=native, score_mod=mod)
+            _window(out, name, ours, q, k, v)
     q, k, v = (torch.randn(1, H, 4096, D, generator=g) for _ in range(3))
     causal = functools.partial(_qkv, mask=qkv.masks.causal(), backend="tiled")
     out["causal T=4096 float32 forward (tiled)"] = (

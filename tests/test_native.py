@@ -73,6 +73,27 @@ def random_mask(kind, B, H_kv, G, R, N, g):
     return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")), None, allowed
 
 
+def kernel_mod(name, H, g):
+    """A modification the native kernel applies, as its keywords and as ``qkv.scores``'s:
+    none, a soft-cap, or ALiBi slopes (one per query head, H = H_kv · G)."""
+    if name == "softcap":
+        return {"softcap": 2.5}, qkv.scores.softcap(2.5)
+    if name == "alibi":
+        slopes = torch.rand(H, generator=g) * 0.5
+        return {"slopes": slopes}, qkv.scores.alibi(slopes)
+    return {}, None
+
+
+def heads_layout(x5, mask, G):
+    """A call's rows (B, H_kv, G, R, ·) as the oracle's query heads (B, H_kv · G, R, ·), its
+    allowed keys (B|1, H_kv|1, G·R, N) likewise."""
+    B, H_kv, _, R = x5.shape[:4]
+    x = x5.reshape(B, H_kv * G, R, *x5.shape[4:])
+    if mask is None:
+        return x, None
+    return x, mask.expand(B, H_kv, G * R, -1).reshape(B, H_kv * G, R, -1)
+
+
 @pytest.mark.parametrize(
     "B,H_kv,G,R,T_k,k0,k1,D",
     [
@@ -92,30 +113,38 @@ def random_mask(kind, B, H_kv, G, R, N, g):
     ids=["bf16-p1", "bf16-p2", "f32", "f32-avx2"],
     indirect=["dtype"],
 )
-@pytest.mark.parametrize("cap", [0.0, 2.5], ids=["", "softcap"])
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts, cap):
+@pytest.mark.parametrize("mod", ["", "softcap", "alibi"])
+def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts, mod):
+    """With a modification: the soft-cap's scores up to ~±10 (well into the cap); ALiBi's
+    first query at q_idx k0 + 5 (kv_idx: a key's index in K)."""
     g = torch.Generator().manual_seed(B * 1000 + R)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
     N = k1 - k0
-    bias = bounds = mask = None
+    bias = bounds = allowed = None
     if bias_kind != "none":
         bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
-        mask = allowed.expand(B, H_kv, G * R, N).numpy()
-    scale = 3 / math.sqrt(D) if cap else 1 / math.sqrt(D)  # scores up to ~±10: capped
+    scale = (3 if mod == "softcap" else 1) / math.sqrt(D)
+    kw, score_mod = kernel_mod(mod, H_kv * G, g)
     packed = native.pack(k, v)
-    out, lse = native.attend(q5, packed, k0, k1, bias, scale, parts, bounds=bounds, softcap=cap)
-    q = q5.reshape(B, H_kv, G * R, D)
+    out, lse = native.attend(
+        q5, packed, k0, k1, bias, scale, parts, bounds=bounds, qpos=k0 + 5, **kw
+    )
+    q, mask = heads_layout(q5, allowed, G)
     want, want_lse = qnp.attention(
-        *(x.double().numpy() for x in (q, k[:, :, k0:k1], v[:, :, k0:k1])),
-        mask=mask,
+        *(
+            x.double().numpy()
+            for x in (q, *(t[:, :, k0:k1].repeat_interleave(G, 1) for t in (k, v)))
+        ),
+        mask=None if mask is None else mask.numpy(),
         scale=scale,
-        score_mod=qkv.scores.softcap(cap) if cap else None,
+        q_offset=5,
+        score_mod=score_mod,
         return_lse=True,
     )
     got, got_lse = (
-        out.reshape(B, H_kv, G * R, D).double().numpy(),
-        lse.reshape(B, H_kv, G * R).double().numpy(),
+        out.reshape(B, H_kv * G, R, D).double().numpy(),
+        lse.reshape(B, H_kv * G, R).double().numpy(),
     )
     # float32 arithmetic (on bfloat16 inputs: with P as hi + lo, ~16 bits, the default, the
     # error is float32's; with P rounded once to bfloat16, p_parts = 1, it is up to about
@@ -124,12 +153,14 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     atol = {1: rounding_tolerance(want, torch.bfloat16, 1.0), 2: 2e-5}[parts]
     if dtype == torch.float32:  # float32 inputs, float32 arithmetic: a few ulps
         atol = 4e-6
-    if cap:  # tanh near 0 as 1 - 2/(e^2x + 1): a few units of 1's last place, times the cap
+    if mod == "softcap":  # tanh near 0 as 1 - 2/(e^2x + 1): a few of 1's ulps, times the cap
         atol += 2.5 * 4 * 2**-24
+    if mod == "alibi":  # a score as large as its term rounds as float32 does at that size
+        atol += 4 * 2**-24 * float(kw["slopes"].max()) * (T_k + 5)
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     empty = np.isneginf(want_lse)
     assert np.array_equal(np.isneginf(got_lse), empty)
-    np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], atol=2e-5, rtol=1e-6)
+    np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], atol=3e-5, rtol=1e-6)
     assert not got[empty].any()  # a row with no key: 0
 
 
@@ -138,7 +169,9 @@ def calls(monkeypatch):
     seen = []
     for name in ("attend", "attend_many", "backward", "backward_many"):
         real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, real=real: seen.append(1) or real(*a))
+        monkeypatch.setattr(
+            native, name, lambda *a, real=real, **kw: seen.append(1) or real(*a, **kw)
+        )
     return seen
 
 
@@ -258,31 +291,35 @@ def test_native_output_within_its_own_rounding_on_random_problems(
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "bounds_per_batch"])
-@pytest.mark.parametrize("cap", [0.0, 2.5], ids=["", "softcap"])
+@pytest.mark.parametrize("mod", ["", "softcap", "alibi"])
 @BOTH
 def test_one_backward_call_equals_float64_autograd(
-    B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, cap
+    B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, mod
 ):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
     arithmetic (on bfloat16 inputs, dS enters ·K as hi + lo), so float32's error; with a
-    soft-cap, through its derivative 1 - tanh²."""
+    soft-cap, through its derivative 1 - tanh²; with ALiBi, whose term passes dS through."""
     g = torch.Generator().manual_seed(7 * R + D)
     q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
-    N, scale = k1 - k0, (3 if cap else 1) / math.sqrt(D)
-    mod = qkv.scores.softcap(cap) if cap else None
-    bias = bounds = mask = None
+    N, scale = k1 - k0, (3 if mod == "softcap" else 1) / math.sqrt(D)
+    kw, score_mod = kernel_mod(mod, H_kv * G, g)
+    bias = bounds = allowed = None
     if bias_kind != "none":
         bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
-        mask = allowed.expand(B, H_kv, G * R, N)
-    qd, kd, vd = (
-        x.double().requires_grad_()
-        for x in (q5.reshape(B, H_kv, G * R, D), k[:, :, k0:k1], v[:, :, k0:k1])
-    )
+    q, mask = heads_layout(q5, allowed, G)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k[:, :, k0:k1], v[:, :, k0:k1]))
     out, lse = qkv.attention(
-        qd, kd, vd, mask=mask, scale=scale, backend="reference", score_mod=mod, return_lse=True
+        qd,
+        *(x.repeat_interleave(G, 1) for x in (kd, vd)),
+        mask=mask,
+        scale=scale,
+        q_offset=5,
+        backend="reference",
+        score_mod=score_mod,
+        return_lse=True,
     )
-    dout = do5.reshape(B, H_kv, G * R, D).double()
+    dout = heads_layout(do5, None, G)[0].double()
     want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
     with torch.no_grad():  # a row with no key: lse -inf
         lse, delta = lse.detach(), (dout * out).sum(-1)
@@ -303,10 +340,13 @@ def test_one_backward_call_equals_float64_autograd(
         dk,
         dv,
         bounds,
-        softcap=cap,
+        qpos=k0 + 5,
+        **kw,
     )
     atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
-    for got, exp in zip((dq.reshape(B, H_kv, G * R, D), dk, dv), want):
+    if mod == "alibi":  # the scores round as float32 does at the term's size
+        atol += 2**-24 * 64 * float(kw["slopes"].max()) * (T_k + 5)
+    for got, exp in zip((dq.reshape(B, H_kv * G, R, D), dk, dv), want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=atol, rtol=1e-4)
 
 
@@ -399,15 +439,22 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
 @BOTH
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_a_soft_cap_runs_natively(name, small, dtype, monkeypatch, tune):
-    """``scores.softcap`` (Gemma 2's), the one modification the native kernel applies: both
-    passes native, every mask kind, T_q != T_k, GQA, against float64 autograd through the
-    reference on the same inputs; out within its own rounding, gradients within 2e-4 of
-    their scale (bfloat16: their own rounding of the float32 answer, twice over)."""
+@pytest.mark.parametrize("which", ["softcap", "alibi"])
+def test_a_modification_runs_natively(which, name, small, dtype, monkeypatch, tune):
+    """The modifications the native kernel applies — ``scores.softcap`` (Gemma 2's) and
+    ``scores.alibi`` with fixed slopes: both passes native, every mask kind, T_q != T_k (the
+    queries' positions from q_offset), GQA, against float64 autograd through the reference
+    on the same inputs; out within its own rounding, gradients within 2e-4 of their scale
+    (bfloat16: within two units of their rounding of the PyTorch loop's on the same inputs;
+    both backward passes read the rounded out for Delta, which against float64 costs up to
+    ~2.2 units here, native or not)."""
     if small:
         tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
     T_q, T_k = 61, 75
-    mask, cap = mask_zoo(2, T_k, T_q)[name], qkv.scores.softcap(2.0)
+    mask = mask_zoo(2, T_k, T_q)[name]
+    cap = qkv.scores.softcap(2.0)
+    if which == "alibi":
+        cap = qkv.scores.alibi(qkv.scores.alibi_slopes(4))
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=15)
     q = (q.float() * 2).to(dtype)  # scores up to ~±8: well into the cap
     g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(16)).to(dtype)
@@ -417,20 +464,27 @@ def test_a_soft_cap_runs_natively(name, small, dtype, monkeypatch, tune):
     got = grads(q, k, v, g, mask, backend="tiled", score_mod=cap)
     assert len(seen) == 3, "forward, and forward + backward, natively"
     exact = [x.double() for x in (q, k, v, g)]
-    want_out = qkv.attention(*exact[:3], mask=mask, score_mod=cap, backend="reference")
-    want = grads(*exact, mask, backend="reference", score_mod=cap)
+    mod64 = cap  # the slopes in float64 for the float64 reference
+    if which == "alibi":
+        mod64 = qkv.scores.alibi(qkv.scores.alibi_slopes(4).double())
+    want_out = qkv.attention(*exact[:3], mask=mask, score_mod=mod64, backend="reference")
+    want = grads(*exact, mask, backend="reference", score_mod=mod64)
     np.testing.assert_allclose(
         out.double().numpy(), want_out.numpy(), rtol=0, atol=tolerance(want_out.numpy(), dtype)
     )
+    if dtype == torch.bfloat16:  # against the loop's, which rounds out as this pass does
+        tune(native=False)
+        want = grads(q, k, v, g, mask, backend="tiled", score_mod=cap)
     for a, b in zip(got, want):
-        b = b.numpy()
+        b = b.double().numpy()
         atol = rounding_tolerance(b, dtype, 2.0) if dtype == torch.bfloat16 else 2e-4 * abs(b).max()
         np.testing.assert_allclose(a.double().numpy(), b, rtol=0, atol=atol)
 
 
-def test_a_soft_cap_the_native_kernel_cannot_run_takes_the_loop(monkeypatch, tune):
+def test_a_modification_the_native_kernel_cannot_run_takes_the_loop(monkeypatch, tune):
     """Native off (or a call it cannot take), a soft-cap runs in the PyTorch loop — never
-    in torch's flash kernel, which has no soft-cap — and the dispatch says why."""
+    in torch's flash kernel, which has no soft-cap — and the dispatch says why; ALiBi slopes
+    that need a gradient run there too (the kernel computes none for them)."""
     tune(native=False)
     cap = qkv.scores.softcap(2.0)
     q, k, v = make_qkv(1, 4, 2, 40, 50, 32, 32, dtype=torch.float32, seed=17)
@@ -461,6 +515,12 @@ def test_a_soft_cap_the_native_kernel_cannot_run_takes_the_loop(monkeypatch, tun
     call = dataclasses.replace(lowered(prep, q, k, v), path="tiled-flash")
     with pytest.raises(ValueError, match="soft-cap"):  # refused, not dropped
         flash.fused_forward(call, native=None)
+    tune(native=True)  # ALiBi slopes that need a gradient: the loop computes it
+    slopes = qkv.scores.alibi_slopes(4).requires_grad_()
+    alibi = qkv.scores.alibi(slopes)
+    assert qkv.dispatch(q, k, v, score_mod=alibi, backend="tiled").path == "tiled-loop"
+    qkv.attention(q, k, v, score_mod=alibi, backend="tiled").sum().backward()
+    assert not seen and slopes.grad is not None and slopes.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("isa", ["", "avx2"])

@@ -182,7 +182,7 @@ class ScoreTiles:
 
     def __init__(self, mod: ScoreMod, p: Problem, device: torch.device) -> None:
         self.mod, self.p, self.device, self.heads = mod, p, device, torch.arange(p.H)
-        self.softcap = mod.softcap
+        self.softcap, self.alibi = mod.softcap, mod.alibi
         self.stages = mod.stages()
         self.terms: dict[tuple[int, int, int, int], torch.Tensor] = {}
 

@@ -96,16 +96,16 @@ def _causal_at_the_end(a: Ask) -> bool:
 def tiled_path(a: Ask) -> tuple[str, str]:
     """Which code of the tiled kernel runs this call, and why: "tiled-op" while tracing (the
     op decides at run time, by this function); the PyTorch loop where a score modification
-    other than a soft-cap is applied, the fused calls are turned off or torch's flash kernel
-    cannot take the call; qkv's native kernel for float32 and bfloat16 where it can run it
-    and the probe found it worth it (a soft-cap applied in it); else torch's flash kernel,
-    call by call, or the loop for a soft-cap. Reads K (and for the native kernel Q and V)
-    once, to know they are finite."""
+    the native kernel does not apply (:func:`_native_mod`) is applied, the fused calls are
+    turned off or torch's flash kernel cannot take the call; qkv's native kernel for float32
+    and bfloat16 where it can run it and the probe found it worth it; else torch's flash
+    kernel, call by call, or the loop for a modification. Reads K (and for the native kernel
+    Q and V) once, to know they are finite."""
     if a.tracing:
         return "tiled-op", "the tiled kernel as one opaque op, which picks its code at run time"
     loop = "the PyTorch loop applies the score modification tile by tile"
-    cap = None if a.mod is None else a.mod.softcap
-    if a.mod is not None and cap is None:
+    mod = _native_mod(a.mod)
+    if a.mod is not None and mod is None:
         return "tiled-loop", loop
     if not a.tuning.fused:
         return "tiled-loop", "the PyTorch loop: fused calls turned off (Tuning.fused)"
@@ -114,7 +114,7 @@ def tiled_path(a: Ask) -> tuple[str, str]:
             "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
             "D_v != D, NaN/inf in the keys, or this torch lacks it)"
         )
-    capped = "" if cap is None else f", the soft-cap ({cap:g}) applied in it"
+    capped = "" if mod is None else f", {mod} applied in it"
     if a.tuning.native:
         if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
             name = str(a.q.dtype).removeprefix("torch.")
@@ -132,7 +132,7 @@ def tiled_path(a: Ask) -> tuple[str, str]:
                 f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
                 f"float32 copies{capped}"
             )
-    if cap is not None:
+    if a.mod is not None:
         return "tiled-loop", f"{loop} (the native kernel cannot run this call)"
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 
@@ -272,6 +272,16 @@ def _rule_native(a: Ask) -> Dispatch | None:
         f"float32 through torch's kernel ({measured})",
         "native bfloat16",
     )
+
+
+def _native_mod(mod: ScoreMod | None) -> str | None:
+    """The modification the native kernel applies itself, in words — a soft-cap, or ALiBi
+    whose slopes need no gradient (the kernel computes none for them) — else None."""
+    if mod is not None and mod.softcap is not None:
+        return f"the soft-cap ({mod.softcap:g})"
+    if mod is not None and mod.alibi is not None and not mod.alibi.requires_grad:
+        return "the ALiBi slopes"
+    return None
 
 
 def _native_wins(a: Ask, dtype: torch.dtype) -> bool:

@@ -57,11 +57,12 @@ class MaskTiles(Protocol):
 
 class ModTiles(Protocol):
     """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries q0..q1-1
-    and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`); ``softcap``:
-    its cap where it is a soft-cap alone, which the native kernel applies itself (else
-    None)."""
+    and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`); ``softcap``
+    and ``alibi``: its cap where it is a soft-cap alone, its slopes (H,) where it is ALiBi
+    alone, which the native kernel applies itself (else None)."""
 
     softcap: float | None
+    alibi: torch.Tensor | None
 
     def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor: ...
 

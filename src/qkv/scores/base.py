@@ -79,6 +79,9 @@ class ScoreMod:
     #: The cap where the modification is a soft-cap and nothing else (``cap · tanh(s /
     #: cap)``), which qkv's native kernel applies itself; None for every other.
     softcap: float | None = None
+    #: The slopes (H,) where the modification is ALiBi and nothing else (``s + slopes[h] ·
+    #: (kv_idx − q_idx)``), which qkv's native kernel applies itself; None for every other.
+    alibi: torch.Tensor | None = None
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.apply(score, b, h, q_idx, kv_idx, q_idx)

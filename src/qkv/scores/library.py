@@ -28,7 +28,7 @@ class _Alibi(ScoreMod):
                 f"alibi slopes must be a 1-d float tensor, one per head (H,); "
                 f"got {slopes.dtype} of shape {fmt_shape(slopes.shape)}"
             )
-        self.slopes = slopes
+        self.slopes = self.alibi = slopes
 
     def validate(self, B, H, T_q, T_k):
         if self.slopes.shape[0] != H:

@@ -53,20 +53,22 @@ def backward(
     """dq, dk, dv (and, with ``need_mod``, the gradients of ``call.mod_tensors``; else
     Nones) given the forward's out and lse and the gradients reaching them (``dlse`` None:
     nothing reaches the log-sum-exp). The flash calls' backward where the forward ran them
-    and nothing reaches the log-sum-exp or a modification (but a soft-cap, which the native
-    kernel applies itself), else the loop; ``delta``
+    and nothing reaches the log-sum-exp or a modification's tensors, and the modification
+    is none or one the native kernel applies itself; else the loop; ``delta``
     (rowsum(dout ∘ out), accumulation dtype) is computed here unless given."""
-    if dlse is None and _fused_mod(call) and call.path in FUSED:
+    if dlse is None and not need_mod and _fused_mod(call) and call.path in FUSED:
         native = _native_dtype(call)
-        return flash.fused_backward(call, out, lse, dout, native=native, delta=delta)
+        grads = flash.fused_backward(call, out, lse, dout, native=native, delta=delta)
+        return (*grads, *(None for _ in call.mod_tensors))  # (ALiBi's slopes: no gradient)
     return loop_backward(call, out, lse, dout, dlse, delta=delta, need_mod=need_mod)
 
 
 def _fused_mod(call: Lowered) -> bool:
-    """Whether the fused steps take the call's modification: none, or a soft-cap in the
-    native kernel."""
+    """Whether the fused steps take the call's modification: none, or a soft-cap or ALiBi
+    in the native kernel."""
     mod = call.mod_tiles
-    return mod is None or (mod.softcap is not None and _native_dtype(call) is not None)
+    native = _native_dtype(call) is not None
+    return mod is None or (native and (mod.softcap is not None or mod.alibi is not None))
 
 
 class _TiledAttention(torch.autograd.Function):

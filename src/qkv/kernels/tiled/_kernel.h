@@ -47,6 +47,8 @@ typedef struct {
     int64_t N;      /* the call's keys */
     float scale;
     float cap;      /* > 0: the scaled scores soft-capped, cap · tanh(s / cap); 0: not */
+    const float *slopes; /* ALiBi, or NULL: + slopes[h] · (kv_idx - q_idx), h = h_kv · G + g */
+    int64_t qpos;   /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
     int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;        /* Q, K, V float32 (else bfloat16) */
     int isa;        /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */

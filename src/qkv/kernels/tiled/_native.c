@@ -334,15 +334,18 @@ static int parse_call(Job *j, PyObject *args, int threads) {
         ls3;
     long long B, H, G, R, D, Nt;
     double scale, cap;
+    unsigned long long slopes;
+    long long qpos;
     int parts, f32;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Lddip", &q, &qs0, &qs1,
+    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip", &q, &qs0, &qs1,
                           &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2, &PyList_Type, &ranges,
                           &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B, &H, &G,
-                          &R, &D, &Nt, &scale, &cap, &parts, &f32))
+                          &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts, &f32))
         return 0;
     if (!call_sizes(j, "attend", B, H, G, R, D, scale, cap, f32, threads)) return 0;
+    j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
     if (!segs) {
@@ -471,15 +474,17 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     long long qs[4], dos[4], kst[3], vst[3], bs[3], bnb, ls[4], des[4], dqs[4], dks[3], dvs[3];
     long long B, H, G, R, D, T, k0, N;
     double scale, cap;
+    unsigned long long slopes;
+    long long qpos;
     int f32;
     if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                          "(KLLL)(LLLLL)(LLL)ddp", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
+                          "(KLLL)(LLLLL)(LLL)dd(KL)p", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
                           &dos[0], &dos[1], &dos[2], &dos[3], &k, &kst[0], &kst[1], &kst[2], &v,
                           &vst[0], &vst[1], &vst[2], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
                           &lse, &ls[0], &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2],
                           &des[3], &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1],
                           &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B, &H, &G, &R, &D, &T, &k0, &N,
-                          &scale, &cap, &f32))
+                          &scale, &cap, &slopes, &qpos, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
@@ -492,6 +497,7 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
         return 0;
     }
     j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N;
+    j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     j->q = (const void *)(uintptr_t)q;
     j->vp = (const void *)(uintptr_t)k; /* float32 reads K's rows in place for dS K */
     j->bias = (const float *)(uintptr_t)bias;
@@ -598,7 +604,7 @@ static PyMethodDef methods[] = {
     {"backward", backward_py, METH_VARARGS,
      "backward((q, *4), (dout, *4), (k, *3), (v, *3), (bias|0, *3), (bounds|0, *1), "
      "(lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), (T, k0, N), "
-     "scale, softcap, float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
+     "scale, softcap, (slopes|0, qpos), float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
      "key-block order), dk and dv; K and V (B, H, T, D) as they are."},
     {"pack", pack_py, METH_VARARGS,
      "pack([((x, *3 strides), dst, values), ...], (B, H, T, D, Nt), threads, float32): "
@@ -609,7 +615,8 @@ static PyMethodDef methods[] = {
      "parallel region, their work items dealt from one counter."},
     {"attend", attend, METH_VARARGS,
      "attend((q, *4 strides), (kp, *2), (vp, *2), [(k0, N, (bias|0, *3)), ...], (out, *4), "
-     "(lse, *4), (B, H, G, R, D), Nt, scale, softcap, parts, float32, threads): one call of "
+     "(lse, *4), (B, H, G, R, D), Nt, scale, softcap, (slopes|0, qpos), parts, float32, "
+     "threads): one call of "
      "the step "
      "over key ranges of the packed buffers (one online softmax across them), into out and "
      "lse (float32)."},

@@ -41,6 +41,7 @@ VI vf vblend(lanemask m, vf off, vf on) { return _mm512_mask_mov_ps(off, m, on);
 VI lanemask vge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 VI lanemask vne(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
 VI vf vexp(vf x) { return qkv_exp16(x); }
+VI vf viota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 #elif QKV_ISA == 256
 #define TARGET __attribute__((target("avx2,fma")))
@@ -103,6 +104,9 @@ VI lanemask vne(vf a, vf b) {
                      _mm256_cmp_ps(a.hi, b.hi, _CMP_NEQ_OQ));
 }
 VI vf vexp(vf x) { return (vf){qkv_exp8(x.lo), qkv_exp8(x.hi)}; }
+VI vf viota(void) {
+    return (vf){_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
+}
 #else
 #error "QKV_ISA: 512 or 256"
 #endif

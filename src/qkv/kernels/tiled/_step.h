@@ -5,8 +5,9 @@
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
    over every key range of the job, one online softmax; scores, softmax state and output in
-   float32; with a soft-cap (cap > 0), the scaled scores become cap · tanh(s / cap) before
-   the bias or bounds mask them. Backward, per block of KB keys of one head over all rows:
+   float32; with a soft-cap (cap > 0), the scaled scores become cap · tanh(s / cap), with
+   ALiBi slopes s + slope · (kv_idx - q_idx) (one of the two), before the bias or bounds
+   mask them. Backward, per block of KB keys of one head over all rows:
    S = Q Kᵀ · scale (soft-capped) + bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP -
    Delta) · scale (Delta = rowsum(dO ∘ O); with a soft-cap, · (1 - t²) too); dV += Pᵀ dO
    and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the forward's ·V
@@ -158,13 +159,22 @@ TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64
     }
 }
 
-/* A row's 16 scores from n: plus its bias where it has one, -inf outside its keys (the
-   lanes of `in`). */
-TARGET static inline __attribute__((always_inline)) vf masked(const float *s, const float *br,
-                                                             lanemask in) {
-    vf x = vload(s);
-    if (br) x = vadd(x, vloadz(in, br)); /* 0 outside `in`, which the -inf then replaces */
+/* A row's 16 scores x from key n: plus their ALiBi term where the job has slopes (`d`: the
+   row's kv_idx - q_idx at key 0 of the block), plus the row's bias where it has one (br),
+   -inf outside its keys (the lanes of `in`). */
+TARGET static inline __attribute__((always_inline)) vf masked(const Job *j, vf x, float slope,
+                                                             int64_t d, int64_t n,
+                                                             const float *br, lanemask in) {
+    if (j->slopes) x = vadd(x, vmul(vset1(slope), vadd(vset1((float)(d + n)), viota())));
+    if (br) x = vadd(x, vloadz(in, br + n)); /* 0 outside `in`, which the -inf then replaces */
     return vblend(in, vset1(-INFINITY), x);
+}
+
+/* Row `row` (of the G·R rows of head h)'s ALiBi slope, and its kv_idx - q_idx at key n0
+   of the range from `begin`; 0s where the job has no slopes. */
+static inline float alibi_of(const Job *j, int64_t h, int64_t row, int64_t n0, int64_t *d) {
+    *d = j->begin + n0 - (j->qpos + row % j->R);
+    return j->slopes ? j->slopes[h * j->G + row / j->R] : 0.0f;
 }
 
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
@@ -208,12 +218,13 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
                 const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-                int64_t kf, kl; /* the keys this row may see */
+                int64_t kf, kl, d; /* the keys this row may see */
                 row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
+                float slope = alibi_of(j, h, r0 + i, n0, &d);
                 vf mx = vset1(-INFINITY);
                 for (int64_t n = 0; n < nk; n += 16) {
                     if (!live[n / 32]) continue;
-                    vf x = masked(s + n, br ? br + n : NULL, lanes(n, kf, kl));
+                    vf x = masked(j, vload(s + n), slope, d, n, br, lanes(n, kf, kl));
                     vstore(s + n, x);
                     mx = vmax(mx, x);
                 }
@@ -343,18 +354,19 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
                                                g * bj->des[2] + r * bj->des[3]] : 0.0f;
             const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-            int64_t kf, kl; /* the keys this row may see */
+            int64_t kf, kl, d; /* the keys this row may see */
             row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
+            float slope = alibi_of(j, h, r0 + i, n0, &d);
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    vf chain = scale; /* dS by the scaled score: with a soft-cap, · 1 - t² */
-                    if (j->cap > 0.0f) { /* s -> cap · t, t = tanh(s / cap) */
-                        vf t = vtanh(vmul(vload(&S[i][n]), inv));
-                        vstore(&S[i][n], vmul(cap, t));
+                    vf chain = scale, x = vload(&S[i][n]); /* dS by the scaled score */
+                    if (j->cap > 0.0f) { /* s -> cap · t, t = tanh(s / cap): dS · (1 - t²) */
+                        vf t = vtanh(vmul(x, inv));
+                        x = vmul(cap, t);
                         chain = vmul(scale, vsub(one, vmul(t, t)));
                     }
-                    vf x = masked(&S[i][n], br ? br + n : NULL, lanes(n, kf, kl));
+                    x = masked(j, x, slope, d, n, br, lanes(n, kf, kl));
                     p = exp_neg(vsub(x, vset1(lse)));
                     ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), chain);
                 }

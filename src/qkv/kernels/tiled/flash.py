@@ -69,7 +69,7 @@ def fused_forward(
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
     reads each key/value head once). out in the accumulation dtype, as lse."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
-    cap = _softcap(call, native)
+    mod = _native_mod(call, native)
     if native != q.dtype:
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
@@ -82,8 +82,8 @@ def fused_forward(
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     if native is not None:
-        jobs = native_jobs(plan, q5, out, lse, mask_tile, cache)
-        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts, cap)
+        jobs = native_jobs(plan, q5, out, lse, mask_tile, cache, call.q_offset)
+        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts, **mod)
         return out.view(B, H, T_q, D), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
@@ -116,19 +116,21 @@ def fused_forward(
     return out.view(B, H, T_q, D), lse.view(B, H, T_q)
 
 
-def _softcap(call: Lowered, native: torch.dtype | None) -> float:
-    """The soft-cap the native kernel applies (0: none). A modification is the fused steps'
-    only as a soft-cap in the native kernel (the dispatch sends every other to the loop):
-    anything else here is refused, not dropped."""
+def _native_mod(call: Lowered, native: torch.dtype | None) -> dict[str, Any]:
+    """The modification the native kernel applies, as its keywords: {} (none), a soft-cap,
+    or ALiBi slopes (float32 (H,)). The fused steps take no other (the dispatch sends every
+    other to the loop): anything else here is refused, not dropped."""
     mod = call.mod_tiles
     if mod is None:
-        return 0.0
-    if mod.softcap is None or native is None:
-        raise ValueError(
-            "the fused steps apply no score modification but a soft-cap, in the native kernel "
-            f"(path {call.path!r}): run it through the PyTorch loop"
-        )
-    return mod.softcap
+        return {}
+    if native is not None and mod.softcap is not None:
+        return {"softcap": mod.softcap}
+    if native is not None and mod.alibi is not None:
+        return {"slopes": mod.alibi.detach().to(torch.float32).contiguous()}
+    raise ValueError(
+        "the fused steps apply no score modification but a soft-cap or ALiBi, in the native "
+        f"kernel (path {call.path!r}): run it through the PyTorch loop"
+    )
 
 
 def native_jobs(
@@ -138,10 +140,12 @@ def native_jobs(
     lse: torch.Tensor,
     mask_tile: MaskTiles | None,
     cache: dict | None,
+    q_offset: int = 0,
 ) -> list[_native.Job]:
     """The forward pass as the native kernel's jobs: each query block of the plan one job
     over its key ranges (:func:`_native_ranges`), written into its rows of ``out`` (B, H_kv,
-    G, T_q, D) and ``lse``; q5 (B, H_kv, G, T_q, D)."""
+    G, T_q, D) and ``lse``; q5 (B, H_kv, G, T_q, D); its first query at q_idx ``q_offset``
+    + q0 (for ALiBi)."""
     H_kv, G = q5.shape[1], q5.shape[2]
     return [
         _native.Job(
@@ -149,6 +153,7 @@ def native_jobs(
             _native_ranges(q0, q1, chunks, mask_tile, H_kv, G, cache),
             out[:, :, :, q0:q1],
             lse[:, :, :, q0:q1],
+            q_offset + q0,
         )
         for q0, q1, chunks in plan.rows
     ]
@@ -232,7 +237,7 @@ def fused_backward(
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
     kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
-    cap = _softcap(call, native)
+    mod = _native_mod(call, native)
     dtypes = q.dtype, k.dtype, v.dtype
     if native != q.dtype:
         q, k, v = _working(q, k, v)
@@ -273,6 +278,7 @@ def fused_backward(
                         dk[:, :, c.k0 : c.k1],
                         dv[:, :, c.k0 : c.k1],
                         bounds,
+                        call.q_offset + c.q0,
                     )
                 )
                 continue
@@ -292,7 +298,7 @@ def fused_backward(
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
     if natively:
-        _native.backward_many(jobs, k, v, scale, cap)
+        _native.backward_many(jobs, k, v, scale, **mod)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

@@ -246,16 +246,20 @@ def attend(
     lse: torch.Tensor | None = None,
     bounds: torch.Tensor | None = None,
     softcap: float = 0.0,
+    slopes: torch.Tensor | None = None,
+    qpos: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32
-    (with ``softcap`` > 0 the scaled scores soft-capped first, cap · tanh(s / cap)):
+    (with ``softcap`` > 0 the scaled scores soft-capped first, cap · tanh(s / cap); with
+    ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query head — plus slope ·
+    (kv_idx − q_idx), kv_idx a key's index in K and q_idx = ``qpos`` + the row's; not both):
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
     allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
     (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and ``lse``
     (B, H_kv, G, R), float32 views, where given."""
-    job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse)
-    attend_many([job], packed, scale, p_parts, softcap)
+    job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse, qpos)
+    attend_many([job], packed, scale, p_parts, softcap, slopes)
     return job.out, job.lse
 
 
@@ -274,7 +278,8 @@ class Range(NamedTuple):
 class Job:
     """One call of :func:`attend_many`: queries q5 over the keys of ``ranges`` (disjoint),
     one online softmax across them, into ``out`` and ``lse`` (made when None), as in
-    :func:`attend`. No ranges: every row has no key (out 0, lse -inf)."""
+    :func:`attend` (``qpos``: its first query's position, for ALiBi). No ranges: every row
+    has no key (out 0, lse -inf)."""
 
     def __init__(
         self,
@@ -282,15 +287,21 @@ class Job:
         ranges: Sequence[Range],
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        qpos: int = 0,
     ) -> None:
         B, H_kv, G, R, D = q5.shape
-        self.q5, self.ranges = q5, list(ranges)
+        self.q5, self.ranges, self.qpos = q5, list(ranges), qpos
         self.out = torch.empty(B, H_kv, G, R, D) if out is None else out
         self.lse = torch.empty(B, H_kv, G, R) if lse is None else lse
 
 
 def attend_many(
-    jobs: list[Job], packed: Packed, scale: float, p_parts: int = 2, softcap: float = 0.0
+    jobs: list[Job],
+    packed: Packed,
+    scale: float,
+    p_parts: int = 2,
+    softcap: float = 0.0,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     """Every call of a forward pass (:func:`attend`'s, over one packed K and V) in one native
     call: one parallel region whose threads take the calls' work items from one counter, so
@@ -300,6 +311,7 @@ def attend_many(
     for job in jobs:
         for r in job.ranges:
             _check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
+        alibi = _alibi_at(slopes, job.q5, softcap, job.qpos)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -325,11 +337,35 @@ def attend_many(
                 packed.Nt,
                 scale,
                 softcap,
+                alibi,
                 p_parts,
                 packed.k.dtype == torch.float32,
             )
         )
     _native.attend_many(args, torch.get_num_threads())
+
+
+def _alibi_at(
+    slopes: torch.Tensor | None, q5: torch.Tensor, softcap: float, qpos: int
+) -> tuple[int, int]:
+    """ALiBi's (slopes' address, qpos) as the kernel takes them ((0, qpos): none), checked:
+    float32, contiguous, one slope per query head (H_kv · G), and no soft-cap beside them
+    (the kernel applies one modification)."""
+    if slopes is None:
+        return (0, qpos)
+    H_kv, G = q5.shape[1], q5.shape[2]
+    if (
+        slopes.dtype != torch.float32
+        or slopes.shape != (H_kv * G,)
+        or not slopes.is_contiguous()
+        or softcap
+    ):
+        raise ValueError(
+            f"native: ALiBi slopes float32 and contiguous, one per query head ({H_kv * G},), "
+            f"and no soft-cap beside them; got {slopes.dtype} {tuple(slopes.shape)}, "
+            f"softcap {softcap}"
+        )
+    return (slopes.data_ptr(), qpos)
 
 
 def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
@@ -419,14 +455,17 @@ def backward(
     dv: torch.Tensor,
     bounds: torch.Tensor | None = None,
     softcap: float = 0.0,
+    slopes: torch.Tensor | None = None,
+    qpos: int = 0,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
     for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), K and V
     (B, H_kv, T_k, D) as they are (each work item packs its own keys), all float32 or all
-    bfloat16; bias, or bounds, as a :class:`Range`'s; ``softcap`` as :func:`attend`'s."""
-    job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds)
-    backward_many([job], k, v, scale, softcap)
+    bfloat16; bias, or bounds, as a :class:`Range`'s; ``softcap``, ``slopes`` and ``qpos``
+    as :func:`attend`'s."""
+    job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds, qpos)
+    backward_many([job], k, v, scale, softcap, slopes)
 
 
 class BackwardJob(NamedTuple):
@@ -443,10 +482,16 @@ class BackwardJob(NamedTuple):
     dk: torch.Tensor
     dv: torch.Tensor
     bounds: torch.Tensor | None = None
+    qpos: int = 0
 
 
 def backward_many(
-    jobs: list[BackwardJob], k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0
+    jobs: list[BackwardJob],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
     whose threads take the calls' work items (a key block of one head each) from one
@@ -460,6 +505,7 @@ def backward_many(
     keys, args = (B_k, H_k, D_k, k.dtype), []
     for job in jobs:
         _check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
+        alibi = _alibi_at(slopes, job.q5, softcap, job.qpos)
         if job.k1 > T_k:
             raise ValueError(f"native.backward: keys {job.k0}..{job.k1} past T_k = {T_k}")
         B, H_kv, G, R, D = job.q5.shape
@@ -498,6 +544,7 @@ def backward_many(
                 (T_k, job.k0, N),
                 scale,
                 softcap,
+                alibi,
                 k.dtype == torch.float32,
             )
         )
