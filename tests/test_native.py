@@ -75,11 +75,16 @@ def random_mask(kind, B, H_kv, G, R, N, g):
 
 def kernel_mod(name, H, g):
     """A modification the native kernel applies, as its keywords and as ``qkv.scores``'s:
-    none, a soft-cap, or ALiBi slopes (one per query head, H = H_kv · G)."""
+    none, a soft-cap, ALiBi slopes (one per query head, H = H_kv · G), or ALiBi then a
+    soft-cap."""
     if name == "softcap":
         return {"softcap": 2.5}, qkv.scores.softcap(2.5)
-    if name == "alibi":
+    if name.startswith("alibi"):
         slopes = torch.rand(H, generator=g) * 0.5
+        if name == "alibi+softcap":  # the two in this order, both in the kernel
+            return {"slopes": slopes, "softcap": 2.5}, qkv.scores.alibi(slopes).then(
+                qkv.scores.softcap(2.5)
+            )
         return {"slopes": slopes}, qkv.scores.alibi(slopes)
     return {}, None
 
@@ -113,7 +118,7 @@ def heads_layout(x5, mask, G):
     ids=["bf16-p1", "bf16-p2", "f32", "f32-avx2"],
     indirect=["dtype"],
 )
-@pytest.mark.parametrize("mod", ["", "softcap", "alibi"])
+@pytest.mark.parametrize("mod", ["", "softcap", "alibi", "alibi+softcap"])
 def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts, mod):
     """With a modification: the soft-cap's scores up to ~±10 (well into the cap); ALiBi's
     first query at q_idx k0 + 5 (kv_idx: a key's index in K)."""
@@ -124,7 +129,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     bias = bounds = allowed = None
     if bias_kind != "none":
         bias, bounds, allowed = random_mask(bias_kind, B, H_kv, G, R, N, g)
-    scale = (3 if mod == "softcap" else 1) / math.sqrt(D)
+    scale = (3 if "softcap" in mod else 1) / math.sqrt(D)
     kw, score_mod = kernel_mod(mod, H_kv * G, g)
     packed = native.pack(k, v)
     out, lse = native.attend(
@@ -153,9 +158,9 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
     atol = {1: rounding_tolerance(want, torch.bfloat16, 1.0), 2: 2e-5}[parts]
     if dtype == torch.float32:  # float32 inputs, float32 arithmetic: a few ulps
         atol = 4e-6
-    if mod == "softcap":  # tanh near 0 as 1 - 2/(e^2x + 1): a few of 1's ulps, times the cap
+    if "softcap" in kw:  # tanh near 0 as 1 - 2/(e^2x + 1): a few of 1's ulps, times the cap
         atol += 2.5 * 4 * 2**-24
-    if mod == "alibi":  # a score as large as its term rounds as float32 does at that size
+    if "slopes" in kw:  # a score as large as its term rounds as float32 does at that size
         atol += 4 * 2**-24 * float(kw["slopes"].max()) * (T_k + 5)
     np.testing.assert_allclose(got, want, atol=atol, rtol=0)
     empty = np.isneginf(want_lse)
@@ -291,7 +296,7 @@ def test_native_output_within_its_own_rounding_on_random_problems(
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "bounds_per_batch"])
-@pytest.mark.parametrize("mod", ["", "softcap", "alibi"])
+@pytest.mark.parametrize("mod", ["", "softcap", "alibi", "alibi+softcap"])
 @BOTH
 def test_one_backward_call_equals_float64_autograd(
     B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, mod
@@ -302,7 +307,7 @@ def test_one_backward_call_equals_float64_autograd(
     g = torch.Generator().manual_seed(7 * R + D)
     q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
-    N, scale = k1 - k0, (3 if mod == "softcap" else 1) / math.sqrt(D)
+    N, scale = k1 - k0, (3 if "softcap" in mod else 1) / math.sqrt(D)
     kw, score_mod = kernel_mod(mod, H_kv * G, g)
     bias = bounds = allowed = None
     if bias_kind != "none":
@@ -344,7 +349,7 @@ def test_one_backward_call_equals_float64_autograd(
         **kw,
     )
     atol = 1e-4 if dtype == torch.bfloat16 else 1e-5
-    if mod == "alibi":  # the scores round as float32 does at the term's size
+    if "slopes" in kw:  # the scores round as float32 does at the term's size
         atol += 2**-24 * 64 * float(kw["slopes"].max()) * (T_k + 5)
     for got, exp in zip((dq.reshape(B, H_kv * G, R, D), dk, dv), want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=atol, rtol=1e-4)
@@ -439,22 +444,22 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
 @BOTH
 @pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-@pytest.mark.parametrize("which", ["softcap", "alibi"])
+@pytest.mark.parametrize("which", ["softcap", "alibi", "alibi+softcap"])
 def test_a_modification_runs_natively(which, name, small, dtype, monkeypatch, tune):
-    """The modifications the native kernel applies — ``scores.softcap`` (Gemma 2's) and
-    ``scores.alibi`` with fixed slopes: both passes native, every mask kind, T_q != T_k (the
-    queries' positions from q_offset), GQA, against float64 autograd through the reference
-    on the same inputs; out within its own rounding, gradients within 2e-4 of their scale
-    (bfloat16: within two units of their rounding of the PyTorch loop's on the same inputs;
-    both backward passes read the rounded out for Delta, which against float64 costs up to
-    ~2.2 units here, native or not)."""
+    """The modifications the native kernel applies — ``scores.softcap`` (Gemma 2's),
+    ``scores.alibi`` with fixed slopes, and the two in that order: both passes native,
+    every mask kind, T_q != T_k (the queries' positions from q_offset), GQA, against
+    float64 autograd through the reference on the same inputs; out within its own
+    rounding, gradients within 2e-4 of their scale (bfloat16: within two units of their
+    rounding of the PyTorch loop's on the same inputs; both backward passes read the
+    rounded out for Delta, which against float64 costs up to ~2.2 units here, native or
+    not)."""
     if small:
         tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
     T_q, T_k = 61, 75
     mask = mask_zoo(2, T_k, T_q)[name]
-    cap = qkv.scores.softcap(2.0)
-    if which == "alibi":
-        cap = qkv.scores.alibi(qkv.scores.alibi_slopes(4))
+    cap, alibi = qkv.scores.softcap(2.0), qkv.scores.alibi(qkv.scores.alibi_slopes(4))
+    cap = {"softcap": cap, "alibi": alibi, "alibi+softcap": alibi.then(cap)}[which]
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=15)
     q = (q.float() * 2).to(dtype)  # scores up to ~±8: well into the cap
     g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(16)).to(dtype)
@@ -465,8 +470,9 @@ def test_a_modification_runs_natively(which, name, small, dtype, monkeypatch, tu
     assert len(seen) == 3, "forward, and forward + backward, natively"
     exact = [x.double() for x in (q, k, v, g)]
     mod64 = cap  # the slopes in float64 for the float64 reference
-    if which == "alibi":
+    if which.startswith("alibi"):
         mod64 = qkv.scores.alibi(qkv.scores.alibi_slopes(4).double())
+        mod64 = mod64.then(qkv.scores.softcap(2.0)) if which == "alibi+softcap" else mod64
     want_out = qkv.attention(*exact[:3], mask=mask, score_mod=mod64, backend="reference")
     want = grads(*exact, mask, backend="reference", score_mod=mod64)
     np.testing.assert_allclose(

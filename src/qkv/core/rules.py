@@ -275,13 +275,16 @@ def _rule_native(a: Ask) -> Dispatch | None:
 
 
 def _native_mod(mod: ScoreMod | None) -> str | None:
-    """The modification the native kernel applies itself, in words — a soft-cap, or ALiBi
-    whose slopes need no gradient (the kernel computes none for them) — else None."""
-    if mod is not None and mod.softcap is not None:
-        return f"the soft-cap ({mod.softcap:g})"
-    if mod is not None and mod.alibi is not None and not mod.alibi.requires_grad:
-        return "the ALiBi slopes"
-    return None
+    """The modification the native kernel applies itself, in words — ALiBi whose slopes need
+    no gradient (the kernel computes none for them), a soft-cap, or the two in that order
+    (:attr:`qkv.scores.ScoreMod.alibi`) — else None."""
+    if mod is None or (mod.alibi is None and mod.softcap is None):
+        return None
+    if mod.alibi is not None and mod.alibi.requires_grad:
+        return None
+    parts = ["the ALiBi slopes"] if mod.alibi is not None else []
+    parts += [f"the soft-cap ({mod.softcap:g})"] if mod.softcap is not None else []
+    return " then ".join(parts)
 
 
 def _native_wins(a: Ask, dtype: torch.dtype) -> bool:

@@ -76,12 +76,11 @@ class ScoreMod:
     #: The term depends on ``kv_idx - q_idx`` (and h) only: kernels may reuse it along a
     #: diagonal, as they do a shift-invariant mask.
     shift_invariant = False
-    #: The cap where the modification is a soft-cap and nothing else (``cap · tanh(s /
-    #: cap)``), which qkv's native kernel applies itself; None for every other.
-    softcap: float | None = None
-    #: The slopes (H,) where the modification is ALiBi and nothing else (``s + slopes[h] ·
-    #: (kv_idx − q_idx)``), which qkv's native kernel applies itself; None for every other.
+    #: What qkv's native kernel applies itself, where the modification is ALiBi (``s +
+    #: slopes[h] · (kv_idx − q_idx)``), a soft-cap (``cap · tanh(s / cap)``), or ALiBi then a
+    #: soft-cap, and nothing else: the slopes (H,) and the cap; None both for every other.
     alibi: torch.Tensor | None = None
+    softcap: float | None = None
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.apply(score, b, h, q_idx, kv_idx, q_idx)
@@ -200,6 +199,15 @@ class _Chain(ScoreMod):
         self.mods = tuple(mods)
         self.additive = all(m.additive for m in self.mods)
         self.shift_invariant = all(m.shift_invariant for m in self.mods)
+        stages = self.stages()
+        if len(stages) == 1:  # the native kernel's form, as ScoreMod.alibi says
+            self.alibi, self.softcap = stages[0].alibi, stages[0].softcap
+        elif (
+            len(stages) == 2
+            and (stages[0].alibi is not None and stages[0].softcap is None)
+            and (stages[1].softcap is not None and stages[1].alibi is None)
+        ):  # ALiBi, then a soft-cap
+            self.alibi, self.softcap = stages[0].alibi, stages[1].softcap
 
     def apply(self, score, b, h, q_idx, kv_idx, row):
         for m in self.mods:

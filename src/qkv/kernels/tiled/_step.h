@@ -5,9 +5,8 @@
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
    over every key range of the job, one online softmax; scores, softmax state and output in
-   float32; with a soft-cap (cap > 0), the scaled scores become cap · tanh(s / cap), with
-   ALiBi slopes s + slope · (kv_idx - q_idx) (one of the two), before the bias or bounds
-   mask them. Backward, per block of KB keys of one head over all rows:
+   float32; with ALiBi slopes the scaled scores become s + slope · (kv_idx - q_idx), then
+   with a soft-cap (cap > 0) cap · tanh(s / cap), before the bias or bounds mask them. Backward, per block of KB keys of one head over all rows:
    S = Q Kᵀ · scale (soft-capped) + bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP -
    Delta) · scale (Delta = rowsum(dO ∘ O); with a soft-cap, · (1 - t²) too); dV += Pᵀ dO
    and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the forward's ·V
@@ -122,15 +121,6 @@ TARGET static float probs_f32(const float *s, int64_t nk, const int *live, float
     return vsum(acc);
 }
 
-/* The scores of the tile's live blocks soft-capped in place: cap · tanh(s / cap). (Blocks
-   not live stay -inf.) */
-TARGET static void soft_cap(float S[MR][KT], int64_t nk, const int *live, float cap) {
-    const vf c = vset1(cap), inv = vset1(1.0f / cap);
-    for (int i = 0; i < MR; i++)
-        for (int64_t n = 0; n < nk; n += 16)
-            if (live[n / 32]) vstore(&S[i][n], vmul(c, vtanh(vmul(vload(&S[i][n]), inv))));
-}
-
 /* Which 32-key blocks of the nk keys from n0 are live: within [first, last) and allowed to
    one of the tile's `rows` rows (from r0, of batch b) by the row's bounds, or by the bias
    (the bias row of key n at br + n - lead), if there is one. */
@@ -159,14 +149,18 @@ TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64
     }
 }
 
-/* A row's 16 scores x from key n: plus their ALiBi term where the job has slopes (`d`: the
-   row's kv_idx - q_idx at key 0 of the block), plus the row's bias where it has one (br),
-   -inf outside its keys (the lanes of `in`). */
-TARGET static inline __attribute__((always_inline)) vf masked(const Job *j, vf x, float slope,
-                                                             int64_t d, int64_t n,
-                                                             const float *br, lanemask in) {
-    if (j->slopes) x = vadd(x, vmul(vset1(slope), vadd(vset1((float)(d + n)), viota())));
-    if (br) x = vadd(x, vloadz(in, br + n)); /* 0 outside `in`, which the -inf then replaces */
+/* A row's 16 scores x plus their ALiBi term where the job has slopes (`d`: the row's
+   kv_idx - q_idx at the first of the 16 keys). */
+TARGET static inline __attribute__((always_inline)) vf alibi_add(const Job *j, vf x, float slope,
+                                                                int64_t d) {
+    return j->slopes ? vadd(x, vmul(vset1(slope), vadd(vset1((float)d), viota()))) : x;
+}
+
+/* The 16 scores x plus the row's bias where it has one (br), -inf outside its keys (the
+   lanes of `in`). */
+TARGET static inline __attribute__((always_inline)) vf masked(vf x, const float *br,
+                                                             lanemask in) {
+    if (br) x = vadd(x, vloadz(in, br)); /* 0 outside `in`, which the -inf then replaces */
     return vblend(in, vset1(-INFINITY), x);
 }
 
@@ -214,7 +208,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
             int live[KT / 32];
             live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
             scores(j, qt, kp, n0, nk, live, j->scale, S);
-            if (j->cap > 0.0f) soft_cap(S, nk, live, j->cap);
+            const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
                 const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
@@ -224,7 +218,9 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 vf mx = vset1(-INFINITY);
                 for (int64_t n = 0; n < nk; n += 16) {
                     if (!live[n / 32]) continue;
-                    vf x = masked(j, vload(s + n), slope, d, n, br, lanes(n, kf, kl));
+                    vf x = alibi_add(j, vload(s + n), slope, d + n);
+                    if (j->cap > 0.0f) x = vmul(cap, vtanh(vmul(x, inv)));
+                    x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     vstore(s + n, x);
                     mx = vmax(mx, x);
                 }
@@ -360,13 +356,14 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    vf chain = scale, x = vload(&S[i][n]); /* dS by the scaled score */
+                    vf chain = scale; /* dS by the scaled score */
+                    vf x = alibi_add(j, vload(&S[i][n]), slope, d + n);
                     if (j->cap > 0.0f) { /* s -> cap · t, t = tanh(s / cap): dS · (1 - t²) */
                         vf t = vtanh(vmul(x, inv));
                         x = vmul(cap, t);
                         chain = vmul(scale, vsub(one, vmul(t, t)));
                     }
-                    x = masked(j, x, slope, d, n, br, lanes(n, kf, kl));
+                    x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     p = exp_neg(vsub(x, vset1(lse)));
                     ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), chain);
                 }

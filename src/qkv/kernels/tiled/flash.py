@@ -117,16 +117,15 @@ def fused_forward(
 
 
 def _native_mod(call: Lowered, native: torch.dtype | None) -> dict[str, Any]:
-    """The modification the native kernel applies, as its keywords: {} (none), a soft-cap,
-    or ALiBi slopes (float32 (H,)). The fused steps take no other (the dispatch sends every
-    other to the loop): anything else here is refused, not dropped."""
+    """The modification the native kernel applies, as its keywords: {} (none), or its
+    soft-cap and ALiBi slopes (float32 (H,)), either or both. The fused steps take no other
+    (the dispatch sends every other to the loop): anything else is refused, not dropped."""
     mod = call.mod_tiles
     if mod is None:
         return {}
-    if native is not None and mod.softcap is not None:
-        return {"softcap": mod.softcap}
-    if native is not None and mod.alibi is not None:
-        return {"slopes": mod.alibi.detach().to(torch.float32).contiguous()}
+    if native is not None and (mod.softcap is not None or mod.alibi is not None):
+        slopes = None if mod.alibi is None else mod.alibi.detach().to(torch.float32).contiguous()
+        return {"softcap": mod.softcap or 0.0, "slopes": slopes}
     raise ValueError(
         "the fused steps apply no score modification but a soft-cap or ALiBi, in the native "
         f"kernel (path {call.path!r}): run it through the PyTorch loop"

@@ -250,9 +250,9 @@ def attend(
     qpos: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32
-    (with ``softcap`` > 0 the scaled scores soft-capped first, cap · tanh(s / cap); with
-    ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query head — plus slope ·
-    (kv_idx − q_idx), kv_idx a key's index in K and q_idx = ``qpos`` + the row's; not both):
+    (with ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query head — the scaled scores
+    plus slope · (kv_idx − q_idx) first, kv_idx a key's index in K and q_idx = ``qpos`` + the
+    row's; then, with ``softcap`` > 0, soft-capped, cap · tanh(s / cap)):
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
     allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
@@ -311,7 +311,7 @@ def attend_many(
     for job in jobs:
         for r in job.ranges:
             _check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
-        alibi = _alibi_at(slopes, job.q5, softcap, job.qpos)
+        alibi = _alibi_at(slopes, job.q5, job.qpos)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -345,25 +345,16 @@ def attend_many(
     _native.attend_many(args, torch.get_num_threads())
 
 
-def _alibi_at(
-    slopes: torch.Tensor | None, q5: torch.Tensor, softcap: float, qpos: int
-) -> tuple[int, int]:
+def _alibi_at(slopes: torch.Tensor | None, q5: torch.Tensor, qpos: int) -> tuple[int, int]:
     """ALiBi's (slopes' address, qpos) as the kernel takes them ((0, qpos): none), checked:
-    float32, contiguous, one slope per query head (H_kv · G), and no soft-cap beside them
-    (the kernel applies one modification)."""
+    float32, contiguous, one slope per query head (H_kv · G)."""
     if slopes is None:
         return (0, qpos)
     H_kv, G = q5.shape[1], q5.shape[2]
-    if (
-        slopes.dtype != torch.float32
-        or slopes.shape != (H_kv * G,)
-        or not slopes.is_contiguous()
-        or softcap
-    ):
+    if slopes.dtype != torch.float32 or slopes.shape != (H_kv * G,) or not slopes.is_contiguous():
         raise ValueError(
-            f"native: ALiBi slopes float32 and contiguous, one per query head ({H_kv * G},), "
-            f"and no soft-cap beside them; got {slopes.dtype} {tuple(slopes.shape)}, "
-            f"softcap {softcap}"
+            f"native: ALiBi slopes float32 and contiguous, one per query head ({H_kv * G},); "
+            f"got {slopes.dtype} {tuple(slopes.shape)}"
         )
     return (slopes.data_ptr(), qpos)
 
@@ -505,7 +496,7 @@ def backward_many(
     keys, args = (B_k, H_k, D_k, k.dtype), []
     for job in jobs:
         _check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
-        alibi = _alibi_at(slopes, job.q5, softcap, job.qpos)
+        alibi = _alibi_at(slopes, job.q5, job.qpos)
         if job.k1 > T_k:
             raise ValueError(f"native.backward: keys {job.k0}..{job.k1} past T_k = {T_k}")
         B, H_kv, G, R, D = job.q5.shape
