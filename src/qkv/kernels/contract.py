@@ -57,9 +57,10 @@ class MaskTiles(Protocol):
 
 class ModTiles(Protocol):
     """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries q0..q1-1
-    and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`); ``softcap``
-    and ``alibi``: its cap where it is a soft-cap alone, its slopes (H,) where it is ALiBi
-    alone, which the native kernel applies itself (else None)."""
+    and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`); ``alibi``
+    and ``softcap``: its ALiBi slopes (H,) and its cap where it is ALiBi, a soft-cap, or
+    ALiBi then a soft-cap, which the native kernel applies itself (else None; see
+    :attr:`qkv.scores.ScoreMod.alibi`)."""
 
     softcap: float | None
     alibi: torch.Tensor | None

@@ -350,9 +350,9 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
                                                g * bj->des[2] + r * bj->des[3]] : 0.0f;
             const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-            int64_t kf, kl, d; /* the keys this row may see */
+            int64_t kf, kl, d = 0; /* the keys this row may see */
             row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
-            float slope = alibi_of(j, h, r0 + i, n0, &d);
+            float slope = i < rows ? alibi_of(j, h, r0 + i, n0, &d) : 0.0f; /* (a real row) */
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
