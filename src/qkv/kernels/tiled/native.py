@@ -23,13 +23,12 @@ from typing import NamedTuple
 import torch
 
 from ..reference import all_finite
+from .args import DTYPES, alibi_at, bias_at, bounds_at, check_call, check_keys
 
 try:
     from . import _native  # type: ignore[attr-defined]
 except ImportError:  # not built (no C compiler at install): torch's flash kernel runs
     _native = None
-
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -204,7 +203,7 @@ class Packed(NamedTuple):
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     """K and V (B, H_kv, T_k, D), float32 or bfloat16 with D contiguous, packed for
     :func:`attend`, in one parallel region."""
-    _check_keys(k, v)
+    check_keys(k, v)
     B, H_kv, T_k, D = k.shape
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
     if k.dtype == torch.float32:  # V is read in place
@@ -217,21 +216,6 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
         todo.append(((v.data_ptr(), *v.stride()[:3]), vp.data_ptr(), True))
     _native.pack(todo, (B, H_kv, T_k, D, Nt), torch.get_num_threads(), k.dtype == torch.float32)
     return Packed(kp, vp, Nt)
-
-
-def _check_keys(k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise unless K and V are what the kernel reads in place: one shape, one dtype it
-    computes in, D contiguous."""
-    if (
-        k.stride(-1) != 1
-        or v.stride(-1) != 1
-        or v.shape != k.shape
-        or k.dtype != v.dtype
-        or k.dtype not in DTYPES
-    ):
-        raise ValueError(
-            "native: K and V of one shape and dtype (float32 or bfloat16), each with D contiguous"
-        )
 
 
 def attend(
@@ -310,8 +294,8 @@ def attend_many(
     args = []
     for job in jobs:
         for r in job.ranges:
-            _check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
-        alibi = _alibi_at(slopes, job.q5, job.qpos)
+            check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
+        alibi = alibi_at(slopes, job.q5, job.qpos)
         B, H_kv, G, R, D = job.q5.shape
         out, lse = job.out, job.lse
         if (
@@ -330,7 +314,7 @@ def attend_many(
                 (job.q5.data_ptr(), *job.q5.stride()[:4]),
                 (packed.k.data_ptr(), *packed.k.stride()[:2]),
                 packed.values(),
-                [(r.k0, r.k1 - r.k0, _bias_at(r.bias), _bounds_at(r.bounds)) for r in job.ranges],
+                [(r.k0, r.k1 - r.k0, bias_at(r.bias), bounds_at(r.bounds)) for r in job.ranges],
                 (out.data_ptr(), *out.stride()[:4]),
                 (lse.data_ptr(), *lse.stride()),
                 (B, H_kv, G, R, D),
@@ -345,89 +329,10 @@ def attend_many(
     _native.attend_many(args, torch.get_num_threads())
 
 
-def _alibi_at(slopes: torch.Tensor | None, q5: torch.Tensor, qpos: int) -> tuple[int, int]:
-    """ALiBi's (slopes' address, qpos) as the kernel takes them ((0, qpos): none), checked:
-    float32, contiguous, one slope per query head (H_kv · G)."""
-    if slopes is None:
-        return (0, qpos)
-    H_kv, G = q5.shape[1], q5.shape[2]
-    if slopes.dtype != torch.float32 or slopes.shape != (H_kv * G,) or not slopes.is_contiguous():
-        raise ValueError(
-            f"native: ALiBi slopes float32 and contiguous, one per query head ({H_kv * G},); "
-            f"got {slopes.dtype} {tuple(slopes.shape)}"
-        )
-    return (slopes.data_ptr(), qpos)
-
-
 def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
     """(B, H_kv, D, dtype) of packed keys."""
     B, H_kv, _, d = packed.k.shape[:4]
     return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.k.dtype
-
-
-def _check_call(
-    name: str,
-    q5: torch.Tensor,
-    keys: tuple[int, int, int, torch.dtype],
-    k0: int,
-    k1: int,
-    bias: torch.Tensor | None,
-    bounds: torch.Tensor | None,
-) -> None:
-    """Raise unless one call's rows, keys and bias fit each other: the kernel reads raw
-    memory, and a wrong shape would read past the tensors."""
-    B, H_kv, G, R, D = q5.shape
-    if (
-        keys != (B, H_kv, D, q5.dtype)
-        or q5.stride(-1) != 1
-        or R < 1
-        or not 0 <= k0 < k1
-        or (
-            bias is not None
-            and (
-                bias.shape[0] not in (1, B)
-                or bias.shape[1] not in (1, H_kv)
-                or tuple(bias.shape[2:]) != (G * R, k1 - k0)
-            )
-        )
-        or (
-            bounds is not None
-            and (
-                bias is not None
-                or bounds.dtype != torch.int32
-                or not bounds.is_contiguous()
-                or bounds.ndim != 3
-                or bounds.shape[0] not in (1, B)
-                or tuple(bounds.shape[1:]) != (R, 2)
-            )
-        )
-    ):
-        raise ValueError(
-            f"native.{name}: mismatched shapes q {tuple(q5.shape)}, keys (B, H_kv, D, dtype) "
-            f"{keys}, keys {k0}..{k1}, bias "
-            f"{None if bias is None else tuple(bias.shape)}, bounds "
-            f"{None if bounds is None else (tuple(bounds.shape), bounds.dtype)} (a bias or "
-            "int32 bounds (B|1, R, 2), not both)"
-        )
-
-
-def _bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """The kernel's view of a float32, contiguous bias: its address and strides over B and
-    H (0 where broadcast) and rows; all 0 for no bias."""
-    if bias is None:
-        return (0, 0, 0, 0)
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        raise ValueError("native: the bias must be a contiguous float32 tensor")
-    (sb, sh), (nb, nh) = bias.stride()[:2], bias.shape[:2]
-    return bias.data_ptr(), sb if nb > 1 else 0, sh if nh > 1 else 0, bias.stride(2)
-
-
-def _bounds_at(bounds: torch.Tensor | None) -> tuple[int, int]:
-    """The kernel's view of checked bounds: their address and stride over B (0 where
-    broadcast); (0, 0) for none."""
-    if bounds is None:
-        return (0, 0)
-    return bounds.data_ptr(), bounds.stride(0) if bounds.shape[0] > 1 else 0
 
 
 def backward(
@@ -491,12 +396,12 @@ def backward_many(
     Calls whose keys overlap never race, no thread waits for a slower one, and the bits do
     not depend on the threads. Each item packs its own keys of K and V (no packed copy of
     them for the pass)."""
-    _check_keys(k, v)
+    check_keys(k, v)
     B_k, H_k, T_k, D_k = k.shape
     keys, args = (B_k, H_k, D_k, k.dtype), []
     for job in jobs:
-        _check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
-        alibi = _alibi_at(slopes, job.q5, job.qpos)
+        check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
+        alibi = alibi_at(slopes, job.q5, job.qpos)
         if job.k1 > T_k:
             raise ValueError(f"native.backward: keys {job.k0}..{job.k1} past T_k = {T_k}")
         B, H_kv, G, R, D = job.q5.shape
@@ -524,8 +429,8 @@ def backward_many(
                 (job.do5.data_ptr(), *job.do5.stride()[:4]),
                 (k.data_ptr(), *k.stride()[:3]),
                 (v.data_ptr(), *v.stride()[:3]),
-                _bias_at(job.bias),
-                _bounds_at(job.bounds),
+                bias_at(job.bias),
+                bounds_at(job.bounds),
                 (job.lse.data_ptr(), *job.lse.stride()),
                 (job.delta.data_ptr(), *job.delta.stride()),
                 (job.dq.data_ptr(), *job.dq.stride()[:4]),
