@@ -6,9 +6,10 @@
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
    over every key range of the job, one online softmax; scores, softmax state and output in
    float32; with ALiBi slopes the scaled scores become s + slope · (kv_idx - q_idx), then
-   with a soft-cap (cap > 0) cap · tanh(s / cap), before the bias or bounds mask them. Backward, per block of KB keys of one head over all rows:
-   S = Q Kᵀ · scale (soft-capped) + bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP -
-   Delta) · scale (Delta = rowsum(dO ∘ O); with a soft-cap, · (1 - t²) too); dV += Pᵀ dO
+   with a soft-cap (cap > 0) cap · tanh(s / cap), before the bias or bounds mask them
+   (modified). Backward, per block of KB keys of one head over all rows: S = Q Kᵀ · scale
+   (modified) + bias, P = e^(S - lse), dP = dO Vᵀ, dS = P ∘ (dP - Delta) · scale (Delta =
+   rowsum(dO ∘ O); with a soft-cap, · (1 - t²) too; ALiBi passes it); dV += Pᵀ dO
    and dK += dSᵀ Q in float32, dQ += dS K (in bfloat16, dS as hi + lo, the forward's ·V
    step). Work is skipped per 32-key block that no row of a tile may attend. */
 #ifndef QKV_BF16
@@ -149,11 +150,19 @@ TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64
     }
 }
 
-/* A row's 16 scores x plus their ALiBi term where the job has slopes (`d`: the row's
-   kv_idx - q_idx at the first of the 16 keys). */
-TARGET static inline __attribute__((always_inline)) vf alibi_add(const Job *j, vf x, float slope,
-                                                                int64_t d) {
-    return j->slopes ? vadd(x, vmul(vset1(slope), vadd(vset1((float)d), viota()))) : x;
+/* A row's 16 scaled scores x as the job's modification leaves them: plus the ALiBi term
+   where it has slopes (`d`: the row's kv_idx - q_idx at the first of the 16 keys), then
+   soft-capped where it has a cap (`cap`, `inv` = 1 / cap as vectors), *t = tanh(s / cap)
+   for the backward's 1 - t². */
+TARGET static inline __attribute__((always_inline)) vf modified(const Job *j, vf x, float slope,
+                                                               int64_t d, vf cap, vf inv,
+                                                               vf *t) {
+    if (j->slopes) x = vadd(x, vmul(vset1(slope), vadd(vset1((float)d), viota())));
+    if (j->cap > 0.0f) {
+        *t = vtanh(vmul(x, inv));
+        x = vmul(cap, *t);
+    }
+    return x;
 }
 
 /* The 16 scores x plus the row's bias where it has one (br), -inf outside its keys (the
@@ -218,8 +227,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 vf mx = vset1(-INFINITY);
                 for (int64_t n = 0; n < nk; n += 16) {
                     if (!live[n / 32]) continue;
-                    vf x = alibi_add(j, vload(s + n), slope, d + n);
-                    if (j->cap > 0.0f) x = vmul(cap, vtanh(vmul(x, inv)));
+                    vf t, x = modified(j, vload(s + n), slope, d + n, cap, inv, &t);
                     x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     vstore(s + n, x);
                     mx = vmax(mx, x);
@@ -356,13 +364,8 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    vf chain = scale; /* dS by the scaled score */
-                    vf x = alibi_add(j, vload(&S[i][n]), slope, d + n);
-                    if (j->cap > 0.0f) { /* s -> cap · t, t = tanh(s / cap): dS · (1 - t²) */
-                        vf t = vtanh(vmul(x, inv));
-                        x = vmul(cap, t);
-                        chain = vmul(scale, vsub(one, vmul(t, t)));
-                    }
+                    vf t, x = modified(j, vload(&S[i][n]), slope, d + n, cap, inv, &t);
+                    vf chain = j->cap > 0.0f ? vmul(scale, vsub(one, vmul(t, t))) : scale;
                     x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     p = exp_neg(vsub(x, vset1(lse)));
                     ds = vmul(vmul(p, vsub(vload(&dP[i][n]), vset1(delta))), chain);
