@@ -42,7 +42,7 @@ def cascade_attention(
         mask: over the suffix keys only, (B, H, T_q, L_s) broadcastable or a qkv mask at the
             suffix's positions (e.g. ``padding(lengths)`` for suffixes of different lengths);
             every query sees the whole prefix.
-        scale, sinks: as in :func:`qkv.attention` (a sink counts once, in the suffix part).
+        scale, sinks: as in :func:`qkv.attention` (a sink counts once, joined when the parts merge).
 
     Returns:
         out (B, H, T_q, D_v), and the (B, H, T_q) log-sum-exp with ``return_lse``.
@@ -77,8 +77,6 @@ def cascade_attention(
     else:
         # The suffix keys sit after the prefix: bottom-right alignment of the suffix alone
         # is the same relation between each query and its suffix keys.
-        out_s, lse_s = attention(
-            query, key, value, mask=mask, scale=scale, sinks=sinks, return_lse=True
-        )
-        out, lse = merge_attention([out_p, out_s], [lse_p, lse_s])
+        out_s, lse_s = attention(query, key, value, mask=mask, scale=scale, return_lse=True)
+        out, lse = merge_attention([out_p, out_s], [lse_p, lse_s], sinks=sinks)
     return (out, lse) if return_lse else out

@@ -16,6 +16,7 @@ import torch
 from ._checks import Problem, check_attention
 from .core.call import torch_inputs
 from .core.lowering import dense_mask, indices
+from .kernels.contract import sink_factor
 from .masks import Mask, MaskLike
 from .scores import ScoreMod, as_score_mod
 
@@ -112,7 +113,10 @@ def row_scores(
 
 
 def merge_attention(
-    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine attention computed over disjoint sets of keys into attention over their union.
 
@@ -123,9 +127,16 @@ def merge_attention(
     saw no key in any part stays 0 with lse -inf. Differentiable: gradients reach every
     part's output and log-sum-exp, and through them the attention that made them.
 
+    A part whose lse is ``+inf`` is an empty part, as in vLLM's ``merge_attn_states``
+    (FlashAttention 2 reports a sequence with no key so): it adds nothing. Attention sinks
+    are therefore not merged as parts: pass them as ``sinks``, which joins them once, after
+    the parts (a sink of ``+inf`` then gives the row out 0 and lse ``+inf``).
+
     Args:
         outs: partial outputs, each (…, T_q, D_v), same shape.
         lses: their log-sum-exps, each (…, T_q).
+        sinks: attention-sink logits as in :func:`qkv.attention`, (H,) or (B|1, H|1, T_q|1),
+            for parts of shape (B, H, T_q, D_v); None for none.
 
     Returns:
         ``(out, lse)``: out in the dtype of ``outs[0]``, lse in float32 (or float64).
@@ -141,8 +152,14 @@ def merge_attention(
                 f"shape {tuple(outs[0].shape[:-1])}; got {tuple(o.shape)} and "
                 f"{tuple(l_.shape)}"
             )
+    if sinks is not None and outs[0].ndim != 4:
+        raise ValueError(
+            f"merge_attention with sinks needs parts of shape (B, H, T_q, D_v); "
+            f"got {tuple(outs[0].shape)}"
+        )
     acc = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
     lse_all = torch.stack([x.to(acc) for x in lses])  # (parts, …, T_q)
+    lse_all = lse_all.masked_fill(lse_all == float("inf"), float("-inf"))  # empty parts
     # Shifted by the detached row max, so exp cannot overflow; a row no part saw (every
     # lse -inf) gets weights 0, lse -inf and zero gradients, never NaN.
     m = lse_all.detach().amax(dim=0)
@@ -153,4 +170,7 @@ def merge_attention(
     total = total.masked_fill(unseen, 1.0)
     lse = (m + torch.log(total)).masked_fill(unseen, float("-inf"))
     out = sum(w[..., None] * o.to(acc) for w, o in zip(weights, outs)) / total[..., None]
+    if sinks is not None:
+        factor, lse = sink_factor(lse, sinks)
+        out = out * factor[..., None]
     return out.to(outs[0].dtype), lse

@@ -41,24 +41,32 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
 
     Subtracting the row maximum first means ``exp`` never sees a large positive number,
     so logits of 1e8 do not overflow (the naive ``exp(x) / sum(exp(x))`` returns NaN there).
-    A row that is entirely ``-inf`` (fully masked) gives all zeros, never NaN.
+    A row that is entirely ``-inf`` (fully masked) gives all zeros, never NaN. A row with
+    ``+inf`` entries gives them all its mass, shared equally: the limit of a logit that
+    grows without bound (an infinite attention sink takes the whole row).
     """
     x = np.asarray(x, dtype=np.float64)
     if x.shape[axis] == 0:
         return x.copy()
-    e = np.exp(x - _row_max(x, axis))
+    m = _row_max(x, axis)
+    with np.errstate(invalid="ignore"):  # inf - inf in rows that hold +inf: replaced below
+        e = np.where(m == np.inf, (x == np.inf).astype(np.float64), np.exp(x - m))
     s = e.sum(axis=axis, keepdims=True)
     return e / np.where(s == 0, 1.0, s)
 
 
 def logsumexp(x: Any, axis: int = -1) -> np.ndarray:
-    """``log(sum(exp(x)))`` along ``axis`` without overflow; ``-inf`` for an all ``-inf`` row."""
+    """``log(sum(exp(x)))`` along ``axis`` without overflow; ``-inf`` for an all ``-inf`` row
+    and ``+inf`` for a row that holds ``+inf``."""
     x = np.asarray(x, dtype=np.float64)
     if x.shape[axis] == 0:
         return np.full(np.delete(x.shape, axis % x.ndim), -np.inf)
     m = _row_max(x, axis)
-    with np.errstate(divide="ignore"):  # log(0) = -inf is the answer for an empty row
-        return np.squeeze(m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True)), axis=axis)
+    finite_m = np.where(m == np.inf, 0.0, m)
+    # log(0) = -inf is the answer for an empty row; m + log(...) is +inf where m is
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        total = np.log(np.exp(x - finite_m).sum(axis=axis, keepdims=True))
+    return np.squeeze(np.where(m == np.inf, np.inf, m + total), axis=axis)
 
 
 def _allowed(mask: Any, p: Problem) -> np.ndarray | None:

@@ -21,7 +21,7 @@ from .core import dispatch
 from .functional import Backend, attention
 from .kernels import paged
 from .masks import Mask, causal, padding, predicate, sliding_window
-from .scores import ScoreMod
+from .scores import ScoreMod, as_score_mod
 
 __all__ = ["paged_attention", "varlen_attention"]
 
@@ -79,7 +79,10 @@ def varlen_attention(
             whatever it is.
         mask, score_mod, sinks: as in :func:`qkv.attention`, applied within each sequence
             at its own positions (a mask with a batch dimension does not apply: each
-            sequence is a batch of one).
+            sequence is a batch of one). A score modification with one row per sequence,
+            such as ``scores.alibi(slopes, symmetric=True)`` with slopes (N, H)
+            (FlashAttention 2's per-sequence ``alibi_slopes``), gives sequence ``s`` its
+            row ``s``.
         backend: as in :func:`qkv.attention`.
 
     Returns:
@@ -138,7 +141,7 @@ def varlen_attention(
             f"got {len(starts_q) - 1} and {len(starts_k) - 1}"
         )
     used = _used(seqused_k, starts_k)
-    window = _window(window_size)
+    window = window_mask(window_size)
     if window is not None and mask is not None:
         mask = window & mask
     elif window is not None:
@@ -147,6 +150,13 @@ def varlen_attention(
         raise ValueError(
             f"mask {mask!r} is bound to a batch of {mask.batch}; here each sequence is a "
             "batch of one"
+        )
+    mod = as_score_mod(score_mod)
+    if mod is not None and mod.batch not in (None, len(starts_q) - 1):
+        raise ValueError(
+            f"score_mod {mod!r} is bound to a batch of {mod.batch}; here there are "
+            f"N = {len(starts_q) - 1} sequences (one row per sequence, as FlashAttention's "
+            "alibi_slopes (N, H))"
         )
     want_lse = bool(getattr(return_aux, "lse", False))
     outs, lses = [], []
@@ -165,7 +175,7 @@ def varlen_attention(
             v,
             mask=mask,
             scale=scale,
-            score_mod=score_mod,
+            score_mod=None if mod is None else mod.select(s),
             sinks=sinks,
             backend=backend,
             return_lse=want_lse,
@@ -417,8 +427,10 @@ def _used(seqused_k: Any, starts_k: list[int]) -> list[int]:
     return used
 
 
-def _window(window_size: Any) -> Mask | None:
-    """FlashAttention's (left, right) window as a qkv mask at each call's positions."""
+def window_mask(window_size: Any) -> Mask | None:
+    """FlashAttention's ``window_size=(left, right)`` as a qkv mask at each call's own
+    (bottom-right) positions: query ``p`` attends keys ``p − left .. p + right``, -1 unbounded;
+    None for (-1, -1), every key."""
     try:
         left, right = (int(x) for x in window_size)
     except (TypeError, ValueError):

@@ -91,7 +91,11 @@ static void finish(const Job *j, int64_t b, int64_t hk, const float *acc, const 
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
         float mg = m[g], lg = l[g], keep = 1.0f;
-        if (j->sinks) {  /* a key with no value: in the sum, not in the output */
+        if (j->sinks && j->sinks[h] == INFINITY) {  /* the sink takes the whole row */
+            keep = 0.0f;
+            lg = 1.0f;
+            mg = INFINITY;
+        } else if (j->sinks) {  /* a key with no value: in the sum, not in the output */
             const float sink = j->sinks[h], top = sink > mg ? sink : mg;
             keep = mg == -INFINITY ? 0.0f : expf(mg - top);
             lg = lg * keep + (sink == -INFINITY ? 0.0f : expf(sink - top));

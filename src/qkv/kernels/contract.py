@@ -127,8 +127,9 @@ def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, t
 
     A sink is a key with logit ``sinks[h]`` and no value: it joins each row's softmax
     denominator and adds nothing to the output. So, exactly, ``lse' = logaddexp(lse, sink)``
-    and every weight (hence the output) is multiplied by ``exp(lse - lse')``; a fully masked
-    row (lse -inf) keeps out 0 and gets lse' = sink.
+    and every weight (hence the output) is multiplied by ``exp(lse - lse')``. A fully
+    masked row (lse -inf) keeps out 0 and gets lse' = sink; a sink of +inf takes the whole
+    row (factor 0, lse' +inf). Both hold with their gradients: never ``inf - inf``.
 
     Args:
         lse: (B, H, T_q) log-sum-exp without the sinks.
@@ -138,8 +139,18 @@ def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, t
     Returns:
         ``(factor, lse')``, both (B, H, T_q) in lse's dtype.
     """
-    total = torch.logaddexp(lse, sink_rows(sinks, lse.dtype))
-    return torch.exp(lse - total), total
+    rows = sink_rows(sinks, lse.dtype)
+    takes_all = rows == float("inf")  # the sink takes the row: factor 0, lse' +inf
+    empty = (lse == float("-inf")) & (rows == float("-inf"))  # nothing at all: lse' -inf
+    # The formula on safe stand-ins where it would compute inf - inf, and the stated
+    # answers selected there, so no NaN reaches the values or their gradients.
+    safe_rows = rows.masked_fill(takes_all | empty, 0.0)
+    safe_lse = lse.masked_fill(empty, 0.0)
+    total = torch.logaddexp(safe_lse, safe_rows)
+    factor = torch.exp(safe_lse - total).masked_fill(takes_all | empty, 0.0)
+    # where() passes the gradient of lse' to the sink where it takes the row (d lse'/d sink = 1)
+    total = torch.where(takes_all, rows, total).masked_fill(empty, float("-inf"))
+    return factor, total
 
 
 def sink_rows(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,9 +162,11 @@ def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, d_lse: torch.Tensor) -> to
     """The sinks' gradient, from the log-sum-exp that includes them: each row's sink weight
     ``exp(sink − lse)`` times what reaches that row's lse through the sink
     (``d_lse`` = dlse − rowsum(dout ∘ out)), summed to the sinks' shape. A row whose lse and
-    sink are both -inf contributes 0."""
+    sink are both -inf contributes 0; a sink of +inf has weight 1 (it is the whole row)."""
     rows = sink_rows(sinks, lse.dtype)
+    takes_all = rows == float("inf")
     weight = torch.exp(rows - lse).masked_fill(lse == float("-inf"), 0.0)
+    weight = weight.masked_fill(takes_all, 1.0)
     return (weight * d_lse).sum_to_size(rows.shape).reshape(sinks.shape).to(sinks.dtype)
 
 

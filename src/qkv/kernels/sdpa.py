@@ -85,7 +85,10 @@ def with_sink_key(call: Lowered) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         scores = torch.zeros((), dtype=acc, device=q.device)
     scores = scores.expand(B, H, T_q, T_k)
     sink = sink_rows(sinks, acc)[..., None].expand(B, H, T_q, 1)
-    mask = torch.cat([scores, sink], dim=-1).to(q.dtype)
+    mask = torch.cat([scores, sink], dim=-1)
+    # A sink of +inf takes its whole row, so the row's output is 0: torch's softmax would
+    # compute inf - inf there, so the row is given as fully masked, which SDPA returns as 0.
+    mask = mask.masked_fill(sink == float("inf"), float("-inf")).to(q.dtype)
     zero_k = k.new_zeros(B, k.shape[1], 1, k.shape[3])
     zero_v = v.new_zeros(B, v.shape[1], 1, v.shape[3])
     return torch.cat([k, zero_k], dim=2), torch.cat([v, zero_v], dim=2), mask

@@ -244,8 +244,10 @@ class _KeyIndices(Mask):
 
     kind = "key_indices"
 
-    def __init__(self, indices: Any, first: int) -> None:
+    def __init__(self, indices: Any, first: int, unused_from: int | None) -> None:
         self.indices = _ints("indices", indices, (3,))
+        if unused_from is not None:  # FlashMLA's convention: any index past the keys
+            self.indices[self.indices >= _int_arg("unused_from", unused_from, 0)] = -1
         self._indices = torch.from_numpy(self.indices)  # for the dense table (Flex only)
         self._table: torch.Tensor | None = None
         self.first = _int_arg("first", first, -_FAR)  # any position, as q_offset may be
@@ -270,7 +272,10 @@ class _KeyIndices(Mask):
                 f"got {fmt_shape(self.indices.shape)}"
             )
         if self.width > T_k:
-            raise ValueError(f"key indices must be < T_k={T_k}; got {self.width - 1}")
+            raise ValueError(
+                f"key indices must be < T_k={T_k}; got {self.width - 1} (to mark unused "
+                f"slots by any index >= T_k, as FlashMLA does, pass unused_from={T_k})"
+            )
 
     @property
     def batch(self) -> int:
@@ -396,7 +401,7 @@ def document(ids: Any) -> Mask:
     return _Document(ids)
 
 
-def key_indices(indices: Any, first: int = 0) -> Mask:
+def key_indices(indices: Any, first: int = 0, *, unused_from: int | None = None) -> Mask:
     """Token-level sparse attention (DeepSeek's DSA, NSA's selection): each query attends
     only to the keys listed for it.
 
@@ -406,11 +411,14 @@ def key_indices(indices: Any, first: int = 0) -> Mask:
             unused slots. Queries outside ``first .. first + T_rows - 1`` attend to nothing.
         first: the absolute position of the first row's query (0 for a prefill; the
             cache length when decoding).
+        unused_from: every index >= this is an unused slot too (FlashMLA marks them with
+            any index >= T_k, up to 2³¹ − 1: pass T_k). None: such an index is refused
+            when the call's T_k is known.
 
     Compose it with the other masks (``causal() & key_indices(idx)``). The tiled kernel
     visits only the tiles that hold a listed key, and never builds T_q × T_k.
     """
-    return _KeyIndices(indices, first)
+    return _KeyIndices(indices, first, unused_from)
 
 
 def prefix_lm(prefix: int) -> Mask:

@@ -280,9 +280,11 @@ class PagedBatch:
         tables, own = done.own()  # each sequence's pages past the nodes
         k_pages, v_pages = self.pool.pages()
         T = q.shape[2]
+        # With shared prefixes the sinks join once, after the parts merge (merge_attention).
+        own_sinks = None if nodes else sinks
         if T == 1:
             result = paged_attention(
-                q[:, :, 0], k_pages, v_pages, tables, own, sinks=sinks, return_lse=bool(nodes)
+                q[:, :, 0], k_pages, v_pages, tables, own, sinks=own_sinks, return_lse=bool(nodes)
             )
             if not nodes:
                 assert isinstance(result, torch.Tensor)
@@ -293,13 +295,15 @@ class PagedBatch:
             mask = _ragged_mask(own.long(), T, causal)
             if mask is None and causal:  # rows of one length: causal, bottom-right
                 mask = causal_mask()
-            out, lse = attention(q, k, v, mask=mask, sinks=sinks, return_lse=True)
+            out, lse = attention(q, k, v, mask=mask, sinks=own_sinks, return_lse=True)
         for rows, pages in nodes:  # each shared prefix, once for the rows that share it
             at = torch.tensor(rows)
             part, part_lse = _shared(q[at], k_pages, v_pages, pages)
             merged, merged_lse = merge_attention([out[at], part], [lse[at], part_lse])
             out = out.index_copy(0, at, merged.to(out.dtype))
             lse = lse.index_copy(0, at, merged_lse.to(lse.dtype))
+        if nodes and sinks is not None:
+            out = merge_attention([out], [lse], sinks=sinks)[0].to(out.dtype)
         return out
 
     @property

@@ -138,6 +138,18 @@ class ScoreMod:
         """This modification, then ``other`` on its result."""
         return chain(self, other)
 
+    @property
+    def batch(self) -> int | None:
+        """The batch size B this modification is bound to (a tensor with one row per batch
+        element, such as ALiBi slopes (B, H)), or None where it fits any batch."""
+        return None
+
+    def select(self, b: int) -> ScoreMod:
+        """This modification for batch element ``b`` alone, as a batch of one: what
+        :func:`qkv.varlen_attention` applies to sequence ``b``. Gradients still reach the
+        full tensors. The default, for a modification bound to no batch, is itself."""
+        return self
+
     def stages(self) -> list[ScoreMod]:
         """The modifications applied in order: a chain's, flattened; else this one."""
         return [self]
@@ -247,6 +259,13 @@ class _Chain(ScoreMod):
     def validate(self, B, H, T_q, T_k):
         for m in self.mods:
             m.validate(B, H, T_q, T_k)
+
+    @property
+    def batch(self):
+        return next((m.batch for m in self.mods if m.batch is not None), None)
+
+    def select(self, b):
+        return _Chain([m.select(b) for m in self.mods])
 
     def __repr__(self) -> str:
         return f"chain({', '.join(map(repr, self.mods))})"

@@ -78,6 +78,13 @@ class _SymmetricAlibi(ScoreMod):
                 f"got {fmt_shape(self.slopes.shape)}"
             )
 
+    @property
+    def batch(self):
+        return self.slopes.shape[0] if self.slopes.ndim == 2 else None
+
+    def select(self, b):
+        return self if self.slopes.ndim == 1 else _SymmetricAlibi(self.slopes[b])
+
     def _slope(self, b, h, like):
         slopes = _like(self.slopes, like)
         return slopes[h] if self.slopes.ndim == 1 else slopes[b, h]
