@@ -60,6 +60,11 @@ API: dict[str, tuple[str, str, list[str]]] = {
         ["qkv.heads"],
     ),
     "numpy": ("qkv.numpy", "The float64 NumPy oracle.", ["qkv.numpy"]),
+    "flash_attn": (
+        "qkv.flash_attn",
+        "FlashAttention 2's API on a CPU ([the mapping](../flash-attn.md)).",
+        ["qkv.flash_attn"],
+    ),
     "training": ("qkv.training", "Training a GPT on a CPU.", ["qkv.training"]),
 }
 

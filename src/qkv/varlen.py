@@ -42,6 +42,8 @@ def varlen_attention(
     seqused_k: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
     mask: Mask | None = None,
     score_mod: ScoreMod | Callable[..., Any] | None = None,
     sinks: torch.Tensor | None = None,
@@ -77,6 +79,8 @@ def varlen_attention(
         num_splits: torch's split-KV knob for GPUs; qkv attends each sequence in one call,
             so results never depend on the other sequences of the batch (batch-invariant)
             whatever it is.
+        dropout_p, generator: dropout on the attention weights, as in :func:`qkv.attention`
+            (the generator draws for the sequences in order).
         mask, score_mod, sinks: as in :func:`qkv.attention`, applied within each sequence
             at its own positions (a mask with a batch dimension does not apply: each
             sequence is a batch of one). A score modification with one row per sequence,
@@ -113,6 +117,7 @@ def varlen_attention(
             mask is None
             and score_mod is None
             and backend == "auto"
+            and not dropout_p
             and seqused_k is not None
             and tuple(window_size) in ((-1, -1), (-1, 0))
             and _one_query_each(query, cu_seq_q, max_q)
@@ -177,6 +182,8 @@ def varlen_attention(
             scale=scale,
             score_mod=None if mod is None else mod.select(s),
             sinks=sinks,
+            dropout_p=dropout_p,
+            generator=generator,
             backend=backend,
             return_lse=want_lse,
         )
