@@ -18,7 +18,7 @@ import time
 import torch
 
 from qkv.kernels.tiled import native
-from qkv.kernels.tiled.flash import FLASH
+from qkv.kernels.tiled.torch_ops import FLASH
 
 H, D = 8, 64
 

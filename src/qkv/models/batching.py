@@ -15,12 +15,27 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from .gpt import GPT
+from ..nn.paged import PagedCaches
+from .config import GPTConfig
+from .sampling import sample
+
+
+class Decoder(Protocol):
+    """What a :class:`Batcher` needs of its model (:class:`qkv.models.GPT` has it): the
+    config's ``block_size``, the head whose device the tokens go to, paged caches for its
+    layers, and a forward pass over tokens with those caches."""
+
+    config: GPTConfig
+    lm_head: nn.Linear
+
+    def new_paged_caches(self, num_pages: int, page_size: int = 16) -> PagedCaches: ...
+
+    def __call__(self, idx: torch.Tensor, *, caches: Any) -> Any: ...
 
 
 @dataclass
@@ -62,7 +77,7 @@ class Batcher:
 
     def __init__(
         self,
-        model: GPT,
+        model: Decoder,
         *,
         num_pages: int | None = None,
         page_size: int = 16,
@@ -129,13 +144,11 @@ class Batcher:
     def step(self) -> dict[int, int]:
         """One token for every request in flight: {id: token}. Requests that reach their
         end leave (their pages are freed); the others are run forward together."""
-        from .gpt import _sample
-
         live = [self._requests[rid] for rid in self.active]
         if not live:
             return {}
         logits = torch.stack([r.logits for r in live])  # (B, V)
-        tokens = _sample(logits, *self.sampling)[:, 0].tolist()
+        tokens = sample(logits, *self.sampling)[:, 0].tolist()
         out = {}
         for rid, r, token in zip(self.active, live, tokens):
             out[rid] = token

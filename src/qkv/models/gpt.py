@@ -27,8 +27,10 @@ from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
 from ..nn.paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
+from .batching import Batcher
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
+from .sampling import sample
 
 
 class UniformAttention(MultiHeadAttention):
@@ -258,8 +260,6 @@ class GPT(nn.Module):
         generator: torch.Generator | None,
         stop_token: int | None,
     ) -> list[torch.Tensor]:
-        from .batching import Batcher
-
         was_training = self.training
         self.eval()
         try:
@@ -387,7 +387,7 @@ class GPT(nn.Module):
                 else:  # first step, or the window slid: prefill from position 0
                     caches = self.new_caches(idx.shape[0])
                     logits = self(context, caches=caches)
-                nxt = _sample(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
+                nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
                 idx = torch.cat([idx, nxt], dim=1)
         finally:
             self.train(was_training)
@@ -421,27 +421,3 @@ class GPT(nn.Module):
         model = cls(config).to(hf.lm_head.weight.dtype)
         copy_gpt2_weights(hf, model)
         return model.train(hf.training)
-
-
-def _sample(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Next tokens (B, 1) from the last position's logits (B, V)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the more likely ones already reach top_p (the first always stays).
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator)

@@ -7,7 +7,7 @@ Legend: H query heads · H_kv key/value heads · D head dim · D_v value dim.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -15,8 +15,15 @@ from ..varlen import varlen_attention
 from .book import Pass
 from .cache import check_appended
 
-if TYPE_CHECKING:
-    from .paged import PagedKVCache
+
+class Pool(Protocol):
+    """What a packed prefill reads of :class:`qkv.PagedKVCache`: its key and value pools
+    (H_kv, slots, ·) and how it writes tokens into slots."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None: ...
 
 
 class PackedBatch:
@@ -26,7 +33,7 @@ class PackedBatch:
     stored in its own pages. What :class:`qkv.MultiHeadAttention` and the GPT take for a
     prefill of many prompts in one forward pass (:meth:`PagedCaches.packed`)."""
 
-    def __init__(self, pool: PagedKVCache, seqs: list[int], lengths: list[int], plan: Pass) -> None:
+    def __init__(self, pool: Pool, seqs: list[int], lengths: list[int], plan: Pass) -> None:
         held = [plan.book.length(s) for s in seqs]
         if any(held):
             raise ValueError(

@@ -22,10 +22,7 @@ from ..reference import accumulation_dtype, all_finite
 from . import native as _native
 from .calls import Call, backward_pieces, calls
 from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
-
-# torch's fused CPU flash kernel: softmax(Q Kᵀ · scale + mask) V and its log-sum-exp, the
-# online softmax in float32 (float64 for float64) and the matmuls in the inputs' dtype.
-FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+from .torch_ops import FLASH, FLASH_BACKWARD
 
 
 def supports(
@@ -210,11 +207,6 @@ def _bounds(
     if cache is not None:
         cache[key] = bounds
     return bounds
-
-
-FLASH_BACKWARD: Any = getattr(
-    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
-)
 
 
 def fused_backward(

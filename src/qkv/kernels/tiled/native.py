@@ -24,6 +24,7 @@ import torch
 
 from ..reference import all_finite
 from .args import DTYPES, alibi_at, bias_at, bounds_at, check_call, check_keys
+from .torch_ops import FLASH
 
 try:
     from . import _native  # type: ignore[attr-defined]
@@ -120,8 +121,6 @@ def probe() -> Probe:
     could run it. On one Intel Xeon with AVX512-BF16 but no AMX, the native bfloat16 path
     ran at 0.71× float32's speed; on the AMD EPYC of this project's sessions at ~1.5–2×:
     the instruction-set flag alone does not say which wins."""
-    from .flash import FLASH  # (flash imports this module)
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
     calls: dict[str, Callable[[], object]] = {
