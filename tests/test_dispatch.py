@@ -177,7 +177,10 @@ def test_the_plain_decode_path_is_the_full_path(H, H_kv, T_q, mask, dtype, monke
     k, v = (torch.randn(2, H_kv, 37, 16, generator=g).to(dtype) for _ in range(2))
     m = masks.causal() if mask == "causal" else None
     full = qkv.attention(q, k, v, mask=m, backend="sdpa", scale=0.3)
-    monkeypatch.setattr(qkv.functional, "prepare", None)  # the plain path never dispatches
+    assert qkv.dispatch(q, k, v, mask=m, scale=0.3).rule == "plain"
+    # the plain path runs neither the full checks nor lowering
+    monkeypatch.setattr(qkv.core.call, "check_attention", None)
+    monkeypatch.setattr(qkv.functional, "lower", None)
     fast = qkv.attention(q, k, v, mask=m, scale=0.3)
     assert torch.equal(fast, full)
     expected = oracle(q.float(), k.float(), v.float(), mask=m, scale=0.3)

@@ -169,11 +169,11 @@ def test_flex_is_never_chosen_by_auto_on_the_cpu_and_dispatch_says_why():
 
 
 def test_auto_prefers_flex_on_cuda(monkeypatch):
-    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.dispatch.Ask.gpu)
+    # Without a GPU, the rule itself: inputs taken for CUDA ones (qkv.core.call.Call.gpu)
     # send what the tiled kernel would take to flex, and leave SDPA what it does best.
     import qkv.core.dispatch as d
 
-    monkeypatch.setattr(d.Ask, "gpu", property(lambda ask: not isinstance(ask.mask, torch.Tensor)))
+    monkeypatch.setattr(d.Call, "gpu", property(lambda ask: not isinstance(ask.mask, torch.Tensor)))
     q, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))
     choose = lambda **kw: qkv.dispatch(q, k, v, **kw)  # noqa: E731
     assert choose(mask=masks.sliding_window(256)).backend == "flex"

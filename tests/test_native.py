@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import numpy as qnp
-from qkv.core.call import lowered, prepare
+from qkv.core.call import Call
+from qkv.core.dispatch import choose
+from qkv.core.lowering import lower
 from qkv.kernels.tiled import flash, native
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
@@ -506,19 +508,8 @@ def test_a_modification_the_native_kernel_cannot_run_takes_the_loop(monkeypatch,
         backend="reference",
     )
     np.testing.assert_allclose(out.double().numpy(), want.numpy(), atol=1e-5, rtol=0)
-    prep = prepare(
-        q,
-        k,
-        v,
-        mask=qkv.masks.causal(),
-        scale=None,
-        q_offset=None,
-        dropout_p=0.0,
-        return_lse=False,
-        backend="tiled",
-        score_mod=cap,
-    )
-    call = dataclasses.replace(lowered(prep, q, k, v), path="tiled-flash")
+    asked = Call.of(q, k, v, mask=qkv.masks.causal(), backend="tiled", score_mod=cap)
+    call = dataclasses.replace(lower(asked, choose(asked)), path="tiled-flash")
     with pytest.raises(ValueError, match="soft-cap"):  # refused, not dropped
         flash.fused_forward(call, native=None)
     tune(native=True)  # ALiBi slopes that need a gradient: the loop computes it

@@ -9,7 +9,6 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -17,18 +16,27 @@ import torch
 
 from ._checks import Problem, check_attention
 from .core import compiled
-from .core.call import lowered, prepare, torch_inputs
-from .core.dispatch import Dispatch, plain
-from .core.record import editors, listeners
+from .core.call import Call, torch_inputs
+from .core.dispatch import Dispatch, choose
+from .core.lowering import lower
+from .core.record import editors, listeners, served
 from .kernels import Lowered, Result, flex, reference, sdpa, tiled
 from .kernels.contract import with_sinks
 from .masks import MaskLike
 from .scores import ScoreMod
-from .tuning import tuning
 
 Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
-__all__ = ["Dispatch", "MaskLike", "Problem", "attention", "dispatch", "problem", "torch_inputs"]
+__all__ = [
+    "Dispatch",
+    "MaskLike",
+    "Problem",
+    "attention",
+    "dispatch",
+    "problem",
+    "run",
+    "torch_inputs",
+]
 
 
 def dispatch(
@@ -63,41 +71,12 @@ def dispatch(
         reference: the attention weights asked for: only the materialised reference kernel
         provides them
     """
-    prep = prepare(
-        query,
-        key,
-        value,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        dropout_p=dropout_p,
-        generator=generator,
-        return_weights=return_weights,
-        return_lse=return_lse,
-        backend=backend,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
-    choice = prep.choice
-    if sinks is None and (
-        _plain_applies(
-            query,
-            key,
-            value,
-            mask,
-            scale,
-            dropout_p,
-            return_weights,
-            return_lse,
-            backend,
-            score_mod,
-            q_offset,
-        )
-        is not None
-    ):
-        why = f"{choice.reason}; attention() takes the decode fast path to it (rule 'plain')"
-        return dataclasses.replace(choice, reason=why)
-    return choice
+    call = Call.of(
+        query, key, value, mask=mask, scale=scale, q_offset=q_offset, dropout_p=dropout_p,
+        generator=generator, return_weights=return_weights, return_lse=return_lse,
+        backend=backend, score_mod=score_mod, sinks=sinks,
+    )  # fmt: skip
+    return choose(call)
 
 
 #: the kernels, by the backend the dispatch names
@@ -212,116 +191,46 @@ def attention(
         torch.Size([2, 4, 5, 3])
     """
     listening, edits = listeners(), editors()
-    if not listening and not edits and sinks is None:
-        scale_ = _plain_applies(
-            query,
-            key,
-            value,
-            mask,
-            scale,
-            dropout_p,
-            return_weights,
-            return_lse,
-            backend,
-            score_mod,
-            q_offset,
-        )
-        if scale_ is not None:  # the decode fast path (qkv.core.dispatch.plain)
-            return sdpa.sdpa(query, key, value, mask=None, is_causal=False, scale=scale_)
-    # A qkv.heads.record() block keeps every call's inputs and log-sum-exp. There, "auto"
-    # picks a backend that returns the log-sum-exp (the tiled kernel: no T_q × T_k).
-    lse_for_listeners = bool(listening and backend == "auto" and dropout_p == 0)
-    prep = prepare(
-        query,
-        key,
-        value,
-        mask=mask,
-        scale=scale,
-        q_offset=q_offset,
-        dropout_p=dropout_p,
-        generator=generator,
-        return_weights=return_weights,
-        return_lse=return_lse or lse_for_listeners,
-        backend=backend,
-        score_mod=score_mod,
-        sinks=sinks,
-    )
-    p, choice = prep.p, prep.choice
-    q, k, v = p.to4d(query), p.to4d(key), p.to4d(value)
-    if p.T_k == 0:  # no keys at all: every row is fully masked
-        result = with_sinks(
-            Result(
-                q.new_zeros(p.B, p.H, p.T_q, p.D_v),
-                torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device),
-                q.new_zeros(p.B, p.H, p.T_q, 0),
-            ),
-            sinks,
-        )
-    elif choice.compiled is not None:  # while tracing: the tiled kernel as one opaque op
-        result = with_sinks(Result(*compiled.tiled_op(q, k, v, choice.compiled, p)), sinks)
-    else:
-        call = lowered(
-            prep,
-            q,
-            k,
-            v,
-            dropout_p=dropout_p,
-            generator=generator,
-            need_lse=return_lse or lse_for_listeners,
-        )
-        result = KERNELS[choice.backend](call)
-    for listener in listening:
-        listener.add(
-            query,
-            key,
-            value,
-            None if result.lse is None else p.restore(result.lse),
-            mask=mask,
-            scale=scale,
-            q_offset=q_offset,
-            score_mod=score_mod,
-        )
+    # A qkv.heads.record() block keeps every call's log-sum-exp: there "auto" picks a
+    # backend that returns it (the tiled kernel: no T_q × T_k).
+    recorded_lse = bool(listening and backend == "auto" and dropout_p == 0)
+    call = Call.of(
+        query, key, value, mask=mask, scale=scale, q_offset=q_offset, dropout_p=dropout_p,
+        generator=generator, return_weights=return_weights,
+        return_lse=return_lse or recorded_lse, backend=backend, score_mod=score_mod,
+        sinks=sinks, fast=not (listening or edits),
+    )  # fmt: skip
+    result = run(call, choose(call))
     out = result.out
-    for edit in edits:  # qkv.heads.ablate and other editors of the heads' outputs
-        edited = edit(out)
-        if edited.shape != out.shape:
-            raise ValueError(
-                f"an attention output editor returned shape {tuple(edited.shape)}; "
-                f"it must keep the output's {tuple(out.shape)}"
-            )
-        out = edited
+    if listening or edits:
+        args = dict(
+            query=query, key=key, value=value, mask=mask, scale=scale, q_offset=q_offset,
+            score_mod=score_mod,
+        )  # fmt: skip
+        out = served(out, result.lse, args, call.p.restore)
     extras = ([result.weights] if return_weights else []) + ([result.lse] if return_lse else [])
     if not extras:
-        return p.restore(out)
-    return tuple(p.restore(x) for x in [out, *extras])
+        return call.p.restore(out)
+    return tuple(call.p.restore(x) for x in [out, *extras])
 
 
-def _plain_applies(
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    scale: Any,
-    dropout_p: float,
-    return_weights: bool,
-    return_lse: bool,
-    backend: str,
-    score_mod: Any,
-    q_offset: Any,
-) -> float | None:
-    """The scale of the decode fast path (:func:`qkv.core.dispatch.plain`), or None: a call
-    with no option set and tensors it takes."""
-    if (
-        dropout_p
-        or return_weights
-        or return_lse
-        or backend != "auto"
-        or score_mod is not None
-        or q_offset is not None
-        or torch.compiler.is_compiling()  # (and a graph cannot read the knobs' ContextVar)
-    ):
-        return None
-    return plain(query, key, value, mask, scale, tuning())
+def run(call: Call, choice: Dispatch) -> Result:
+    """The chosen kernel on a call: the decode fast path's one call of torch's fused kernel;
+    zeros for a call with no key (every row fully masked); the compiled tiled op while
+    tracing; else the call lowered for its kernel (:func:`qkv.core.lowering.lower`)."""
+    q, k, v, p = call.q, call.k, call.v, call.p
+    if call.fast_scale is not None:  # rule "plain"
+        return Result(sdpa.sdpa(q, k, v, mask=None, is_causal=False, scale=call.fast_scale))
+    if p.T_k == 0:
+        empty = Result(
+            q.new_zeros(p.B, p.H, p.T_q, p.D_v),
+            torch.full((p.B, p.H, p.T_q), float("-inf"), device=q.device),
+            q.new_zeros(p.B, p.H, p.T_q, 0),
+        )
+        return with_sinks(empty, call.sinks)
+    if choice.compiled is not None:  # while tracing: the tiled kernel as one opaque op
+        return with_sinks(Result(*compiled.tiled_op(q, k, v, choice.compiled, p)), call.sinks)
+    return KERNELS[choice.backend](lower(call, choice))
 
 
 def problem(

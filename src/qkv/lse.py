@@ -15,7 +15,8 @@ import torch
 
 from ._checks import Problem, check_attention
 from .core.call import torch_inputs
-from .core.lowering import dense_mask, indices
+from .core.lowering import indices
+from .core.recipe import dense_mask
 from .kernels.contract import sink_factor
 from .masks import Mask, MaskLike
 from .scores import ScoreMod, as_score_mod

@@ -25,42 +25,12 @@ from typing import Any
 import torch
 
 from .. import masks, scores
-from .._checks import Problem, check_attention
+from .._checks import Problem
 from ..kernels import Lowered, tiled
 from ..kernels.reference import accumulation_dtype
-from ..masks import MaskLike
-from ..scores import ScoreMod
-from ..tuning import tuning
-from .dispatch import Ask, choose
-from .lowering import dense_mask, lower
-
-
-def recipe(
-    mask: MaskLike, mod: ScoreMod | None, p: Problem, device: torch.device
-) -> tuple[Any, ...] | None:
-    """What the compiled op receives for this mask and modification: (mask tokens,
-    modification tokens, tensors, ints); None for a user score function. A mask that data
-    cannot rebuild (a user predicate) is lowered to a dense bool tensor here, in the graph."""
-    tensors: list[torch.Tensor] = []
-    ints: list[Any] = []
-    mod_tokens = [] if mod is None else mod.recipe(tensors, ints)
-    if mod_tokens is None:
-        return None
-    if mask is None:
-        mask_tokens: list[str] = []
-    elif isinstance(mask, masks.Mask):
-        found = mask.recipe(tensors, ints)
-        if found is None:  # a predicate: lowered densely, here in the graph
-            found = _dense_recipe(dense_mask(mask, p, device), tensors)
-        mask_tokens = found
-    else:
-        mask_tokens = _dense_recipe(torch.as_tensor(mask), tensors)
-    return " ".join(mask_tokens), " ".join(mod_tokens), tensors, ints
-
-
-def _dense_recipe(dense: Any, tensors: list[torch.Tensor]) -> list[str]:
-    tensors.append(dense)
-    return [f"dense:{len(tensors) - 1}"]
+from .call import Call
+from .dispatch import choose
+from .lowering import lower
 
 
 def rebuild(recipe: str, tensors: list[torch.Tensor], ints: list[int]) -> Any:
@@ -102,12 +72,11 @@ def _rebuilt(q, k, v, mask_recipe: str, mod_recipe: str, tensors, ints, scale, q
     """One op call, rebuilt, validated, dispatched (to the tiled kernel's code for these
     tensors, by the eager rules) and lowered, here, at run time."""
     mask, mod = rebuild(mask_recipe, tensors, ints), rebuild(mod_recipe, tensors, ints)
-    p = check_attention(q, k, v, mask=mask, scale=scale, q_offset=q_offset)
-    if mod is not None:
-        mod.validate(p.B, p.H, p.T_q, p.T_k)
-    knobs = tuning()
-    ask = Ask(p, mask, mod, q, k, v, 0.0, None, False, True, False, knobs)
-    return lower(choose(ask, "tiled"), p, q, k, v, mask, mod, tuning=knobs, need_lse=True)
+    call = Call.of(
+        q, k, v, mask=mask, scale=scale, q_offset=q_offset, score_mod=mod, backend="tiled",
+        return_lse=True,
+    )  # fmt: skip
+    return lower(call, choose(call))
 
 
 @torch.library.custom_op("qkv::tiled_attention", mutates_args=())

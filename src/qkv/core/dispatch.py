@@ -8,6 +8,9 @@ while a graph is traced). The same list runs eagerly and while tracing.
 
 For ``backend="auto"``:
 
+0. ``plain``: a decode step that :meth:`qkv.core.call.Call.of` checked by
+   :func:`qkv.core.call.plain` alone (4-d tensors of one dtype, no mask or causal over one
+   query, no option set) → ``sdpa`` without a mask, what rules 7 and 8 would choose;
 1. ``materialised``: weights, dropout from a ``torch.Generator``, or dropout together with
    the log-sum-exp → ``reference`` (the only kernel that materialises them);
 2. ``user function while tracing``: a score function qkv cannot rebuild inside the compiled
@@ -41,9 +44,7 @@ For ``backend="auto"``:
 
 Where the tiled kernel runs, :func:`tiled_path` names its code: the PyTorch loop, torch's
 flash kernel call by call, qkv's native kernel (float32, bfloat16), or (while tracing) the
-compiled op, which applies the same rules at run time. :func:`plain` is the decode fast
-path that :func:`qkv.attention` takes before any of this, on the same kernel the rules
-would choose.
+compiled op, which applies the same rules at run time.
 
 On CPU ``flex`` runs only when asked for: it compiles for seconds per mask structure and has
 neither a backward nor the log-sum-exp there. The thresholds were measured with
@@ -52,32 +53,28 @@ neither a backward nor the log-sum-exp there. The thresholds were measured with
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..kernels import paged as paged_kernel
-from ..masks import Mask
 from ..scores import ScoreMod
-from ..tuning import Tuning
-from .ask import Ask, Dispatch, Rule
+from .call import Call, Dispatch, Rule, fast_scale
 from .planning import block_codes, make_tiled_plan
 from .record import editors, listeners
-from .rules import RULES, sdpa_mode, sdpa_takes, tiled_path
+from .rules import PLAIN, RULES, sdpa_mode, sdpa_takes, tiled_path
 
 __all__ = [
     "BACKENDS",
     "RULES",
-    "Ask",
+    "Call",
     "Dispatch",
     "Rule",
     "block_codes",
     "check_backend",
     "choose",
     "make_tiled_plan",
-    "plain",
     "sdpa_takes",
     "tiled_path",
 ]
@@ -124,9 +121,12 @@ def check_backend(
         )
 
 
-def choose(a: Ask, backend: str = "auto") -> Dispatch:
+def choose(a: Call) -> Dispatch:
     """Check an explicit ``backend``, or apply :data:`RULES` (those of this mode: eager or
     tracing) for ``"auto"``."""
+    backend = a.backend
+    if backend == "auto" and a.fast_scale is not None:  # a decode step: rule "plain" at once
+        return PLAIN[a.mask is not None]
     check_backend(
         backend,
         dropout_p=a.dropout_p,
@@ -151,7 +151,7 @@ def choose(a: Ask, backend: str = "auto") -> Dispatch:
     raise AssertionError("the last rule always matches")  # pragma: no cover
 
 
-def _requested(a: Ask, backend: str) -> Dispatch:
+def _requested(a: Call, backend: str) -> Dispatch:
     why = "requested" if a.tracing else f"requested with backend={backend!r}"
     if backend == "tiled":
         if a.tracing and a.mod is not None and a.recipe is None:
@@ -175,60 +175,6 @@ def _requested(a: Ask, backend: str) -> Dispatch:
     return Dispatch(backend, why, sdpa_mask=mode, rule="requested")
 
 
-_PLAIN_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
-
-
-def plain(query: Any, key: Any, value: Any, mask: Any, scale: Any, tuning: Tuning) -> float | None:
-    """The decode fast path, for the most common call — a decode step — with as little
-    Python as it can have: (B, H, T, D) tensors of one float dtype and device whose sizes
-    agree, and no mask, or causal with one query (which allows every key before it). It
-    runs torch's fused kernel with no mask, which is what :data:`RULES` would choose ("no
-    mask", "mask allows everything"), on the same arguments. Returns the scale to use, or
-    None where the call must take the full path (which checks, explains and dispatches)."""
-    if (
-        type(query) is not torch.Tensor
-        or type(key) is not torch.Tensor
-        or type(value) is not torch.Tensor
-        or query.ndim != 4
-        or key.ndim != 4
-        or value.ndim != 4
-        or torch.compiler.is_compiling()
-    ):
-        return None
-    B, H, T_q, D = query.shape
-    B_k, H_kv, T_k, D_k = key.shape
-    B_v, H_v, T_v, _ = value.shape
-    if not (mask is None or (isinstance(mask, Mask) and mask.kind == "causal" and T_q == 1)):
-        return None
-    if (
-        not (B == B_k == B_v and H_kv == H_v and T_k == T_v and D_k == D and T_q and T_k and D)
-        or H % H_kv
-    ):
-        return None
-    dtype = query.dtype
-    if (
-        dtype not in _PLAIN_DTYPES
-        or key.dtype != dtype
-        or value.dtype != dtype
-        or key.device != query.device
-        or value.device != query.device
-    ):
-        return None
-    if dtype is torch.bfloat16 and T_q * T_k >= tuning.native_scores:  # rule "native bfloat16"
-        return None
-    return _fast_scale(scale, D)
-
-
-def _fast_scale(scale: Any, D: int) -> float | None:
-    """The scale a fast path gives its kernel: 1/sqrt(D) by default, a given positive
-    finite float as it is; None for anything else (the full path checks and explains)."""
-    if scale is None:
-        return float(D**-0.5)
-    if type(scale) is not float or not 0.0 < scale < math.inf:
-        return None
-    return scale
-
-
 def paged(
     query: torch.Tensor,
     key_pages: torch.Tensor,
@@ -244,7 +190,7 @@ def paged(
     (:func:`qkv.kernels.paged.supports`: dtype, device, layout, a gradient to record)."""
     if listeners() or editors() or torch.compiler.is_compiling():
         return None
-    scale_ = _fast_scale(scale, query.shape[-1])
+    scale_ = fast_scale(scale, query.shape[-1])
     if scale_ is None or not paged_kernel.supports(query, key_pages, value_pages, sinks):
         return None
     return scale_

@@ -24,28 +24,16 @@ from ..kernels import Lowered
 from ..kernels.flex import BLOCK
 from ..masks import FULL, PARTIAL, Mask, MaskLike
 from ..scores import ScoreMod
-from ..tuning import Tuning
-from .dispatch import Dispatch
+from .call import Call, Dispatch
+from .dispatch import choose
+from .recipe import dense_mask
 
 
-def lower(
-    choice: Dispatch,
-    p: Problem,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: MaskLike,
-    mod: ScoreMod | None,
-    *,
-    tuning: Tuning,
-    dropout_p: float = 0.0,
-    generator: torch.Generator | None = None,
-    need_lse: bool = False,
-    sinks: torch.Tensor | None = None,
-) -> Lowered:
+def lower(call: Call, choice: Dispatch) -> Lowered:
     """The call as the kernel ``choice`` names receives it: q, k, v in (B, H|H_kv, T, D)
     layout, and the mask and modification in that kernel's forms only; the sinks as given
     (every kernel applies them)."""
+    p, q, k, v, mask, mod = call.p, call.q, call.k, call.v, call.mask, call.mod
     base = Lowered(
         q,
         k,
@@ -53,11 +41,11 @@ def lower(
         p.scale,
         p.q_offset,
         choice.path,
-        tuning,
-        dropout_p=dropout_p,
-        generator=generator,
-        need_lse=need_lse,
-        sinks=sinks,
+        call.tuning,
+        dropout_p=call.dropout_p,
+        generator=call.generator,
+        need_lse=call.return_lse,
+        sinks=call.sinks,
     )
     if choice.backend == "sdpa":
         if mod is not None:  # additive: its term and the mask as one float mask
@@ -81,19 +69,6 @@ def lower(
             score_mod=flex_score_mod(mod, p.q_offset),
         )
     return replace(base, dense=dense_mask(mask, p, q.device), modify=modify(mod, p, q.device))
-
-
-def dense_mask(mask: MaskLike, p: Problem, device: torch.device) -> torch.Tensor | None:
-    """The mask as a 4-d bool tensor broadcastable to (B, H, T_q, T_k), or None. It keeps
-    size 1 on the dims the mask does not use: kernels broadcast it, and SDPA runs slower
-    on an expanded (B, H, T_q, T_k) view than on the compact mask."""
-    if mask is None:
-        return None
-    if isinstance(mask, Mask):
-        out = mask.block(p.B, p.H, p.q_offset, p.q_offset + p.T_q, 0, p.T_k, device=device)
-        return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
-    dense = torch.as_tensor(mask)
-    return dense[None, None] if dense.ndim == 2 else p.to4d(dense)
 
 
 def _qkv_mask(mask: MaskLike) -> Mask | None:
@@ -292,3 +267,13 @@ def _tensors(mask: Mask, device: torch.device) -> Mask:
         elif isinstance(value, Mask):
             setattr(out, name, _tensors(value, device))
     return out
+
+
+def tiled_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: MaskLike, scale: float | None
+) -> Lowered:
+    """A (B, H, T_q, D) call validated, planned and lowered for the tiled kernel, to run its
+    :func:`~qkv.kernels.tiled.forward` and :func:`~qkv.kernels.tiled.backward` directly
+    (context parallelism calls them per pair of shards)."""
+    call = Call.of(q, k, v, mask=mask, scale=scale, return_lse=True, backend="tiled")
+    return lower(call, choose(call))

@@ -97,3 +97,36 @@ def editing(editor: Editor) -> Iterator[Editor]:
     finally:
         _OPEN_EDITS["blocks"] -= 1
         _EDITORS.reset(token)
+
+
+def served(
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    args: dict[str, Any],
+    restore: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """One call's output (B, H, T_q, D_v) after the open blocks: each listener gets the
+    call's ``args`` (query, key, value and the options, as given) and its lse in the
+    caller's layout (``restore``), then each editor edits ``out``. What
+    :func:`qkv.attention` returns inside a :func:`qkv.heads.record` or
+    :func:`qkv.heads.ablate` block."""
+    for listener in listeners():
+        listener.add(
+            args["query"],
+            args["key"],
+            args["value"],
+            None if lse is None else restore(lse),
+            mask=args["mask"],
+            scale=args["scale"],
+            q_offset=args["q_offset"],
+            score_mod=args["score_mod"],
+        )
+    for edit in editors():  # qkv.heads.ablate and other editors of the heads' outputs
+        edited = edit(out)
+        if edited.shape != out.shape:
+            raise ValueError(
+                f"an attention output editor returned shape {tuple(edited.shape)}; "
+                f"it must keep the output's {tuple(out.shape)}"
+            )
+        out = edited
+    return out

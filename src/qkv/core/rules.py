@@ -1,6 +1,7 @@
-"""The rules of ``backend="auto"``, each named, marked with when it applies, and written as a
-function of one :class:`Ask` that returns a :class:`Dispatch` or None; :data:`RULES` lists
-them in order. :mod:`qkv.core.dispatch` applies them (its docstring says each in words).
+"""The rules of ``backend="auto"``, each named, marked with when it applies, and written as
+a function of one :class:`~qkv.core.call.Call` that returns a :class:`Dispatch` or None;
+:data:`RULES` lists them in order. :mod:`qkv.core.dispatch` applies them (its docstring
+says each in words).
 
 Legend: B batch · H query heads · T_q/T_k query/key length · D head dim · D_v value head dim.
 """
@@ -14,11 +15,11 @@ from ..kernels.tiled import flash, native
 from ..kernels.tiled.plan import Plan
 from ..masks import FULL, Mask, MaskLike
 from ..scores import ScoreMod
-from .ask import Ask, Dispatch, Rule
+from .call import Call, Dispatch, Rule
 from .planning import make_tiled_plan
 
 
-def _materialised(a: Ask) -> list[str]:
+def _materialised(a: Call) -> list[str]:
     return [
         what
         for what, asked in (
@@ -48,7 +49,7 @@ def _describe(mask: MaskLike, mod: ScoreMod | None = None) -> str:
     return " and ".join(what + ([f"score modification {mod!r}"] if mod is not None else []))
 
 
-def sdpa_mode(a: Ask) -> str:
+def sdpa_mode(a: Call) -> str:
     """How SDPA should receive this mask: not at all ("none": no mask, or a qkv mask that is
     FULL over the whole problem, e.g. causal for one query at the end of a KV cache),
     as ``is_causal`` (top-left causal, T_q == T_k), as a dense bool tensor, or with an
@@ -82,7 +83,7 @@ def _allows_everything(mask: Mask, p: Problem) -> bool:
     )
 
 
-def _causal_at_the_end(a: Ask) -> bool:
+def _causal_at_the_end(a: Call) -> bool:
     """Causal for one query at the end of the keys: it sees them all (decided from sizes'
     relations only, as a trace may)."""
     return (
@@ -93,7 +94,7 @@ def _causal_at_the_end(a: Ask) -> bool:
     )
 
 
-def tiled_path(a: Ask) -> tuple[str, str]:
+def tiled_path(a: Call) -> tuple[str, str]:
     """Which code of the tiled kernel runs this call, and why: "tiled-op" while tracing (the
     op decides at run time, by this function); the PyTorch loop where a score modification
     the native kernel does not apply (:func:`_native_mod`) is applied, the fused calls are
@@ -137,7 +138,7 @@ def tiled_path(a: Ask) -> tuple[str, str]:
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 
 
-def _tiled(a: Ask, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
+def _tiled(a: Call, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
     """The tiled kernel: its plan (made here unless given), the code that runs it."""
     path, how = tiled_path(a)
     if a.tracing:
@@ -148,18 +149,18 @@ def _tiled(a: Ask, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
     return Dispatch("tiled", f"{why}; {how}", plan, path=path, rule=rule)
 
 
-def _sdpa(a: Ask, why: str, rule: str, mode: str | None = None) -> Dispatch:
+def _sdpa(a: Call, why: str, rule: str, mode: str | None = None) -> Dispatch:
     drawn = " (dropout drawn from torch's global generator)" if a.dropout_p > 0 else ""
     prefix = "compiling: " if a.tracing else ""
     mode = sdpa_mode(a) if mode is None else mode
     return Dispatch("sdpa", f"{prefix}{why}{drawn}", sdpa_mask=mode, rule=rule)
 
 
-def _reference(a: Ask, why: str, rule: str) -> Dispatch:
+def _reference(a: Call, why: str, rule: str) -> Dispatch:
     return Dispatch("reference", ("compiling: " if a.tracing else "") + why, rule=rule)
 
 
-def _rule_materialised(a: Ask) -> Dispatch | None:
+def _rule_materialised(a: Call) -> Dispatch | None:
     asked = _materialised(a)
     if not asked:
         return None
@@ -170,7 +171,7 @@ def _rule_materialised(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_user_function(a: Ask) -> Dispatch | None:
+def _rule_user_function(a: Call) -> Dispatch | None:
     if a.mod is None or a.recipe is not None:
         return None
     return _reference(
@@ -178,7 +179,7 @@ def _rule_user_function(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_sinks(a: Ask) -> Dispatch | None:
+def _rule_sinks(a: Call) -> Dispatch | None:
     if a.sinks is None:
         return None
     if a.dropout_p > 0 or a.tracing:
@@ -200,7 +201,7 @@ def _rule_sinks(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_lse(a: Ask) -> Dispatch | None:
+def _rule_lse(a: Call) -> Dispatch | None:
     if not a.return_lse:
         return None
     if a.gpu:
@@ -217,7 +218,7 @@ def _rule_lse(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_modification(a: Ask) -> Dispatch | None:
+def _rule_modification(a: Call) -> Dispatch | None:
     mod = a.mod
     if mod is None or (not a.tracing and sdpa_takes(mod)):
         return None
@@ -246,7 +247,7 @@ def _rule_modification(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_native(a: Ask) -> Dispatch | None:
+def _rule_native(a: Call) -> Dispatch | None:
     if not (
         a.k.dtype == torch.bfloat16
         and a.mod is None
@@ -287,7 +288,7 @@ def _native_mod(mod: ScoreMod | None) -> str | None:
     return " then ".join(parts)
 
 
-def _native_wins(a: Ask, dtype: torch.dtype) -> bool:
+def _native_wins(a: Call, dtype: torch.dtype) -> bool:
     """Whether the native kernel is worth it in ``dtype`` here — in bfloat16, faster than
     the float32 path; in float32, not slower than torch's flash kernel (see
     :class:`qkv.kernels.tiled.native.Probe`): measured once per process
@@ -298,14 +299,14 @@ def _native_wins(a: Ask, dtype: torch.dtype) -> bool:
     return found.float32 if dtype == torch.float32 else found.faster
 
 
-def _rule_no_mask(a: Ask) -> Dispatch | None:
+def _rule_no_mask(a: Call) -> Dispatch | None:
     if a.mask is not None or a.mod is not None:
         return None
     why = "no mask" if a.tracing else "no mask: torch's fused kernel is the fastest dense path"
     return _sdpa(a, why, "no mask", "none")
 
 
-def _rule_allows_everything(a: Ask) -> Dispatch | None:
+def _rule_allows_everything(a: Call) -> Dispatch | None:
     if a.mod is not None or not isinstance(a.mask, Mask):
         return None
     if a.tracing:
@@ -324,7 +325,7 @@ def _rule_allows_everything(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_non_finite_key(a: Ask) -> Dispatch | None:
+def _rule_non_finite_key(a: Call) -> Dispatch | None:
     if a.key_finite:
         return None
     why = (
@@ -336,7 +337,7 @@ def _rule_non_finite_key(a: Ask) -> Dispatch | None:
     return _tiled(a, why, "non-finite key")
 
 
-def _rule_dropout(a: Ask) -> Dispatch | None:
+def _rule_dropout(a: Call) -> Dispatch | None:
     if a.dropout_p == 0:
         return None
     if a.tracing:  # a key's finiteness cannot be read: the reference is exact for any key
@@ -350,7 +351,7 @@ def _rule_dropout(a: Ask) -> Dispatch | None:
     return _sdpa(a, f"dropout without a generator: torch's fused kernel with {how}", "dropout")
 
 
-def _rule_causal_square(a: Ask) -> Dispatch | None:
+def _rule_causal_square(a: Call) -> Dispatch | None:
     if not a.causal_square or a.mod is not None:
         return None
     why = "causal with T_q == T_k"
@@ -362,11 +363,11 @@ def _rule_causal_square(a: Ask) -> Dispatch | None:
     )
 
 
-def _kind(a: Ask) -> str:
+def _kind(a: Call) -> str:
     return "float" if a.mod is not None else "bool"
 
 
-def _rule_small(a: Ask) -> Dispatch | None:
+def _rule_small(a: Call) -> Dispatch | None:
     if a.scores >= a.tuning.small_scores:
         return None
     return _sdpa(
@@ -377,7 +378,7 @@ def _rule_small(a: Ask) -> Dispatch | None:
     )
 
 
-def _rule_sparse_or_long(a: Ask) -> Dispatch | None:
+def _rule_sparse_or_long(a: Call) -> Dispatch | None:
     mask, p = a.mask, a.p
     if isinstance(mask, Mask) and a.gpu:
         return Dispatch(
@@ -410,7 +411,7 @@ def _rule_sparse_or_long(a: Ask) -> Dispatch | None:
     return None
 
 
-def _rule_otherwise(a: Ask) -> Dispatch | None:
+def _rule_otherwise(a: Call) -> Dispatch | None:
     if a.tracing:
         kind = a.mask.kind if isinstance(a.mask, Mask) else "tensor"
         return _tiled(a, f"mask {kind}", "otherwise")
@@ -424,7 +425,29 @@ def _rule_otherwise(a: Ask) -> Dispatch | None:
 
 
 #: The rules of ``backend="auto"``, in order (this module's docstring says each in words).
+#: What rule "plain" decides, with no mask and with causal over one query: a decode step
+#: that :meth:`Call.of` checked by :func:`qkv.core.call.plain` alone goes to torch's fused
+#: kernel without a mask, as rules "no mask" and "mask allows everything" would send it.
+PLAIN = {
+    mask: Dispatch(
+        "sdpa",
+        f"{why}: torch's fused kernel without a mask, by the decode fast path's checks alone",
+        sdpa_mask="none",
+        rule="plain",
+    )
+    for mask, why in (
+        (False, "no mask"),
+        (True, "mask causal() allows every position for one query at the end of the keys"),
+    )
+}
+
+
+def _rule_plain(a: Call) -> Dispatch | None:
+    return None if a.fast_scale is None else PLAIN[a.mask is not None]
+
+
 RULES: tuple[Rule, ...] = (
+    Rule("plain", "eager", _rule_plain),
     Rule("materialised", "always", _rule_materialised),
     Rule("user function", "tracing", _rule_user_function),
     Rule("sinks", "always", _rule_sinks),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.call import tiled_call
+from ..core.lowering import tiled_call
 from ..kernels import tiled
 from ..kernels.contract import sink_factor, sink_grad
 from ..kernels.reference import accumulation_dtype
