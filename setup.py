@@ -2,10 +2,15 @@
 and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set in _step512.c and
 _step256.c) and the decode step over a paged KV cache
 (src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
-runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md). Everything else is
-in pyproject.toml."""
+runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md).
+QKV_BUILD_NATIVE=0 builds none of them (a pure-Python install, what CI tests as the
+fallback). Everything else is in pyproject.toml."""
+
+import os
 
 from setuptools import Extension, setup
+
+NATIVE = os.environ.get("QKV_BUILD_NATIVE", "1") != "0"
 
 setup(
     ext_modules=[
@@ -29,4 +34,6 @@ setup(
             optional=True,
         ),
     ]
+    if NATIVE
+    else []
 )
