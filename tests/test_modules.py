@@ -19,23 +19,23 @@ def functional_with_same_weights(module, x, mask=None):
 @pytest.mark.parametrize("shape", [(7, 4), (3, 7, 4)])
 def test_self_attention_equals_functional(shape):
     x = torch.randn(*shape, dtype=torch.float64)
-    sa = qkv.SelfAttention(4, 3, qkv_bias=True).double()
+    sa = qkv.learn.SelfAttention(4, 3, qkv_bias=True).double()
     torch.testing.assert_close(sa(x), functional_with_same_weights(sa, x))
-    ca = qkv.CausalAttention(4, 3).double()
+    ca = qkv.learn.CausalAttention(4, 3).double()
     torch.testing.assert_close(ca(x), functional_with_same_weights(ca, x, masks.causal()))
 
 
 def test_cross_attention_with_same_input_equals_self_attention():
     x = torch.randn(2, 6, 4, dtype=torch.float64)
     torch.manual_seed(0)
-    sa = qkv.SelfAttention(4, 3).double()
+    sa = qkv.learn.SelfAttention(4, 3).double()
     torch.manual_seed(0)
-    ca = qkv.CrossAttention(4, 3).double()
+    ca = qkv.learn.CrossAttention(4, 3).double()
     torch.testing.assert_close(ca(x, x), sa(x))
 
 
 def test_cross_attention_other_width_and_length():
-    ca = qkv.CrossAttention(4, 3, d_kv=5).double()
+    ca = qkv.learn.CrossAttention(4, 3, d_kv=5).double()
     x_q, x_kv = torch.randn(2, 6, 4, dtype=torch.float64), torch.randn(2, 9, 5, dtype=torch.float64)
     out = ca(x_q, x_kv, mask=masks.padding([9, 4]))
     want = qkv.numpy.attention(
@@ -68,7 +68,7 @@ def test_multi_head_attention_equals_heads_done_by_hand():
 
 def test_wrapper_heads_are_independent_self_attentions():
     x = torch.randn(5, 4)
-    w = qkv.MultiHeadAttentionWrapper(4, 3, num_heads=2, causal=True)
+    w = qkv.learn.MultiHeadAttentionWrapper(4, 3, num_heads=2, causal=True)
     torch.testing.assert_close(w(x), torch.cat([w.heads[0](x), w.heads[1](x)], -1))
     assert w(x).shape == (5, 6)
 
@@ -79,7 +79,7 @@ def test_module_masks_combine_with_causal():
     pad = masks.padding([6, 3])
     dense = pad.dense(2, 1, 6, 6)[:, 0]  # (B, T, T) bool
     torch.testing.assert_close(mha(x, mask=pad), mha(x, mask=dense))
-    sa = qkv.SelfAttention(4, 4, causal=True).double()
+    sa = qkv.learn.SelfAttention(4, 4, causal=True).double()
     torch.testing.assert_close(sa(x, mask=pad), sa(x, mask=dense))
 
 
@@ -117,7 +117,7 @@ def test_weights_created_in_the_seeds_order():
             "d_out must be a multiple of num_heads; got d_out=6, num_heads=4",
         ),
         (
-            lambda: qkv.SelfAttention(4, 2),
+            lambda: qkv.learn.SelfAttention(4, 2),
             torch.randn(5, 3),
             ValueError,
             "x must have shape (T, E) or (B, T, E) with E=4; got (5, 3)",
@@ -129,7 +129,7 @@ def test_weights_created_in_the_seeds_order():
             "x must have shape (T, E) or (B, T, E) with E=4; got (1, 2, 5, 4)",
         ),
         (
-            lambda: qkv.CrossAttention(4, 2, d_kv=3),
+            lambda: qkv.learn.CrossAttention(4, 2, d_kv=3),
             (torch.randn(5, 4), torch.randn(5, 4)),
             ValueError,
             "x_k must have shape (T, E) or (B, T, E) with E=3; got (5, 4)",
@@ -146,10 +146,10 @@ def test_module_errors(make, x, exc, words):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: qkv.CausalAttention(4, 3, dropout=0.5),
-        lambda: qkv.SelfAttention(4, 3, causal=True, dropout=0.5),
+        lambda: qkv.learn.CausalAttention(4, 3, dropout=0.5),
+        lambda: qkv.learn.SelfAttention(4, 3, causal=True, dropout=0.5),
         lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, dropout=0.5),
-        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True, dropout=0.5),
+        lambda: qkv.learn.MultiHeadAttentionWrapper(4, 2, 2, causal=True, dropout=0.5),
     ],
 )
 def test_causal_modules_in_training_do_not_see_the_future(make):
@@ -176,9 +176,9 @@ def test_causal_modules_in_training_do_not_see_the_future(make):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: qkv.SelfAttention(4, 3, causal=True),
+        lambda: qkv.learn.SelfAttention(4, 3, causal=True),
         lambda: qkv.MultiHeadAttention(4, 4, 2, causal=True, num_kv_heads=1),
-        lambda: qkv.MultiHeadAttentionWrapper(4, 2, 2, causal=True),
+        lambda: qkv.learn.MultiHeadAttentionWrapper(4, 2, 2, causal=True),
     ],
 )
 def test_causal_module_with_a_user_mask_stays_causal(make, user_mask):
@@ -195,7 +195,7 @@ def test_causal_module_with_a_user_mask_stays_causal(make, user_mask):
 
 def test_causal_module_with_a_user_mask_equals_the_oracle():
     torch.manual_seed(0)
-    module = qkv.SelfAttention(4, 3, causal=True).double()
+    module = qkv.learn.SelfAttention(4, 3, causal=True).double()
     x = torch.randn(2, 7, 4, dtype=torch.float64)
     q, k, v = module.project(x)  # (B, 1, T, 3)
     want = np.tril(np.ones((7, 7), bool)) & (np.arange(7) < np.array([[5], [7]]))[:, None, None]

@@ -93,7 +93,7 @@ def test_seed004_trainable_weights_seed_123():
 def test_seed004_self_attention_v2_seed_789():
     torch.manual_seed(789)
     close(
-        qkv.SelfAttention(3, 2)(X),
+        qkv.learn.SelfAttention(3, 2)(X),
         [
             [-0.0739, 0.0713],
             [-0.0748, 0.0703],
@@ -185,7 +185,7 @@ def test_seed000_class_prints_v1_output_for_v2():
     # Its SelfAttentionV2 would crash (`x @ nn.Linear`), and the cell printed self_v1(inputs)
     # again: the "v2" numbers are v1's. The real v2 (nn.Linear, seed 42) gives other numbers.
     torch.manual_seed(42)
-    v2 = qkv.SelfAttention(3, 2)(X)
+    v2 = qkv.learn.SelfAttention(3, 2)(X)
     assert not np.allclose(v2.detach().numpy(), SEED000["context"], atol=0.1)
 
 
@@ -203,7 +203,7 @@ SELF_002 = [[1.0100, 1.0641], [0.2040, 0.7057], [3.4989, 2.2427]]
 
 def test_seed002_self_attention():
     torch.manual_seed(42)
-    sa = qkv.SelfAttention(2, 2)
+    sa = qkv.learn.SelfAttention(2, 2)
     close(sa(ENC), SELF_002)
     close(sa.W_query.weight.T, [[0.5406, -0.1657], [0.5869, 0.6496]])
     close(sa.W_key.weight.T, [[-0.1549, -0.3443], [0.1427, 0.4153]])
@@ -213,26 +213,26 @@ def test_seed002_self_attention():
 
 def test_seed002_masked_self_attention():
     torch.manual_seed(42)
-    ca = qkv.CausalAttention(2, 2)
+    ca = qkv.learn.CausalAttention(2, 2)
     close(ca(ENC), [[0.6038, 0.7434], [-0.0062, 0.6072], [3.4989, 2.2427]])
     # The first token sees only itself, so its output is its own value vector.
     close(ca.W_value(ENC), [[0.6038, 0.7434], [-0.3502, 0.5303], [3.8695, 2.4246]])
     torch.manual_seed(42)
-    sa = qkv.SelfAttention(2, 2)
+    sa = qkv.learn.SelfAttention(2, 2)
     close(sa(ENC, mask=torch.tril(torch.ones(3, 3)).bool()), ca(ENC).detach())
 
 
 def test_seed002_cross_attention_with_one_source_is_self_attention():
     torch.manual_seed(42)
-    close(qkv.CrossAttention(2, 2)(ENC, ENC, ENC), SELF_002)
+    close(qkv.learn.CrossAttention(2, 2)(ENC, ENC, ENC), SELF_002)
 
 
 def test_seed002_two_heads_concatenated():
     torch.manual_seed(42)
-    close(qkv.MultiHeadAttentionWrapper(2, 2, num_heads=1)(ENC), SELF_002)
+    close(qkv.learn.MultiHeadAttentionWrapper(2, 2, num_heads=1)(ENC), SELF_002)
     torch.manual_seed(42)
     close(
-        qkv.MultiHeadAttentionWrapper(2, 2, num_heads=2)(ENC),
+        qkv.learn.MultiHeadAttentionWrapper(2, 2, num_heads=2)(ENC),
         [
             [1.0100, 1.0641, -0.7081, -0.8268],
             [0.2040, 0.7057, -0.7417, -0.9193],
@@ -307,7 +307,7 @@ def test_seed001_single_head():
     # The notebook creates key, query, value in that order; qkv modules create query first,
     # so we build the notebook's layers and load their weights into a CausalAttention.
     key, query, value = (nn.Linear(2, 16, bias=False) for _ in range(3))
-    head = qkv.CausalAttention(2, 16)
+    head = qkv.learn.CausalAttention(2, 16)
     with torch.no_grad():
         for ours, theirs in ((head.W_query, query), (head.W_key, key), (head.W_value, value)):
             ours.weight.copy_(theirs.weight)

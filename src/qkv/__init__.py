@@ -6,22 +6,22 @@ T_q/T_k query/key length · D head dim · D_v value head dim · E model dim.
 
 from importlib import metadata as _metadata
 
-from . import distributed, heads, masks, models, numpy, scores
+# The subpackages are attributes (qkv.masks, qkv.numpy, ...), not names of __all__: a star
+# import binds functions and classes only, never a module name such as ``numpy``.
+from . import distributed as distributed
+from . import flash_attn as flash_attn
+from . import heads as heads
+from . import learn as learn
+from . import masks as masks
+from . import models as models
+from . import numpy as numpy
+from . import scores as scores
 from .cascade import cascade_attention
 from .functional import Dispatch, attention, dispatch
-from .learn import tutorial
-from .learn.explain import Trace, explain
+from .learn import Trace, explain
+from .learn import tutorial as tutorial
 from .lse import attention_weights, merge_attention
-from .nn import (
-    CausalAttention,
-    CrossAttention,
-    KVCache,
-    MultiHeadAttention,
-    MultiHeadAttentionWrapper,
-    PagedKVCache,
-    RoPE,
-    SelfAttention,
-)
+from .nn import KVCache, MultiHeadAttention, PagedKVCache, RoPE
 from .tuning import Tuning, tuned, tuning
 from .varlen import paged_attention, varlen_attention
 
@@ -30,33 +30,23 @@ try:  # pyproject.toml holds the one source, read from the installed package's m
 except _metadata.PackageNotFoundError:  # imported from a source tree that was not installed
     __version__ = "0+unknown"
 
+#: The production API. The seeds' teaching classes are in :mod:`qkv.learn`.
 __all__ = [
-    "CausalAttention",
-    "CrossAttention",
     "Dispatch",
     "KVCache",
     "MultiHeadAttention",
-    "MultiHeadAttentionWrapper",
     "PagedKVCache",
     "RoPE",
-    "SelfAttention",
     "Trace",
     "Tuning",
     "attention",
     "attention_weights",
     "cascade_attention",
     "dispatch",
-    "distributed",
     "explain",
-    "heads",
-    "masks",
     "merge_attention",
-    "models",
-    "numpy",
     "paged_attention",
-    "scores",
     "tuned",
     "tuning",
-    "tutorial",
     "varlen_attention",
 ]

@@ -1,2 +1,18 @@
 """The learning wing: the seeds' stages (``tutorial``), every step of one call printed
-(``explain``) and heatmaps (``viz``)."""
+(``explain``), heatmaps (``viz``), and the seeds' attention classes by the names the seeds
+use: :class:`SelfAttention`, :class:`CausalAttention`, :class:`CrossAttention` and
+:class:`MultiHeadAttentionWrapper` (defined in :mod:`qkv.nn`, where models find them too)."""
+
+from ..nn import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
+from . import tutorial
+from .explain import Trace, explain
+
+__all__ = [
+    "CausalAttention",
+    "CrossAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention",
+    "Trace",
+    "explain",
+    "tutorial",
+]

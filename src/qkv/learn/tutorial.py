@@ -8,7 +8,7 @@
    three equal ways to let each position average over its past (seed 001), the germ of
    causal masking.
 
-The production modules (:class:`qkv.SelfAttention` and friends) follow from here.
+The production modules (:class:`qkv.learn.SelfAttention` and friends) follow from here.
 
 Legend: B batch · T sequence length · E input width.
 """

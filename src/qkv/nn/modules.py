@@ -108,7 +108,7 @@ class SelfAttention(AttentionModule):
     Example:
         >>> import torch, qkv
         >>> _ = torch.manual_seed(789)
-        >>> sa = qkv.SelfAttention(3, 2)
+        >>> sa = qkv.learn.SelfAttention(3, 2)
         >>> sa(torch.rand(6, 3)).shape
         torch.Size([6, 2])
     """
@@ -157,7 +157,7 @@ class CrossAttention(nn.Module):
 
     Example:
         >>> import torch, qkv
-        >>> ca = qkv.CrossAttention(4, 2, d_kv=3)
+        >>> ca = qkv.learn.CrossAttention(4, 2, d_kv=3)
         >>> ca(torch.rand(5, 4), torch.rand(7, 3)).shape
         torch.Size([5, 2])
     """
