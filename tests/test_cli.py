@@ -146,7 +146,10 @@ def test_cli_explain_options(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,words",
     [
-        (["explain", "--heads", "3", "--no-png"], "d_out must be a multiple of num_heads"),
+        (
+            ["explain", "--heads", "3", "--d-out", "2", "--no-png"],
+            "--d-out 2 must be a multiple of --heads 3",
+        ),
         (["explain", "--tokens", "a b", "--no-png"], "2 tokens but 6 embedding rows"),
         (["explain", "--embeddings", "1,x"], "embeddings must be rows of comma-separated numbers"),
         (["explain", "--heads", "0"], "must be a whole number >= 1"),
@@ -211,6 +214,10 @@ def _damaged(tmp_path, how):
         (files / "config.json").write_text("{ not json")
     elif how == "state_not_json":
         (files / "state.json").write_text("")
+    elif how == "nan_weights":  # bytes overwritten inside the tensor data: 0xFFFFFFFF is NaN
+        data = bytearray(weights.read_bytes())
+        data[-256:-128] = b"\xff" * 128
+        weights.write_bytes(bytes(data))
     return out
 
 
@@ -221,6 +228,7 @@ DAMAGE = [
     ("config_disagrees", "does not fit the model its config.json describes"),
     ("config_missing_key", "config.json is damaged: no valid model configuration"),
     ("config_not_json", "config.json is damaged: not valid JSON"),
+    ("nan_weights", "model.safetensors holds NaN or infinite weights"),
 ]
 
 
@@ -244,6 +252,27 @@ def test_a_damaged_checkpoint_gets_one_line_in_every_command(tmp_path, capsys, h
     err = capsys.readouterr().err
     assert stop.value.code == 2, err
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_run_copied_with_its_links_followed_still_loads(tmp_path, capsys):
+    """``cp -rL`` turns the ``latest`` link into a folder: it is the checkpoint all the same."""
+    import shutil
+
+    from qkv.training import train
+
+    out = tmp_path / "run"
+    train(out, preset="tiny", steps=2, progress=False)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=False)  # what cp -rL does
+    assert (copy / "latest").is_dir() and not (copy / "latest").is_symlink()
+    assert main(["generate", "--checkpoint", str(copy), "--prompt", "a", "--tokens", "2"]) == 0
+    assert main(["train", "--preset", "tiny", "--out", str(copy), "--resume", "--quiet"]) == 0
+
+
+def test_cli_explain_says_its_weights_are_untrained_and_gives_each_head_two_dims(capsys):
+    assert main(["explain", "--causal", "--heads", "2", "--no-png"]) == 0
+    out = capsys.readouterr().out
+    assert "d_out=4, heads=2" in out and "random weights, untrained" in out
 
 
 def test_generate_refuses_a_prompt_outside_the_vocabulary(tmp_path, capsys):

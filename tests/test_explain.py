@@ -64,18 +64,17 @@ def test_heatmap_png(tmp_path):
     assert len(fig.axes) == 2  # the panel and its colour bar
 
 
-def test_heatmap_colours_fit_the_weights_and_long_labels_are_shortened(tmp_path):
-    # Near-uniform weights (simplified attention over similar embeddings) would be one flat
-    # colour on a fixed 0-1 scale: the scale is fitted to the data, and the bar says so.
+def test_heatmap_colours_are_on_0_to_1_and_long_labels_are_shortened(tmp_path):
+    # Near-uniform weights (random weights over similar embeddings) must look near-uniform:
+    # a scale fitted to their own narrow range made one column glow as if it mattered.
     pytest.importorskip("matplotlib")
     from qkv.learn.viz import heatmap
 
     w = torch.full((4, 4), 0.25) + torch.arange(16).view(4, 4) * 1e-3
     long = "a_rather_long_identifier_name"
     fig = heatmap(w, ["a", "b", "c", long], ["a", "b", "c", long], path=tmp_path / "u.png")
-    low, high = fig.axes[0].get_images()[0].get_clim()
-    assert low == pytest.approx(w.min().item()) and high == pytest.approx(w.max().item())
-    assert "fitted to 0.25" in fig.axes[1].get_ylabel()
+    assert fig.axes[0].get_images()[0].get_clim() == (0.0, 1.0)
+    assert "0–1" in fig.axes[1].get_ylabel()
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert ticks[3] == long[:15] + "…" and len(ticks[3]) == 16
     assert any(long in t.get_text() for t in fig.texts)  # the whole label, below

@@ -127,6 +127,38 @@ def _expect(name: str, x: Any, letters: tuple[str, ...], want: dict[str, int], w
         )
 
 
+def _sizes(query: Any, key: Any, value: Any) -> tuple[int, int, int, int, int, int, int]:
+    """(B, H, H_kv, T_q, T_k, D, D_v) of three inputs of one layout, checked to agree."""
+    q_letters = _LAYOUT[query.ndim]
+    qd = dict(zip(q_letters, (_dim(c, d) for c, d in zip(q_letters, query.shape))))
+    B, H, T_q, D = qd.get("B", 1), qd.get("H", 1), qd["T_q"], qd["D"]
+    k_letters = tuple({"H": "H_kv", "T_q": "T_k"}.get(c, c) for c in q_letters)
+    kd = dict(zip(k_letters, (_dim(c, d) for c, d in zip(k_letters, key.shape))))
+    _expect("key", key, k_letters, {**({"B": B} if "B" in kd else {}), "D": D}, "to match query")
+    H_kv, T_k = kd.get("H_kv", 1), kd["T_k"]
+    v_letters = (*k_letters[:-1], "D_v")
+    want_v = {k: v for k, v in kd.items() if k in ("B", "H_kv", "T_k")}
+    _expect("value", value, v_letters, want_v, "to match key")
+    D_v = int(value.shape[-1])
+    if H % H_kv != 0:
+        raise ValueError(
+            f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}; "
+            f"got query {fmt_shape(query.shape)} and key {fmt_shape(key.shape)}"
+        )
+    return B, H, H_kv, T_q, T_k, D, D_v
+
+
+def _looks_bthd(query: Any, key: Any, value: Any) -> bool:
+    """Whether three 4-d inputs agree when read as (B, T, H, D): one B and D, key and value
+    of one length and head count, H_kv dividing H."""
+    (B, _, H, D), (B_k, T_k, H_kv, D_k), (B_v, T_v, H_v, _) = (
+        tuple(x.shape) for x in (query, key, value)
+    )
+    return (
+        B == B_k == B_v and D_k == D and T_k == T_v and H_kv == H_v and H_kv > 0 and H % H_kv == 0
+    )
+
+
 def check_attention(
     query: Any,
     key: Any,
@@ -171,22 +203,16 @@ def check_attention(
         if _device(x) != _device(query):
             raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
 
-    q_letters = _LAYOUT[rank]
-    qd = dict(zip(q_letters, (_dim(c, d) for c, d in zip(q_letters, query.shape))))
-    B, H, T_q, D = qd.get("B", 1), qd.get("H", 1), qd["T_q"], qd["D"]
-    k_letters = tuple({"H": "H_kv", "T_q": "T_k"}.get(c, c) for c in q_letters)
-    kd = dict(zip(k_letters, (_dim(c, d) for c, d in zip(k_letters, key.shape))))
-    _expect("key", key, k_letters, {**({"B": B} if "B" in kd else {}), "D": D}, "to match query")
-    H_kv, T_k = kd.get("H_kv", 1), kd["T_k"]
-    v_letters = (*k_letters[:-1], "D_v")
-    want_v = {k: v for k, v in kd.items() if k in ("B", "H_kv", "T_k")}
-    _expect("value", value, v_letters, want_v, "to match key")
-    D_v = int(value.shape[-1])
-    if H % H_kv != 0:
-        raise ValueError(
-            f"query heads H={H} must be a multiple of key/value heads H_kv={H_kv}; "
-            f"got query {fmt_shape(query.shape)} and key {fmt_shape(key.shape)}"
-        )
+    try:
+        B, H, H_kv, T_q, T_k, D, D_v = _sizes(query, key, value)
+    except ValueError as err:
+        if rank == 4 and _looks_bthd(query, key, value):
+            raise ValueError(
+                f"{err}. These fit as (B, T, H, D) tensors: qkv takes (B, H, T, D), so pass "
+                "query.transpose(1, 2) and the same for key and value (qkv.flash_attn takes "
+                "FlashAttention's (B, T, H, D) as it is)"
+            ) from None
+        raise
 
     if scale is None:
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0

@@ -63,9 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--heads",
         type=positive,
-        help="number of heads (default 1; >1 uses MultiHeadAttention; d-out must divide)",
+        help="number of heads (default 1; >1 uses MultiHeadAttention; --d-out a multiple)",
     )
-    ex.add_argument("--d-out", type=positive, help="width of Q, K, V (default 2)")
+    ex.add_argument("--d-out", type=positive, help="width of Q, K, V (default 2, or 2 per head)")
     ex.add_argument("--seed", type=int, help="torch seed for the weights (789)")
     ex.add_argument(
         "--simplified",
@@ -319,7 +319,13 @@ def _explain(args: argparse.Namespace) -> None:
                 "--simplified, which has no trainable weights: drop one or the other"
             )
     args.heads = 1 if args.heads is None else args.heads
-    args.d_out = 2 if args.d_out is None else args.d_out
+    # The seeds' width of 2, and 2 dims for every head where there are several.
+    args.d_out = 2 * args.heads if args.d_out is None else args.d_out
+    if args.d_out % args.heads:
+        raise ValueError(
+            f"--d-out {args.d_out} must be a multiple of --heads {args.heads} (each head "
+            f"takes d_out / heads dims): try --d-out {2 * args.heads}"
+        )
     args.seed = 789 if args.seed is None else args.seed
     tokens, x = _sequence(args)
     torch.manual_seed(args.seed)
@@ -338,7 +344,7 @@ def _explain(args: argparse.Namespace) -> None:
             f"{type(module).__name__}(d_in={E}, d_out={args.d_out}"
             + (f", heads={args.heads}" if args.heads > 1 else "")
             + (", causal" if args.causal else "")
-            + f"), seed {args.seed}"
+            + f"), seed {args.seed}: random weights, untrained"
         )
     trace = explain(x, tokens=tokens, module=module, mask=mask, title=title)
     print(json.dumps(trace.to_dict()) if args.json else trace.to_text(args.precision), end="")

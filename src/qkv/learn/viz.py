@@ -51,7 +51,9 @@ def heatmap(
     fig.suptitle(title)
     axes = fig.subplots(1, H, squeeze=False)[0]
     cmap = colormaps["viridis"].with_extremes(bad="0.85")  # masked cells: light grey
-    lo, hi = fitted_range(w.numpy()[:, allowed])
+    # On 0–1, the scale every softmax row shares: near-uniform weights look near-uniform
+    # (a scale fitted to their own narrow range made one column glow as if it mattered).
+    lo, hi = 0.0, 1.0
     for h, ax in enumerate(axes):
         shown = np.ma.masked_array(w[h].numpy(), mask=~allowed)
         image = ax.imshow(shown, cmap=cmap, vmin=lo, vmax=hi)
@@ -66,7 +68,7 @@ def heatmap(
     fig.colorbar(
         image,
         ax=list(axes),
-        label=f"attention weight (colours fitted to {lo:.3g}–{hi:.3g})",
+        label="attention weight (0–1)",
         shrink=0.8,
     )
     long = [(i, t) for i, t in enumerate(list(dict.fromkeys([*queries, *keys]))) if shorten(t) != t]
@@ -95,17 +97,6 @@ def shorten(label: str) -> str:
     """A label as an axis shows it: at most :data:`LABEL_CHARS` characters."""
     label = str(label)
     return label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "…"
-
-
-def fitted_range(values: np.ndarray) -> tuple[float, float]:
-    """The colour scale of a heatmap: the values' own range (so near-uniform weights are
-    not one flat colour), widened a little around a single value."""
-    if values.size == 0:
-        return 0.0, 1.0
-    lo, hi = float(values.min()), float(values.max())
-    if hi - lo < 1e-6:
-        lo, hi = lo - 0.05, hi + 0.05
-    return lo, hi
 
 
 def _label_cells(

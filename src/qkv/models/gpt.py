@@ -189,6 +189,15 @@ class GPT(nn.Module):
                 f"{getattr(idx, 'dtype', type(idx).__name__)} of shape "
                 f"{tuple(getattr(idx, 'shape', ()))}"
             )
+        V = self.config.vocab_size
+        if idx.numel() and not torch.compiler.is_compiling():  # (a graph reads no values)
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0 or high >= V:
+                bad = high if high >= V else low
+                raise ValueError(
+                    f"token ids must be 0 .. vocab_size - 1 = {V - 1}; got {bad} (a tokenizer "
+                    "other than the model's, or a model with a smaller vocabulary)"
+                )
         if caches is not None and len(caches) != len(self.blocks):
             raise ValueError(
                 f"caches must hold one KVCache per layer ({len(self.blocks)}); got {len(caches)}"

@@ -40,16 +40,21 @@ class CheckpointError(ValueError):
 
 def checkpoint_dir(out: str | Path) -> Path:
     """Where the checkpoint files of a run directory are: the generation ``out/latest``
-    points at, or ``out`` itself for a checkpoint written before generations."""
+    points at; ``out/latest`` itself where it is a folder (a run copied with ``cp -rL``,
+    which copies what a link points at); or ``out`` for a checkpoint written before
+    generations."""
     out = Path(out)
     link = out / LATEST
-    return out / os.readlink(link) if link.is_symlink() else out
+    if link.is_symlink():
+        return out / os.readlink(link)
+    return link if link.is_dir() else out
 
 
 def has_checkpoint(out: str | Path) -> bool:
     """Whether ``out`` holds a checkpoint (whole or not)."""
     out = Path(out)
-    return (out / LATEST).is_symlink() or any((out / f).exists() for f in _FILES)
+    latest = out / LATEST
+    return latest.is_symlink() or latest.is_dir() or any((out / f).exists() for f in _FILES)
 
 
 def save_snapshot(out: Path, model: GPT, step: int) -> None:
@@ -153,6 +158,16 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
             f"{len(missing)} weight(s) missing (e.g. {sorted(missing)[:2]}), "
             f"{len(unexpected)} unexpected (e.g. {sorted(unexpected)[:2]})"
         )
+    broken = [
+        name
+        for name, t in model.state_dict().items()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if broken:  # read as they are, they would give NaN logits: blank text or a sampler error
+        raise CheckpointError(
+            f"{path} holds NaN or infinite weights ({len(broken)} tensor(s), e.g. "
+            f"{broken[:2]}): the file is damaged, or the run that wrote it diverged"
+        )
 
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:
@@ -221,7 +236,12 @@ def save_checkpoint(
     if link.is_symlink() or link.exists():
         link.unlink()
     os.symlink(gen.name, link)
-    os.replace(link, out / LATEST)  # the one rename that swaps the checkpoint in
+    latest = out / LATEST
+    if latest.is_dir() and not latest.is_symlink():  # a run copied with cp -rL: a folder
+        # moved aside as a generation (removed below); only this first save after the copy
+        # has an instant with no `latest`
+        os.replace(latest, out / f"gen-copied-{number}")
+    os.replace(link, latest)  # the one rename that swaps the checkpoint in
     _flushed(out)
     at("swapped")
     for old in out.glob("gen-*-*"):  # the previous generations, now that this one is whole
