@@ -423,3 +423,68 @@ def test_a_run_on_words_trains_and_generate_refuses_it(tmp_path, text, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--checkpoint", str(tmp_path / "w"), "--prompt", "def "])
     assert "trained on 'words', not bytes" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_measured_once_and_kept_on_resume(tmp_path, monkeypatch, capsys):
+    """--dtype auto takes the faster of float32 and bfloat16 on this CPU, says which, and a
+    resumed run keeps that choice rather than measuring again (one run, one dtype)."""
+    from qkv.training import loop
+
+    calls = []
+
+    def measured(model, batch_size, mcfg):
+        calls.append(batch_size)
+        return "bfloat16"
+
+    monkeypatch.setattr(loop, "_fastest_autocast", measured)
+    out = tmp_path / "run"
+    assert (
+        main(["train", "--preset", "tiny", "--out", str(out), "--steps", "2", "--dtype", "auto"])
+        == 0
+    )
+    assert "dtype auto: bfloat16" in capsys.readouterr().err
+    assert json.loads((out / "latest" / "state.json").read_text())["autocast"] == "bfloat16"
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--out",
+                str(out),
+                "--steps",
+                "4",
+                "--dtype",
+                "auto",
+                "--resume",
+            ]
+        )
+        == 0
+    )
+    assert len(calls) == 1  # measured for the new run, not again on --resume
+    assert "dtype auto: bfloat16" in capsys.readouterr().err
+
+
+def test_the_measured_dtype_is_one_of_the_two_and_leaves_the_model_as_it_was():
+    from qkv.models import GPT, GPTConfig
+    from qkv.training import loop
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config)
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    assert loop._fastest_autocast(model, 4, config) in ("float32", "bfloat16")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_progress_prints_plain_lines_where_stderr_is_not_a_terminal(tmp_path, monkeypatch, capsys):
+    from qkv.training import progress, train
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    train(tmp_path / "run", preset="tiny", steps=3)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "steps/s" in x]
+    assert len(lines) == 3 and all("left" in x and "tok/s" in x for x in lines)
+    assert lines[-1].startswith("step 3/3")

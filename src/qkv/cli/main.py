@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed of weights, batches, dropout (0)")
     tr.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     tr.add_argument("--compile", action="store_true", help="run the model under torch.compile")
+    tr.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "auto"],
+        help="the matmuls' dtype (default: the preset's): auto measures both on this CPU "
+        "and takes the faster",
+    )
     tr.add_argument("--quiet", action="store_true", help="no progress output")
 
     ge = sub.add_parser(

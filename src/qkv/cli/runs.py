@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -131,14 +132,19 @@ def run_view(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..training import DEFAULT_PRESET, train
+    from ..training import DEFAULT_PRESET, PRESETS, train
 
     preset = args.preset
     if preset is None:
         preset = saved_preset(args.out) if args.resume else DEFAULT_PRESET
+    train_config = None
+    if args.dtype is not None:  # the preset's recipe with the matmuls' dtype asked for
+        autocast = {"float32": None, "bfloat16": "bfloat16", "auto": "auto"}[args.dtype]
+        train_config = dataclasses.replace(PRESETS[preset][1], autocast=autocast)
     result = train(
         args.out,
         preset=preset,
+        train_config=train_config,
         text=args.text,
         steps=args.steps,
         seed=args.seed,

@@ -28,8 +28,14 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+#: seconds between plain progress lines where stderr is not a terminal (a log, CI)
+PLAIN_EVERY = 30.0
+
+
 class _Progress:
-    """One line on stderr: step, loss, tokens per second and time left."""
+    """Progress on stderr between evaluations: step, loss, steps and tokens per second and
+    the time left — one redrawn bar on a terminal, a plain line every
+    :data:`PLAIN_EVERY` seconds otherwise."""
 
     def __init__(self, steps: int, start: int, tokens_per_step: int, enabled: bool) -> None:
         self.steps, self.start, self.tokens = steps, start, tokens_per_step
@@ -41,17 +47,22 @@ class _Progress:
 
     def update(self, step: int, loss: float) -> None:
         now = self.elapsed()
-        if not self.enabled or not self.tty or (now - self.last < 0.25 and step < self.steps):
+        every = 0.25 if self.tty else PLAIN_EVERY
+        if not self.enabled or (now - self.last < every and step < self.steps):
             return
         self.last = now
         done = step - self.start
         rate = done / now if now > 0 else 0.0
         left = (self.steps - step) / rate if rate > 0 else 0.0
-        bar = "#" * int(20 * step / self.steps)
-        sys.stderr.write(
-            f"\r[{bar:<20}] step {step}/{self.steps}  loss {loss:.4f}  "
-            f"{rate * self.tokens / 1e3:.1f}k tok/s  {_clock(left)} left "
+        line = (
+            f"step {step}/{self.steps}  loss {loss:.4f}  {rate:.2f} steps/s  "
+            f"{rate * self.tokens / 1e3:.1f}k tok/s  {_clock(left)} left"
         )
+        if self.tty:
+            bar = "#" * int(20 * step / self.steps)
+            sys.stderr.write(f"\r[{bar:<20}] {line} ")
+        else:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
     def note(self, text: str) -> None:
