@@ -86,8 +86,8 @@ class SelfAttention_v1(nn.Module):
     004), created in the order query, key, value.
 
     queries ``x W_q``, keys ``x W_k``, values ``x W_v``; weights ``softmax(Q Kᵀ / sqrt(d_out))``;
-    context ``weights · V``. (Seed 000's version computed the context from a global variable
-    instead of its own weights; this one does not.)
+    context ``weights · V``. (The trainable-weights notebook's version computed the
+    context from a global variable instead of its own weights; this one does not.)
 
     Example:
         >>> _ = torch.manual_seed(123)
@@ -130,9 +130,10 @@ def dot_product_variance(
 
     For q, k with independent standard normal entries, ``Var(q · k) = dim``, so
     ``Var(q · k / sqrt(dim)) = 1`` whatever the dim, and the softmax stays soft instead of
-    collapsing onto the largest score. Seed 000 drew from ``np.random.rand`` (uniform [0, 1)):
-    then ``Var(q · k) = dim · 7/144`` and the scaled variance stays flat at 7/144 ≈ 0.049,
-    flat but not 1 — which is what its printed 0.046 and 0.050 show.
+    collapsing onto the largest score. The trainable-weights notebook drew from
+    ``np.random.rand`` (uniform [0, 1)): then ``Var(q · k) = dim · 7/144`` and the scaled
+    variance stays flat at 7/144 ≈ 0.049, flat but not 1 — which is what its printed 0.046
+    and 0.050 show.
 
     Args:
         dim: vector length. trials: number of (q, k) pairs.

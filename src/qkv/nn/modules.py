@@ -147,7 +147,7 @@ class CausalAttention(SelfAttention):
 
 
 class CrossAttention(nn.Module):
-    """Encoder–decoder attention (seed 002): queries from ``x_q``, keys from ``x_k`` and
+    """Encoder–decoder attention: queries from ``x_q``, keys from ``x_k`` and
     values from ``x_v`` (default ``x_k``).
 
     Args:
