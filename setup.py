@@ -19,6 +19,7 @@ setup(
             [f"src/qkv/kernels/tiled/{name}.c" for name in ("_native", "_step512", "_step256")],
             depends=[
                 "src/qkv/kernels/_exp.h",
+                "src/qkv/kernels/_fields.h",
                 *(f"src/qkv/kernels/tiled/{h}.h" for h in ("_kernel", "_simd", "_bf16", "_step")),
             ],
             extra_compile_args=["-O3", "-fopenmp"],
@@ -28,7 +29,7 @@ setup(
         Extension(
             "qkv.kernels._paged",
             ["src/qkv/kernels/_paged.c"],
-            depends=["src/qkv/kernels/_exp.h"],
+            depends=["src/qkv/kernels/_exp.h", "src/qkv/kernels/_fields.h"],
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -22,6 +22,7 @@ from qkv import numpy as qnp
 from qkv.core.call import Call
 from qkv.core.dispatch import choose
 from qkv.core.lowering import lower
+from qkv.kernels import paged as paged_kernel
 from qkv.kernels.tiled import flash, native
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
@@ -719,3 +720,47 @@ def test_auto_runs_bfloat16_natively_from_1024_squared_scores():
     assert qkv.dispatch(q.float(), k.float(), v.float(), mask=causal).backend == "sdpa"
     q48, k48, v48 = make_qkv(1, 2, 2, 1024, 1024, 48, 48, dtype=torch.bfloat16)
     assert qkv.dispatch(q48, k48, v48, mask=causal).backend == "sdpa"
+
+
+def test_the_boundary_to_c_is_named_fields(monkeypatch):
+    """Every native call passes named fields: their order changes nothing (bit for bit), and
+    a field that is missing, renamed, extra or passed by position is a TypeError, where a
+    positional tuple would have read one pointer as another without a word."""
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 32, 32, dtype=torch.float32)
+    packed = native.pack(k, v)
+    seen = []
+    real = native._native.attend_many
+    monkeypatch.setattr(
+        native._native, "attend_many", lambda **kw: (seen.append(kw), real(**kw))[1]
+    )
+    q5 = q.view(1, 2, 1, 40, 32)
+    want, lse = native.attend(q5, packed, 0, 40, None, 0.2)  # both alive: C writes to them
+    want = want.clone()
+    (fields,) = seen[-1]["calls"]
+    out = torch.zeros_like(want)
+
+    def run(call):
+        real(calls=[{**call, "out": (out.data_ptr(), *out.stride()[:4])}], threads=1)
+        return out.clone()
+
+    assert torch.equal(run(dict(reversed(list(fields.items())))), want)
+    assert bool(torch.isfinite(lse).all())
+    missing = {n: x for n, x in fields.items() if n != "lse"}
+    with pytest.raises(TypeError, match="lse"):
+        run(missing)
+    renamed = {("keys" if n == "k" else n): x for n, x in fields.items()}
+    with pytest.raises(TypeError, match="missing required argument 'k'"):
+        run(renamed)
+    extra = {**fields, "keys": fields["k"]}
+    with pytest.raises(TypeError, match="at most 13 keyword arguments"):
+        run(extra)
+    with pytest.raises(TypeError):
+        real([tuple(fields.values())], 1)  # the old positional form
+
+
+@pytest.mark.skipif(not paged_kernel.available(), reason="the native paged kernel is not built")
+def test_the_paged_kernel_takes_named_fields_only():
+    with pytest.raises(TypeError, match="named fields"):
+        paged_kernel._paged.decode((0, 0, 0), (0, 0, 0, 0))
+    with pytest.raises(TypeError, match="missing required argument 'v'"):
+        paged_kernel._paged.decode(q=(0, 0, 0), k=(0, 0, 0, 0))  # the rest missing

@@ -29,6 +29,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "_fields.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
 #include <immintrin.h>
@@ -365,16 +367,22 @@ static int has_avx512(void) {
 }
 #endif
 
-static PyObject *decode(PyObject *self, PyObject *args) {
+static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     unsigned long long q, k, v, table, lengths, sinks, out, lse;
     long long qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2, B, H, H_kv, D, D_v, P, max_pages,
         num_pages;
     double scale;
     int is_bf16, threads;
-    if (!PyArg_ParseTuple(args, "(KLL)(KLLL)(KLLL)(KLL)KKKK(LLLLLL)dii", &q, &qs0, &qs1, &k,
-                          &ks0, &ks1, &ks2, &v, &vs0, &vs1, &vs2, &table, &max_pages, &num_pages,
-                          &lengths, &sinks, &out, &lse, &B, &H, &H_kv, &D, &D_v, &P, &scale,
-                          &is_bf16, &threads))
+    static char *names[] = {"q", "k", "v", "table", "lengths", "sinks", "out", "lse",
+                            "sizes", "scale", "bfloat16", "threads", NULL};
+    if (PyTuple_GET_SIZE(args)) {
+        PyErr_SetString(PyExc_TypeError, "decode takes named fields only");
+        return NULL;
+    }
+    if (!parse_fields(kwargs ? kwargs : Py_None, "decode", "$(KLL)(KLLL)(KLLL)(KLL)KKKK(LLLLLL)dii",
+                      names, &q, &qs0, &qs1, &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1, &vs2,
+                      &table, &max_pages, &num_pages, &lengths, &sinks, &out, &lse, &B, &H,
+                      &H_kv, &D, &D_v, &P, &scale, &is_bf16, &threads))
         return NULL;
     if (B < 0 || H_kv <= 0 || H <= 0 || H % H_kv || D <= 0 || D_v <= 0 || P <= 0 ||
         max_pages < 0 || threads < 1) {
@@ -424,11 +432,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode", decode, METH_VARARGS,
-     "decode((q, *2 strides), (k pages, *3), (v pages, *3), (table, max_pages, num_pages), "
-     "lengths, sinks|0, out, lse, (B, H, H_kv, D, D_v, P), scale, bf16, threads): one query "
-     "per sequence over its pages, into out and lse (float32); False (nothing computed) if "
-     "a length or a page it needs is out of range."},
+    {"decode", (PyCFunction)(void (*)(void))decode, METH_VARARGS | METH_KEYWORDS,
+     "decode(*, q=(ptr, *2 strides), k=(pages ptr, *3), v=(pages ptr, *3), "
+     "table=(ptr, max_pages, num_pages), lengths, sinks (0: none), out, lse, "
+     "sizes=(B, H, H_kv, D, D_v, P), scale, bfloat16, threads): one query per sequence over "
+     "its pages, into out and lse (float32); False (nothing computed) if a length or a page "
+     "it needs is out of range."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged",

@@ -71,17 +71,17 @@ def decode(
     lse = torch.empty(B, H)
     sink = None if sinks is None else sinks.float().contiguous()
     fine = _paged.decode(
-        (q.data_ptr(), q.stride(0), q.stride(1)),
-        (k.data_ptr(), k.stride(0), k.stride(1), k.stride(2)),
-        (v.data_ptr(), v.stride(0), v.stride(1), v.stride(2)),
-        (table32.data_ptr(), table32.shape[1], num_pages),
-        lengths32.data_ptr(),
-        0 if sink is None else sink.data_ptr(),
-        out.data_ptr(),
-        lse.data_ptr(),
-        (B, H, H_kv, D, D_v, P),
-        float(scale),
-        int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        q=(q.data_ptr(), q.stride(0), q.stride(1)),
+        k=(k.data_ptr(), k.stride(0), k.stride(1), k.stride(2)),
+        v=(v.data_ptr(), v.stride(0), v.stride(1), v.stride(2)),
+        table=(table32.data_ptr(), table32.shape[1], num_pages),
+        lengths=lengths32.data_ptr(),
+        sinks=0 if sink is None else sink.data_ptr(),
+        out=out.data_ptr(),
+        lse=lse.data_ptr(),
+        sizes=(B, H, H_kv, D, D_v, P),
+        scale=float(scale),
+        bfloat16=int(q.dtype == torch.bfloat16),
+        threads=torch.get_num_threads(),
     )
     return (out.to(q.dtype), lse) if fine else None

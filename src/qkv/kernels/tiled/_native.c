@@ -47,6 +47,7 @@
 #include <omp.h>
 
 #include "_kernel.h"
+#include "../_fields.h"
 
 #ifdef QKV_X86
 /* A forward work item or a backward one, by the call's instruction set. */
@@ -173,12 +174,13 @@ static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t
         pack_block(&packs[it / blocks], it % blocks, H, T, D, Nt, f32);
 }
 
-static PyObject *pack_py(PyObject *self, PyObject *args) {
+static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *list;
     long long B, H, T, D, Nt;
     int threads, f32;
-    if (!PyArg_ParseTuple(args, "O!(LLLLL)ip", &PyList_Type, &list, &B, &H, &T, &D, &Nt,
-                          &threads, &f32))
+    static char *names[] = {"packs", "sizes", "threads", "float32", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLLL)ip", names, &PyList_Type, &list,
+                                     &B, &H, &T, &D, &Nt, &threads, &f32))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
@@ -191,12 +193,10 @@ static PyObject *pack_py(PyObject *self, PyObject *args) {
         unsigned long long x, dst;
         long long xs0, xs1, xs2;
         int values;
-        PyObject *one = PyList_GET_ITEM(list, i);
-        if (!PyTuple_Check(one) ||
-            !PyArg_ParseTuple(one, "(KLLL)Kp", &x, &xs0, &xs1, &xs2, &dst, &values)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "pack: a tuple a pack");
+        static char *fields[] = {"x", "dst", "values", NULL};
+        if (!parse_fields(PyList_GET_ITEM(list, i), "pack", "$(KLLL)Kp", fields, &x, &xs0,
+                          &xs1, &xs2, &dst, &values))
             return NULL;
-        }
         packs[i] = (Pack){(const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst,
                           values && !f32};
     }
@@ -226,11 +226,12 @@ static int all_finite(const void *x, int64_t n, int f32) {
     return 1;
 }
 
-static PyObject *finite_py(PyObject *self, PyObject *args) {
+static PyObject *finite_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     unsigned long long x;
     long long n;
     int f32, found;
-    if (!PyArg_ParseTuple(args, "KLp", &x, &n, &f32)) return NULL;
+    static char *names[] = {"x", "n", "float32", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$KLp", names, &x, &n, &f32)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     found = all_finite((const void *)(uintptr_t)x, n, f32);
     Py_END_ALLOW_THREADS
@@ -339,10 +340,13 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     int parts, f32;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip", &q, &qs0, &qs1,
-                          &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2, &PyList_Type, &ranges,
-                          &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2, &ls3, &B, &H, &G,
-                          &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts, &f32))
+    static char *names[] = {"q", "k", "v", "ranges", "out", "lse", "sizes", "Nt", "scale",
+                            "softcap", "alibi", "p_parts", "float32", NULL};
+    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip",
+                      names, &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
+                      &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1,
+                      &ls2, &ls3, &B, &H, &G, &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts,
+                      &f32))
         return 0;
     if (!call_sizes(j, "attend", B, H, G, R, D, scale, cap, f32, threads)) return 0;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
@@ -356,15 +360,11 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     for (Py_ssize_t s = 0; s < n; s++) {
         unsigned long long bias, bounds;
         long long k0, N, bs0, bs1, bs2, bnb;
-        PyObject *one = PyList_GET_ITEM(ranges, s);
-        if (!PyTuple_Check(one) ||
-            !PyArg_ParseTuple(one, "LL(KLLL)(KL)", &k0, &N, &bias, &bs0, &bs1, &bs2, &bounds,
-                              &bnb) ||
-            !key_range(&segs[s], "attend", Nt, k0, N)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "attend: (k0, N, bias, bounds) a range");
+        static char *fields[] = {"k0", "N", "bias", "bounds", NULL};
+        if (!parse_fields(PyList_GET_ITEM(ranges, s), "attend: a range", "$LL(KLLL)(KL)",
+                          fields, &k0, &N, &bias, &bs0, &bs1, &bs2, &bounds, &bnb) ||
+            !key_range(&segs[s], "attend", Nt, k0, N))
             return 0;
-        }
         segs[s].bias = (const float *)(uintptr_t)bias;
         segs[s].bounds = (const int32_t *)(uintptr_t)bounds, segs[s].bnb = bnb;
         segs[s].bs[0] = bs0, segs[s].bs[1] = bs1, segs[s].bs[2] = bs2;
@@ -407,10 +407,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
     PyObject *failed = NULL;
     for (Py_ssize_t c = 0; c < n && !failed; c++) {
         PyObject *one = PyList_GET_ITEM(list, c);
-        if (!PyTuple_Check(one) || !parse_call(&jobs[c], one, threads)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attend_many: a tuple a call");
-            failed = Py_None;
-        }
+        if (!parse_call(&jobs[c], one, threads)) failed = Py_None;
         start[c + 1] = start[c] + jobs[c].items;
     }
     if (failed) {
@@ -439,33 +436,19 @@ static PyObject *run_calls(PyObject *list, int threads) {
 
 typedef PyObject *(*Runner)(PyObject *list, int threads);
 
-/* A list of calls and a thread count, run. */
-static PyObject *many(PyObject *args, Runner run) {
+/* A list of calls (each a dict of named fields) and a thread count, run. */
+static PyObject *many(PyObject *args, PyObject *kwargs, Runner run) {
     PyObject *list;
     int threads;
-    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &list, &threads)) return NULL;
+    static char *names[] = {"calls", "threads", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!i", names, &PyList_Type, &list, &threads))
+        return NULL;
     return run(list, threads);
 }
 
-/* One call's arguments and a thread count: run as a list of one. */
-static PyObject *one(PyObject *args, Runner run) {
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    int threads = n > 0 ? (int)PyLong_AsLong(PyTuple_GET_ITEM(args, n - 1)) : 0;
-    if (PyErr_Occurred()) return NULL;
-    PyObject *call = PyTuple_GetSlice(args, 0, n > 0 ? n - 1 : 0);
-    PyObject *list = call ? PyList_New(1) : NULL;
-    if (!list) {
-        Py_XDECREF(call);
-        return NULL;
-    }
-    PyList_SET_ITEM(list, 0, call); /* the list owns the call now */
-    PyObject *done = run(list, threads);
-    Py_DECREF(list);
-    return done;
+static PyObject *attend_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return many(args, kwargs, run_calls);
 }
-
-static PyObject *attend_many(PyObject *self, PyObject *args) { return many(args, run_calls); }
-static PyObject *attend(PyObject *self, PyObject *args) { return one(args, run_calls); }
 
 /* One backward call's arguments (backward's, less the thread count) into bj; 0 with a
    Python error set if they do not parse or fit. */
@@ -477,8 +460,12 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long slopes;
     long long qpos;
     int f32;
-    if (!PyArg_ParseTuple(args, "(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                          "(KLLL)(LLLLL)(LLL)dd(KL)p", &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
+    static char *names[] = {"q", "dout", "k", "v", "bias", "bounds", "lse", "delta", "dq",
+                            "dk", "dv", "sizes", "keys", "scale", "softcap", "alibi",
+                            "float32", NULL};
+    if (!parse_fields(args, "backward",
+                          "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
+                          "(KLLL)(LLLLL)(LLL)dd(KL)p", names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
                           &dos[0], &dos[1], &dos[2], &dos[3], &k, &kst[0], &kst[1], &kst[2], &v,
                           &vst[0], &vst[1], &vst[2], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
                           &lse, &ls[0], &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2],
@@ -539,8 +526,7 @@ static PyObject *run_backward(PyObject *list, int threads) {
     if (!ps.calls || !ps.start || !ps.chain0) failed = PyErr_NoMemory();
     for (Py_ssize_t c = 0; !failed && c < n; c++) {
         PyObject *one = PyList_GET_ITEM(list, c);
-        if (!PyTuple_Check(one) || !parse_backward(&ps.calls[c], one, threads)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "backward: a tuple a call");
+        if (!parse_backward(&ps.calls[c], one, threads)) {
             failed = Py_None;
             break;
         }
@@ -580,10 +566,9 @@ static PyObject *run_backward(PyObject *list, int threads) {
     Py_RETURN_NONE;
 }
 
-static PyObject *backward_many(PyObject *self, PyObject *args) {
-    return many(args, run_backward);
+static PyObject *backward_many(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return many(args, kwargs, run_backward);
 }
-static PyObject *backward_py(PyObject *self, PyObject *args) { return one(args, run_backward); }
 
 static PyMethodDef methods[] = {
     {"available", available, METH_VARARGS,
@@ -595,31 +580,28 @@ static PyMethodDef methods[] = {
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa(name): \"avx2\" runs float32 on the AVX2 step where the CPU has AVX-512 too "
      "(to test and measure it); \"\" lets the CPU choose. Returns the setting before."},
-    {"finite", finite_py, METH_VARARGS,
-     "finite(x, n, float32): whether n contiguous float32 (else bfloat16) values at x are "
-     "all finite, in one thread."},
-    {"backward_many", backward_many, METH_VARARGS,
-     "backward_many([call, ...], threads): every call (backward's arguments less threads, "
-     "one B and H) in one parallel region, the gradients added in one fixed order."},
-    {"backward", backward_py, METH_VARARGS,
-     "backward((q, *4), (dout, *4), (k, *3), (v, *3), (bias|0, *3), (bounds|0, *1), "
-     "(lse, *4), (delta, *4), (dq, *4), (dk, *3), (dv, *3), (B, H, G, R, D), (T, k0, N), "
-     "scale, softcap, (slopes|0, qpos), float32, threads): one call's gradients, added to dq (B, H, G, R, D; in "
-     "key-block order), dk and dv; K and V (B, H, T, D) as they are."},
-    {"pack", pack_py, METH_VARARGS,
-     "pack([((x, *3 strides), dst, values), ...], (B, H, T, D, Nt), threads, float32): "
-     "tensors into the kernel's score layout (values 0) or bfloat16's value layout (1), in "
-     "one parallel region."},
-    {"attend_many", attend_many, METH_VARARGS,
-     "attend_many([call, ...], threads): every call (attend's arguments less threads) in one "
-     "parallel region, their work items dealt from one counter."},
-    {"attend", attend, METH_VARARGS,
-     "attend((q, *4 strides), (kp, *2), (vp, *2), [(k0, N, (bias|0, *3)), ...], (out, *4), "
-     "(lse, *4), (B, H, G, R, D), Nt, scale, softcap, (slopes|0, qpos), parts, float32, "
-     "threads): one call of "
-     "the step "
-     "over key ranges of the packed buffers (one online softmax across them), into out and "
-     "lse (float32)."},
+    {"finite", (PyCFunction)(void (*)(void))finite_py, METH_VARARGS | METH_KEYWORDS,
+     "finite(*, x, n, float32): whether n contiguous float32 (else bfloat16) values at x "
+     "are all finite, in one thread."},
+    {"backward_many", (PyCFunction)(void (*)(void))backward_many, METH_VARARGS | METH_KEYWORDS,
+     "backward_many(*, calls, threads): every call (one B and H) in one parallel region, "
+     "the gradients added in one fixed order. A call is a dict: q=(ptr, *4 strides), "
+     "dout=(ptr, *4), k=(ptr, *3), v=(ptr, *3), bias=(ptr|0, *3), bounds=(ptr|0, *1), "
+     "lse=(ptr, *4), delta=(ptr, *4), dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), "
+     "sizes=(B, H, G, R, D), keys=(T, k0, N), scale, softcap, alibi=(slopes|0, qpos), "
+     "float32: its gradients added to dq (in key-block order), dk and dv; K and V "
+     "(B, H, T, D) as they are."},
+    {"pack", (PyCFunction)(void (*)(void))pack_py, METH_VARARGS | METH_KEYWORDS,
+     "pack(*, packs, sizes=(B, H, T, D, Nt), threads, float32): tensors into the kernel's "
+     "score layout (values 0) or bfloat16's value layout (1), in one parallel region; a "
+     "pack is a dict x=(ptr, *3 strides), dst, values."},
+    {"attend_many", (PyCFunction)(void (*)(void))attend_many, METH_VARARGS | METH_KEYWORDS,
+     "attend_many(*, calls, threads): every call in one parallel region, their work items "
+     "dealt from one counter. A call is a dict: q=(ptr, *4 strides), k=(kp, *2), "
+     "v=(vp, *2), ranges=[dict k0, N, bias=(ptr|0, *3), bounds=(ptr|0, *1)], "
+     "out=(ptr, *4), lse=(ptr, *4), sizes=(B, H, G, R, D), Nt, scale, softcap, "
+     "alibi=(slopes|0, qpos), p_parts, float32: the step over key ranges of the packed "
+     "buffers (one online softmax across them), into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",

@@ -171,7 +171,7 @@ def finite(x: torch.Tensor) -> bool:
     (:func:`qkv.kernels.reference.all_finite`)."""
     if _native is None or x.dtype not in DTYPES or x.device.type != "cpu" or not x.is_contiguous():
         return all_finite(x)
-    return bool(_native.finite(x.data_ptr(), x.numel(), x.dtype == torch.float32))
+    return bool(_native.finite(x=x.data_ptr(), n=x.numel(), float32=x.dtype == torch.float32))
 
 
 def shapes_fit(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
@@ -210,10 +210,15 @@ def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
     else:
         kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
         vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
-    todo = [((k.data_ptr(), *k.stride()[:3]), kp.data_ptr(), False)]
+    todo = [dict(x=(k.data_ptr(), *k.stride()[:3]), dst=kp.data_ptr(), values=False)]
     if k.dtype != torch.float32:
-        todo.append(((v.data_ptr(), *v.stride()[:3]), vp.data_ptr(), True))
-    _native.pack(todo, (B, H_kv, T_k, D, Nt), torch.get_num_threads(), k.dtype == torch.float32)
+        todo.append(dict(x=(v.data_ptr(), *v.stride()[:3]), dst=vp.data_ptr(), values=True))
+    _native.pack(
+        packs=todo,
+        sizes=(B, H_kv, T_k, D, Nt),
+        threads=torch.get_num_threads(),
+        float32=k.dtype == torch.float32,
+    )
     return Packed(kp, vp, Nt)
 
 
@@ -308,24 +313,28 @@ def attend_many(
                 "native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
                 "float32, out's last dim contiguous"
             )
+        ranges = [
+            dict(k0=r.k0, N=r.k1 - r.k0, bias=bias_at(r.bias), bounds=bounds_at(r.bounds))
+            for r in job.ranges
+        ]
         args.append(
-            (
-                (job.q5.data_ptr(), *job.q5.stride()[:4]),
-                (packed.k.data_ptr(), *packed.k.stride()[:2]),
-                packed.values(),
-                [(r.k0, r.k1 - r.k0, bias_at(r.bias), bounds_at(r.bounds)) for r in job.ranges],
-                (out.data_ptr(), *out.stride()[:4]),
-                (lse.data_ptr(), *lse.stride()),
-                (B, H_kv, G, R, D),
-                packed.Nt,
-                scale,
-                softcap,
-                alibi,
-                p_parts,
-                packed.k.dtype == torch.float32,
+            dict(
+                q=(job.q5.data_ptr(), *job.q5.stride()[:4]),
+                k=(packed.k.data_ptr(), *packed.k.stride()[:2]),
+                v=packed.values(),
+                ranges=ranges,
+                out=(out.data_ptr(), *out.stride()[:4]),
+                lse=(lse.data_ptr(), *lse.stride()),
+                sizes=(B, H_kv, G, R, D),
+                Nt=packed.Nt,
+                scale=scale,
+                softcap=softcap,
+                alibi=alibi,
+                p_parts=p_parts,
+                float32=packed.k.dtype == torch.float32,
             )
         )
-    _native.attend_many(args, torch.get_num_threads())
+    _native.attend_many(calls=args, threads=torch.get_num_threads())
 
 
 def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
@@ -423,24 +432,24 @@ def backward_many(
                 f"{tuple(job.dq.shape)}, dk {tuple(job.dk.shape)}, keys {job.k0}..{job.k1}"
             )
         args.append(
-            (
-                (job.q5.data_ptr(), *job.q5.stride()[:4]),
-                (job.do5.data_ptr(), *job.do5.stride()[:4]),
-                (k.data_ptr(), *k.stride()[:3]),
-                (v.data_ptr(), *v.stride()[:3]),
-                bias_at(job.bias),
-                bounds_at(job.bounds),
-                (job.lse.data_ptr(), *job.lse.stride()),
-                (job.delta.data_ptr(), *job.delta.stride()),
-                (job.dq.data_ptr(), *job.dq.stride()[:4]),
-                (job.dk.data_ptr(), *job.dk.stride()[:3]),
-                (job.dv.data_ptr(), *job.dv.stride()[:3]),
-                (B, H_kv, G, R, D),
-                (T_k, job.k0, N),
-                scale,
-                softcap,
-                alibi,
-                k.dtype == torch.float32,
+            dict(
+                q=(job.q5.data_ptr(), *job.q5.stride()[:4]),
+                dout=(job.do5.data_ptr(), *job.do5.stride()[:4]),
+                k=(k.data_ptr(), *k.stride()[:3]),
+                v=(v.data_ptr(), *v.stride()[:3]),
+                bias=bias_at(job.bias),
+                bounds=bounds_at(job.bounds),
+                lse=(job.lse.data_ptr(), *job.lse.stride()),
+                delta=(job.delta.data_ptr(), *job.delta.stride()),
+                dq=(job.dq.data_ptr(), *job.dq.stride()[:4]),
+                dk=(job.dk.data_ptr(), *job.dk.stride()[:3]),
+                dv=(job.dv.data_ptr(), *job.dv.stride()[:3]),
+                sizes=(B, H_kv, G, R, D),
+                keys=(T_k, job.k0, N),
+                scale=scale,
+                softcap=softcap,
+                alibi=alibi,
+                float32=k.dtype == torch.float32,
             )
         )
-    _native.backward_many(args, torch.get_num_threads())
+    _native.backward_many(calls=args, threads=torch.get_num_threads())

@@ -1,0 +1,29 @@
+/* The boundary between Python and qkv's C kernels: every call's arguments arrive as named
+   fields (a dict, or keyword arguments), parsed by name, never by position. A field that is
+   missing, unknown or misspelled is a TypeError naming it, so a change on one side that the
+   other does not follow fails loudly instead of reading one pointer as another. */
+#ifndef QKV_FIELDS_H
+#define QKV_FIELDS_H
+
+#include <Python.h>
+#include <stdarg.h>
+
+/* Parse the dict `fields` by `names` with `format` (keyword-only: it starts with "$"), into
+   the pointers that follow; 0 with a Python error set where it does not parse. */
+static int parse_fields(PyObject *fields, const char *what, const char *format,
+                        char **names, ...) {
+    if (!PyDict_Check(fields)) {
+        PyErr_Format(PyExc_TypeError, "%s: each call must be a dict of named fields", what);
+        return 0;
+    }
+    PyObject *none = PyTuple_New(0);
+    if (!none) return 0;
+    va_list va;
+    va_start(va, names);
+    int ok = PyArg_VaParseTupleAndKeywords(none, fields, format, names, va);
+    va_end(va);
+    Py_DECREF(none);
+    return ok;
+}
+
+#endif
