@@ -34,8 +34,7 @@ def sdpa(
     if gqa and mask is None and not is_causal:
         # GQA with no mask (every decode step): the G query heads sharing a key/value head
         # become G·T_q query rows of it, so each head of the cache is read once, not G times
-        # (a decode step at L = 32k, H = 32, H_kv = 8: 10.5 ms, against 25.1 ms through
-        # torch's enable_gqa on CPU; docs/benchmarks.md).
+        # as torch's enable_gqa reads it on the CPU (docs/benchmarks.md#decode).
         rows = q.reshape(B, H_kv, (H // H_kv) * T_q, D)  # query head h = kv_head·G + g
         out = F.scaled_dot_product_attention(rows, k, v, dropout_p=dropout_p, scale=scale)
         return out.view(B, H, T_q, v.shape[-1])

@@ -166,8 +166,8 @@ def supports(
 def finite(x: torch.Tensor) -> bool:
     """Whether x holds no NaN/inf: for a contiguous float32 or bfloat16 tensor on the CPU, by
     the native module in one thread — no parallel region for a descheduled thread to hold up
-    on a busy machine (a parallel ``aminmax`` over Q, K and V took the float32 dispatch from
-    2 to 24 ms beside two busy processes), 0.35 ms for 16 MB here; else by one reduction
+    on a busy machine, where a parallel reduction over Q, K and V stalled the whole dispatch
+    (docs/benchmarks.md, "measurements behind code choices"); else by one reduction
     (:func:`qkv.kernels.reference.all_finite`)."""
     if _native is None or x.dtype not in DTYPES or x.device.type != "cpu" or not x.is_contiguous():
         return all_finite(x)
