@@ -14,18 +14,51 @@ from typing import Protocol
 
 import torch
 
+from ..functional import MaskLike, attention
+from ..masks import Mask, causal
+
 
 class Cache(Protocol):
-    """What a module needs of a cache: the tokens cached (its queries' positions follow
-    them), and ``append``, which stores new keys and values and returns all of them.
-    :class:`KVCache` and a :class:`qkv.PagedKVCache`'s batch are both one."""
+    """A KV cache as an attention module uses it, whatever its kind: where the new tokens
+    sit (``positions``), and attention of their queries over every key it holds, after
+    storing their keys and values (``attend``). :class:`KVCache`, a
+    :class:`qkv.PagedKVCache`'s batch and its packed prefill each attend in their own way."""
 
     @property
     def length(self) -> int: ...
 
-    def append(
-        self, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def positions(self, T: int) -> torch.Tensor | int:
+        """The absolute positions of T new tokens: one start for every row, or (B, T)."""
+        ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: MaskLike,
+        causal: bool,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store k (B, H_kv, T, D) and v (…, D_v), then attend q (B, H, T, D) over every key
+        held: (B, H, T, D_v). ``mask`` is the caller's (or None), ``causal`` the module's."""
+        ...
+
+
+def with_causal(mask: MaskLike, is_causal: bool) -> MaskLike:
+    """A module's mask: the caller's (a qkv mask, or a bool (T_q, T_k) / (B, T_q, T_k) /
+    (B, H, T_q, T_k) tensor), and-ed with causal() for a causal module. A dense
+    (B, T_q, T_k) mask gains a head dim to fit the (B, H, T_q, T_k) layout."""
+    if isinstance(mask, torch.Tensor) and mask.ndim == 3:
+        mask = mask[:, None]  # (B, 1, T_q, T_k)
+    if not is_causal:
+        return mask
+    if mask is None or isinstance(mask, Mask):
+        return causal() if mask is None else causal() & mask
+    T_q, T_k = mask.shape[-2:]
+    return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
 
 
 class KVCache:
@@ -86,6 +119,26 @@ class KVCache:
         self.values[:, :, self.length : self.length + T] = value
         self.length += T
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def positions(self, T: int) -> int:
+        """New tokens follow the cached ones: the first sits at ``length``."""
+        return self.length
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: MaskLike,
+        causal: bool,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Append k and v, then attend q over every cached key (:class:`Cache`)."""
+        keys, values = self.append(k, v)  # (B, H_kv, length, ·)
+        mask = with_causal(mask, causal)
+        return attention(q, keys, values, mask=mask, dropout_p=dropout_p, sinks=sinks)
 
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""

@@ -16,10 +16,8 @@ from torch import nn
 from ..distributed import Layout
 from ..distributed import attention as distributed_attention
 from ..functional import MaskLike, attention
-from ..masks import Mask
 from .cache import Cache, KVCache
 from .modules import AttentionModule, check_input, split_heads
-from .paged import PackedBatch, PagedBatch
 from .rope import RoPE
 
 
@@ -104,13 +102,12 @@ class MultiHeadAttention(AttentionModule):
         self,
         x: torch.Tensor,
         context: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        positions: torch.Tensor | None = None,
+        positions: torch.Tensor | int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B, H, T_q, d_head) from x; keys and values (B, H_kv, T_k, d_head) from
-        x or context, rotated by RoPE and appended to the cache when given. ``positions``
-        (T_q,) are the absolute positions of x's tokens when they are not 0, 1, … (a shard
-        of a context-parallel sequence); by default they follow the cache."""
+        x or context, rotated by RoPE. ``positions`` are the absolute positions of x's tokens
+        when they are not 0, 1, …: the first one's (after a cache's tokens), (T_q,) (a shard
+        of a context-parallel sequence) or (B, T_q) (each row of a ragged batch its own)."""
         check_input("x", x, self.d_in, self.W_query.weight)
         if context is not None:
             check_input("context", context, self.d_kv, self.W_key.weight)
@@ -119,25 +116,15 @@ class MultiHeadAttention(AttentionModule):
                     f"context must have the layout and batch of x {tuple(x.shape)}; "
                     f"got {tuple(context.shape)}"
                 )
-            if self.rope is not None or cache is not None:
+            if self.rope is not None:
                 raise ValueError("rope and cache apply to self-attention; pass context=None")
         source = x if context is None else context
         q = split_heads(self.W_query(x), self.num_heads)  # (B, H, T_q, d_head)
         k = split_heads(self.W_key(source), self.num_kv_heads)  # (B, H_kv, T_k, d_head)
         v = split_heads(self.W_value(source), self.num_kv_heads)
-        # absolute positions of x's tokens: given, or following the cache (each sequence's
-        # own, for a ragged batch of a paged cache)
-        at: torch.Tensor | int = 0
-        if positions is not None:
-            at = positions
-        elif isinstance(cache, PagedBatch):
-            at = cache.positions(x.shape[-2]).to(x.device)
-        elif cache is not None:
-            at = cache.length
         if self.rope is not None:
+            at = 0 if positions is None else positions
             q, k = self.rope(q, at), self.rope(k, at)
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, H_kv, start + T_q, d_head)
         return q, k, v
 
     def merge(self, context: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -175,55 +162,37 @@ class MultiHeadAttention(AttentionModule):
                 :func:`qkv.distributed.attention`. Self-attention only.
         """
         dropout_p = self.dropout if self.training else 0.0
-        if (
-            isinstance(cache, PagedBatch)
-            and layout is None
-            and context is None
-            and mask is None
-            and dropout_p == 0
-            and x.ndim == 3
-        ):  # stored, then attended where they lie; shared prefixes read once (cascade)
-            q, k, v = self.project(x, positions=cache.positions(x.shape[1]).to(x.device))
-            cache.store(k, v)
-            return self.merge(cache.attend(q, self.causal, sinks=self.sinks), like=x)
-        if isinstance(cache, PackedBatch):  # many prompts prefilled at once, packed
-            if layout is not None or context is not None or mask is not None or dropout_p:
+        if layout is not None:
+            if context is not None or cache is not None:
                 raise ValueError(
-                    "a packed prefill (PackedBatch) takes no layout, context, mask or dropout"
+                    "layout= (context parallelism) applies to self-attention "
+                    "without a cache; pass context=None and cache=None"
                 )
-            q, k, v = self.project(x, positions=cache.positions(x.shape[-2]).to(x.device))
-            cache.store(k, v)
-            return self.merge(cache.attend(q, k, v, self.causal, sinks=self.sinks), like=x)
-        if layout is None:
-            q, k, v = self.project(x, context, cache)
+            positions = layout.positions(dist.get_rank(group)).to(x.device)
+            q, k, v = self.project(x, positions=positions)
+            out = distributed_attention(
+                q,
+                k,
+                v,
+                layout=layout,
+                mask=self.attention_mask(mask),
+                schedule=schedule,
+                dropout_p=dropout_p,
+                group=group,
+                sinks=self.sinks,
+            )
+            return self.merge(out, like=x)
+        if cache is None:
+            q, k, v = self.project(x, context)
             mask = self.attention_mask(mask)
-            if isinstance(cache, PagedBatch):  # a ragged batch: each row to its own keys
-                rows = cache.row_mask(q.shape[2], self.causal)
-                if rows is not None and mask is None:
-                    mask = rows
-                elif rows is not None and isinstance(mask, Mask):
-                    mask = mask & rows
-                elif rows is not None:
-                    raise ValueError("a ragged paged batch takes a qkv mask, not a tensor")
             out = attention(q, k, v, mask=mask, dropout_p=dropout_p, sinks=self.sinks)
             return self.merge(out, like=x)
-        if context is not None or cache is not None:
-            raise ValueError(
-                "layout= (context parallelism) applies to self-attention "
-                "without a cache; pass context=None and cache=None"
-            )
-        positions = layout.positions(dist.get_rank(group)).to(x.device)
-        q, k, v = self.project(x, positions=positions)
-        out = distributed_attention(
-            q,
-            k,
-            v,
-            layout=layout,
-            mask=self.attention_mask(mask),
-            schedule=schedule,
-            dropout_p=dropout_p,
-            group=group,
-            sinks=self.sinks,
+        if context is not None:
+            raise ValueError("rope and cache apply to self-attention; pass context=None")
+        at = cache.positions(x.shape[-2])  # the cache says where the new tokens sit
+        q, k, v = self.project(x, positions=at.to(x.device) if torch.is_tensor(at) else at)
+        out = cache.attend(
+            q, k, v, mask=mask, causal=self.causal, dropout_p=dropout_p, sinks=self.sinks
         )
         return self.merge(out, like=x)
 

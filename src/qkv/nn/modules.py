@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..functional import MaskLike, attention
-from ..masks import Mask, causal
+from .cache import with_causal
 
 
 def check_input(name: str, x: torch.Tensor, d_in: int, weight: torch.Tensor | None = None) -> None:
@@ -70,14 +70,7 @@ class AttentionModule(nn.Module):
         """The mask this module attends with: the user's (a qkv mask, or a bool (T_q, T_k) /
         (B, T_q, T_k) / (B, H, T_q, T_k) tensor), and-ed with causal() if the module is causal.
         Dense (B, T_q, T_k) masks gain a head dim to fit the (B, H, T_q, T_k) layout."""
-        if isinstance(mask, torch.Tensor) and mask.ndim == 3:
-            mask = mask[:, None]  # (B, 1, T_q, T_k)
-        if not self.causal:
-            return mask
-        if mask is None or isinstance(mask, Mask):
-            return causal() if mask is None else causal() & mask
-        T_q, T_k = mask.shape[-2:]
-        return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
+        return with_causal(mask, self.causal)
 
     def forward(self, x: torch.Tensor, mask: MaskLike = None) -> torch.Tensor:
         """x: (T, E) or (B, T, E) -> (T, ·) or (B, T, ·). ``mask``: a qkv mask or a bool

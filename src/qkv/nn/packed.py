@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from ..masks import MaskLike
 from ..varlen import varlen_attention
 from .book import Pass
 from .cache import check_appended
@@ -87,11 +88,20 @@ class PackedBatch:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        *,
+        mask: MaskLike,
         causal: bool,
-        sinks: torch.Tensor | None = None,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Packed (1, H, total, D) queries over the packed keys and values, each sequence
-        to its own: (1, H, total, D_v)."""
+        """Store the packed (1, H_kv, total, ·) keys and values in each sequence's pages,
+        then attend the packed (1, H, total, D) queries, each sequence to its own:
+        (1, H, total, D_v). A packed prefill takes no mask or dropout."""
+        if mask is not None or dropout_p:
+            raise ValueError(
+                "a packed prefill (PackedBatch) takes no layout, context, mask or dropout"
+            )
+        self.store(k, v)
 
         def packed(x: torch.Tensor) -> torch.Tensor:
             return x[0].transpose(0, 1)  # (total, heads, ·)

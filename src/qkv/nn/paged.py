@@ -18,11 +18,11 @@ import torch
 
 from ..functional import attention
 from ..lse import merge_attention
-from ..masks import Mask, padding, predicate
+from ..masks import Mask, MaskLike, padding, predicate
 from ..masks import causal as causal_mask
 from ..varlen import paged_attention
 from .book import Book, Pass
-from .cache import check_appended, check_sizes
+from .cache import check_appended, check_sizes, with_causal
 from .packed import PackedBatch
 
 
@@ -264,6 +264,34 @@ class PagedBatch:
         self._appends += 1
 
     def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: MaskLike,
+        causal: bool,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Store k and v, then attend q over each sequence's keys (:class:`qkv.nn.Cache`):
+        read where they lie (:meth:`attend_stored`) without a mask or dropout; else gathered,
+        with each row's own keys as a mask beside the caller's."""
+        if mask is None and dropout_p == 0:  # stored, then attended where they lie
+            self.store(k, v)
+            return self.attend_stored(q, causal, sinks)
+        keys, values = self.append(k, v)
+        mask = with_causal(mask, causal)
+        rows = self.row_mask(q.shape[2], causal)  # a ragged batch: each row to its own keys
+        if rows is not None and mask is None:
+            mask = rows
+        elif rows is not None and isinstance(mask, Mask):
+            mask = mask & rows
+        elif rows is not None:
+            raise ValueError("a ragged paged batch takes a qkv mask, not a tensor")
+        return attention(q, keys, values, mask=mask, dropout_p=dropout_p, sinks=sinks)
+
+    def attend_stored(
         self, q: torch.Tensor, causal: bool = True, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention after :meth:`store`: each sequence's T new queries (B, H, T, D), the
