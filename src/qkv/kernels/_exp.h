@@ -7,18 +7,18 @@
 #include <immintrin.h>
 
 /* p = e^r for x = n·ln2 + r, in the intrinsics PRE_* of one width (_mm512 or _mm256). */
-#define QKV_EXP_POLY(PRE, x, n, p)                                              \
-    do {                                                                        \
-        __typeof__(x) r = PRE##_fnmadd_ps(n, PRE##_set1_ps(0.693145751953125f), x); \
-        r = PRE##_fnmadd_ps(n, PRE##_set1_ps(1.428606765330187045e-06f), r);  \
-        p = PRE##_set1_ps(1.0f / 5040);                                         \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 720));                    \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 120));                    \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 24));                     \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 6));                      \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(0.5f));                          \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                          \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                          \
+#define QKV_EXP_POLY(PRE, x, n, p)                                                                 \
+    do {                                                                                           \
+        __typeof__(x) r = PRE##_fnmadd_ps(n, PRE##_set1_ps(0.693145751953125f), x);                \
+        r = PRE##_fnmadd_ps(n, PRE##_set1_ps(1.428606765330187045e-06f), r);                       \
+        p = PRE##_set1_ps(1.0f / 5040);                                                            \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 720));                                       \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 120));                                       \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 24));                                        \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 6));                                         \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(0.5f));                                             \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                                             \
+        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                                             \
     } while (0)
 
 /* Inputs below -104 give exp(-104): 0 in float32 or its smallest subnormal. */
@@ -39,8 +39,8 @@ static inline __attribute__((always_inline, target("avx2,fma"))) __m256 qkv_exp8
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 p;
     QKV_EXP_POLY(_mm256, x, n, p);
-    __m256i two_n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256i two_n =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif

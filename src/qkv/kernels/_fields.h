@@ -10,8 +10,7 @@
 
 /* Parse the dict `fields` by `names` with `format` (keyword-only: it starts with "$"), into
    the pointers that follow; 0 with a Python error set where it does not parse. */
-static int parse_fields(PyObject *fields, const char *what, const char *format,
-                        char **names, ...) {
+static int parse_fields(PyObject *fields, const char *what, const char *format, char **names, ...) {
     if (!PyDict_Check(fields)) {
         PyErr_Format(PyExc_TypeError, "%s: each call must be a dict of named fields", what);
         return 0;

@@ -47,7 +47,7 @@ typedef struct {
     int64_t qs[2], ks[3], vs[3];
     int64_t B, H, H_kv, D, D_v, P, max_pages;
     float scale;
-    int bf16;  /* 1: q, k, v are bfloat16; 0: float32 */
+    int bf16; /* 1: q, k, v are bfloat16; 0: float32 */
 } Job;
 
 static inline float widen(bf16 x) {
@@ -73,8 +73,8 @@ static inline const float *row(const Job *j, const void *base, int64_t at, int64
 
 /* An item's start: its G query rows scaled into qf (G × D), outputs and sums zero, maxima
    -inf. buf: D floats of scratch. */
-static void begin(const Job *j, int64_t b, int64_t hk, float *qf, float *acc, float *m,
-                  float *l, float *buf) {
+static void begin(const Job *j, int64_t b, int64_t hk, float *qf, float *acc, float *m, float *l,
+                  float *buf) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
     for (int64_t g = 0; g < G; g++) {
         const float *src = row(j, j->q, b * j->qs[0] + (hk * G + g) * j->qs[1], D, buf);
@@ -93,11 +93,11 @@ static void finish(const Job *j, int64_t b, int64_t hk, const float *acc, const 
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
         float mg = m[g], lg = l[g], keep = 1.0f;
-        if (j->sinks && j->sinks[h] == INFINITY) {  /* the sink takes the whole row */
+        if (j->sinks && j->sinks[h] == INFINITY) { /* the sink takes the whole row */
             keep = 0.0f;
             lg = 1.0f;
             mg = INFINITY;
-        } else if (j->sinks) {  /* a key with no value: in the sum, not in the output */
+        } else if (j->sinks) { /* a key with no value: in the sum, not in the output */
             const float sink = j->sinks[h], top = sink > mg ? sink : mg;
             keep = mg == -INFINITY ? 0.0f : expf(mg - top);
             lg = lg * keep + (sink == -INFINITY ? 0.0f : expf(sink - top));
@@ -115,8 +115,7 @@ static void finish(const Job *j, int64_t b, int64_t hk, const float *acc, const 
 CLONES
 static void item(const Job *j, int64_t b, int64_t hk, float *work) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
-    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *kbuf = s + G * P,
-          *vbuf = kbuf + D;
+    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *kbuf = s + G * P, *vbuf = kbuf + D;
     float m[G > 0 ? G : 1], l[G > 0 ? G : 1];
     begin(j, b, hk, qf, acc, m, l, kbuf);
     const int64_t len = j->lengths[b];
@@ -124,8 +123,7 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
         for (int64_t t = 0; t < n; t++) {
-            const float *kr = row(j, j->k, page * j->ks[0] + t * j->ks[1] + hk * j->ks[2], D,
-                                  kbuf);
+            const float *kr = row(j, j->k, page * j->ks[0] + t * j->ks[1] + hk * j->ks[2], D, kbuf);
             for (int64_t g = 0; g < G; g++) {
                 const float *qg = qf + g * D;
                 float dot = 0.0f;
@@ -137,7 +135,7 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
         for (int64_t g = 0; g < G; g++) {
             float mx = m[g];
             for (int64_t t = 0; t < n; t++) mx = s[g * P + t] > mx ? s[g * P + t] : mx;
-            if (mx > m[g]) {  /* a new maximum: rescale what was summed under the old one */
+            if (mx > m[g]) { /* a new maximum: rescale what was summed under the old one */
                 const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
                 l[g] *= alpha;
                 for (int64_t d = 0; d < D_v; d++) acc[g * D_v + d] *= alpha;
@@ -146,11 +144,12 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
             /* Every score so far -inf: no weight (exp(-inf - -inf) would be NaN). */
             for (int64_t t = 0; t < n; t++)
                 s[g * P + t] = m[g] == -INFINITY && s[g * P + t] == -INFINITY
-                                   ? 0.0f : expf(s[g * P + t] - m[g]);
+                                   ? 0.0f
+                                   : expf(s[g * P + t] - m[g]);
         }
         for (int64_t t = 0; t < n; t++) {
-            const float *vr = row(j, j->v, page * j->vs[0] + t * j->vs[1] + hk * j->vs[2], D_v,
-                                  vbuf);
+            const float *vr =
+                row(j, j->v, page * j->vs[0] + t * j->vs[1] + hk * j->vs[2], D_v, vbuf);
             for (int64_t g = 0; g < G; g++) {
                 const float w = s[g * P + t];
                 float *a = acc + g * D_v;
@@ -182,8 +181,7 @@ AVX512 ALWAYS __m512 load16(const void *base, int64_t at, const int is_bf16) {
    V rows are read (widened) once into vpage; each head's output row is then accumulated
    in registers, 64 floats at a time, across the page's keys. */
 AVX512 ALWAYS void pv512(const Job *j, int64_t page, int64_t n, int64_t hk, float *acc,
-                         const float *w, int64_t wg, int64_t wt, float *vpage,
-                         const int is_bf16) {
+                         const float *w, int64_t wg, int64_t wt, float *vpage, const int is_bf16) {
     const int64_t G = j->H / j->H_kv, D_v = j->D_v;
     for (int64_t t = 0; t < n; t++) {
         const int64_t at = page * j->vs[0] + t * j->vs[1] + hk * j->vs[2];
@@ -245,9 +243,9 @@ AVX512 ALWAYS void item512(const Job *j, int64_t b, int64_t hk, float *work, con
                 const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
                 l[g] *= alpha;
                 for (int64_t d = 0; d < D_v; d += 16)
-                    _mm512_storeu_ps(acc + g * D_v + d,
-                                     _mm512_mul_ps(_mm512_loadu_ps(acc + g * D_v + d),
-                                                   _mm512_set1_ps(alpha)));
+                    _mm512_storeu_ps(
+                        acc + g * D_v + d,
+                        _mm512_mul_ps(_mm512_loadu_ps(acc + g * D_v + d), _mm512_set1_ps(alpha)));
                 m[g] = mx;
             }
             if (m[g] == -INFINITY) { /* every score -inf (no weight) or NaN (NaN) */
@@ -258,8 +256,8 @@ AVX512 ALWAYS void item512(const Job *j, int64_t b, int64_t hk, float *work, con
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = 0; t < n; t += 16) {
                 const __mmask16 live = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-                __m512 e = qkv_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t),
-                                               _mm512_set1_ps(m[g])));
+                __m512 e = qkv_exp16(
+                    _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), _mm512_set1_ps(m[g])));
                 e = _mm512_maskz_mov_ps(live, e);
                 _mm512_storeu_ps(sg + t, e);
                 sum = _mm512_add_ps(sum, e);
@@ -293,8 +291,7 @@ AVX512 ALWAYS void wide512(const Job *j, int64_t b, int64_t hk, float *work, con
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
         for (int64_t t = 0; t < n; t++) {
-            const float *kr = row(j, j->k, page * j->ks[0] + t * j->ks[1] + hk * j->ks[2], D,
-                                  kbuf);
+            const float *kr = row(j, j->k, page * j->ks[0] + t * j->ks[1] + hk * j->ks[2], D, kbuf);
             for (int64_t gv = 0; gv < GV; gv += 16) { /* D is a multiple of 16 here */
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int64_t d = 0; d < D; d += 4) {
@@ -313,13 +310,14 @@ AVX512 ALWAYS void wide512(const Job *j, int64_t b, int64_t hk, float *work, con
         for (int64_t gv = 0; gv < GV; gv += 16) {
             const __m512 old = _mm512_loadu_ps(m + gv);
             __m512 mx = old;
-            for (int64_t t = 0; t < n; t++) mx = _mm512_max_ps(_mm512_loadu_ps(sT + t * GV + gv), mx);
+            for (int64_t t = 0; t < n; t++)
+                mx = _mm512_max_ps(_mm512_loadu_ps(sT + t * GV + gv), mx);
             /* lanes with some finite (or +inf) score so far; the others give no weight */
             const __mmask16 live = _mm512_cmp_ps_mask(mx, minus_inf, _CMP_GT_OQ);
             const __mmask16 grew = _mm512_cmp_ps_mask(mx, old, _CMP_GT_OQ);
             if (grew) {
-                const __m512 alpha = _mm512_mask_blend_ps(
-                    grew, _mm512_set1_ps(1.0f), qkv_exp16(_mm512_sub_ps(old, mx)));
+                const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.0f),
+                                                          qkv_exp16(_mm512_sub_ps(old, mx)));
                 _mm512_storeu_ps(l + gv, _mm512_mul_ps(_mm512_loadu_ps(l + gv), alpha));
                 float al[16];
                 _mm512_storeu_ps(al, alpha);
@@ -335,7 +333,8 @@ AVX512 ALWAYS void wide512(const Job *j, int64_t b, int64_t hk, float *work, con
             for (int64_t t = 0; t < n; t++) {
                 const __m512 sc = _mm512_loadu_ps(sT + t * GV + gv);
                 /* no live score yet: -inf weighs 0, NaN stays NaN */
-                const __m512 dead = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, sc, _CMP_UNORD_Q), nan);
+                const __m512 dead =
+                    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sc, sc, _CMP_UNORD_Q), nan);
                 const __m512 e = _mm512_mask_blend_ps(live, dead, qkv_exp16(_mm512_sub_ps(sc, mx)));
                 _mm512_storeu_ps(sT + t * GV + gv, e);
                 sum = _mm512_add_ps(sum, e);
@@ -369,30 +368,45 @@ static int has_avx512(void) {
 
 static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     unsigned long long q, k, v, table, lengths, sinks, out, lse;
-    long long qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2, B, H, H_kv, D, D_v, P, max_pages,
-        num_pages;
+    long long qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2, B, H, H_kv, D, D_v, P, max_pages, num_pages;
     double scale;
     int is_bf16, threads;
-    static char *names[] = {"q", "k", "v", "table", "lengths", "sinks", "out", "lse",
-                            "sizes", "scale", "bfloat16", "threads", NULL};
+    static char *names[] = {"q",   "k",     "v",     "table",    "lengths", "sinks", "out",
+                            "lse", "sizes", "scale", "bfloat16", "threads", NULL};
     if (PyTuple_GET_SIZE(args)) {
         PyErr_SetString(PyExc_TypeError, "decode takes named fields only");
         return NULL;
     }
     if (!parse_fields(kwargs ? kwargs : Py_None, "decode", "$(KLL)(KLLL)(KLLL)(KLL)KKKK(LLLLLL)dii",
-                      names, &q, &qs0, &qs1, &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1, &vs2,
-                      &table, &max_pages, &num_pages, &lengths, &sinks, &out, &lse, &B, &H,
-                      &H_kv, &D, &D_v, &P, &scale, &is_bf16, &threads))
+                      names, &q, &qs0, &qs1, &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1, &vs2, &table,
+                      &max_pages, &num_pages, &lengths, &sinks, &out, &lse, &B, &H, &H_kv, &D, &D_v,
+                      &P, &scale, &is_bf16, &threads))
         return NULL;
-    if (B < 0 || H_kv <= 0 || H <= 0 || H % H_kv || D <= 0 || D_v <= 0 || P <= 0 ||
-        max_pages < 0 || threads < 1) {
+    if (B < 0 || H_kv <= 0 || H <= 0 || H % H_kv || D <= 0 || D_v <= 0 || P <= 0 || max_pages < 0 ||
+        threads < 1) {
         PyErr_SetString(PyExc_ValueError, "paged decode: sizes out of range");
         return NULL;
     }
-    Job j = {(const void *)q, (const void *)k, (const void *)v, (const int32_t *)table,
-             (const int32_t *)lengths, (const float *)sinks, (float *)out, (float *)lse,
-             {qs0, qs1}, {ks0, ks1, ks2}, {vs0, vs1, vs2}, B, H, H_kv, D, D_v, P, max_pages,
-             (float)scale, is_bf16};
+    Job j = {(const void *)q,
+             (const void *)k,
+             (const void *)v,
+             (const int32_t *)table,
+             (const int32_t *)lengths,
+             (const float *)sinks,
+             (float *)out,
+             (float *)lse,
+             {qs0, qs1},
+             {ks0, ks1, ks2},
+             {vs0, vs1, vs2},
+             B,
+             H,
+             H_kv,
+             D,
+             D_v,
+             P,
+             max_pages,
+             (float)scale,
+             is_bf16};
     /* The table and lengths, checked before anything is read through them: a length past
        the table or a page outside the pool returns False (the caller says which). */
     const int32_t *tab = (const int32_t *)table, *len = (const int32_t *)lengths;
@@ -409,10 +423,8 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     void (*run)(const Job *, int64_t, int64_t, float *) = item;
 #ifdef QKV_X86
     if (D % 16 == 0 && D_v % 16 == 0 && has_avx512()) {
-        if (G >= 16)
-            run = is_bf16 ? wide512_bf16 : wide512_f32;
-        else
-            run = is_bf16 ? item512_bf16 : item512_f32;
+        if (G >= 16) run = is_bf16 ? wide512_bf16 : wide512_f32;
+        else run = is_bf16 ? item512_bf16 : item512_f32;
     }
 #endif
     int failed = 0;
@@ -426,8 +438,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
             if (work) run(&j, i / H_kv, i % H_kv, work);
         free(work);
     }
-    Py_END_ALLOW_THREADS
-    if (failed) return PyErr_NoMemory();
+    Py_END_ALLOW_THREADS if (failed) return PyErr_NoMemory();
     Py_RETURN_TRUE;
 }
 
@@ -440,8 +451,14 @@ static PyMethodDef methods[] = {
      "it needs is out of range."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged",
-                                    "qkv's native decode step over a paged KV cache.", -1,
-                                    methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT,
+                                    "_paged",
+                                    "qkv's native decode step over a paged KV cache.",
+                                    -1,
+                                    methods,
+                                    NULL,
+                                    NULL,
+                                    NULL,
+                                    NULL};
 
 PyMODINIT_FUNC PyInit__paged(void) { return PyModule_Create(&module); }

@@ -18,8 +18,8 @@ TARGET_BF16 static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo)
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16));
     _mm512_storeu_si512(hi, hw);
     if (lo)
-        _mm512_storeu_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1),
-                                                             _mm512_sub_ps(p0, h0)));
+        _mm512_storeu_si512(
+            lo, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, h1), _mm512_sub_ps(p0, h0)));
     return _mm512_add_ps(h0, h1);
 }
 
@@ -50,9 +50,9 @@ TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb, 
 
 /* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi (+ lo when PARTS is 2), for
    4 rows at a time and NV 16-column vectors of the head dim at a time. */
-TARGET_BF16 static inline __attribute__((always_inline)) void pv_block(
-        const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
-        const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
+TARGET_BF16 static inline __attribute__((always_inline)) void
+pv_block(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
+         const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
     int64_t D = j->D;
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++)
@@ -80,15 +80,18 @@ TARGET_BF16 static inline __attribute__((always_inline)) void pv_block(
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
 }
 
-TARGET_BF16 static void pv_bf16(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live,
-                      const bf16 *Ph, const bf16 *Pl, float *O) {
+TARGET_BF16 static void pv_bf16(const Job *j, const bf16 *vp, int64_t n0, int64_t nk,
+                                const int *live, const bf16 *Ph, const bf16 *Pl, float *O) {
     for (int i0 = 0; i0 < MR; i0 += 4) {
         int64_t c0 = 0;
         if (j->parts == 2) {
-            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 2);
-            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 2); /* D % 64 == 32 */
+            for (; c0 + 64 <= j->D; c0 += 64)
+                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 2);
+            if (c0 < j->D)
+                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 2); /* D % 64 == 32 */
         } else {
-            for (; c0 + 64 <= j->D; c0 += 64) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 1);
+            for (; c0 + 64 <= j->D; c0 += 64)
+                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 1);
             if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 1);
         }
     }

@@ -11,11 +11,11 @@
 #define QKV_X86 1
 #endif
 
-#define MR 8      /* query rows per register tile */
-#define KT 128    /* keys per online-softmax step */
-#define ROWS 32   /* query rows per work item */
+#define MR 8    /* query rows per register tile */
+#define KT 128  /* keys per online-softmax step */
+#define ROWS 32 /* query rows per work item */
 #define MAX_D 256
-#define KB 64     /* keys per backward work item */
+#define KB 64 /* keys per backward work item */
 
 /* The vector instruction sets the step is compiled for; float32 runs on either, bfloat16
    on AVX-512 (with AVX512-BF16) alone. */
@@ -42,16 +42,16 @@ typedef struct {
     float *out, *lse;
     int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
     int64_t B, H, G, R, D;
-    int64_t begin;  /* the first packed key the call reads (a multiple of 32) */
-    int64_t lead;   /* keys read before the call's first key (0 to 31) */
-    int64_t N;      /* the call's keys */
+    int64_t begin; /* the first packed key the call reads (a multiple of 32) */
+    int64_t lead;  /* keys read before the call's first key (0 to 31) */
+    int64_t N;     /* the call's keys */
     float scale;
-    float cap;      /* > 0: the scaled scores soft-capped, cap · tanh(s / cap); 0: not */
+    float cap;           /* > 0: the scaled scores soft-capped, cap · tanh(s / cap); 0: not */
     const float *slopes; /* ALiBi, or NULL: + slopes[h] · (kv_idx - q_idx), h = h_kv · G + g */
-    int64_t qpos;   /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
-    int parts;      /* 2: P as bfloat16 hi + lo; 1: hi alone */
-    int f32;        /* Q, K, V float32 (else bfloat16) */
-    int isa;        /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */
+    int64_t qpos;        /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
+    int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
+    int f32;             /* Q, K, V float32 (else bfloat16) */
+    int isa;             /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
@@ -72,15 +72,15 @@ typedef struct {
     Job f;            /* q; vp: K itself (read in place, strides vs); sizes */
     const void *dout; /* dO like q */
     int64_t dos[4];
-    Pack k, v, kv;    /* K and V (B, H, T, D) as they are: score layout, K in bf16's value one */
+    Pack k, v, kv; /* K and V (B, H, T, D) as they are: score layout, K in bf16's value one */
     int64_t T;
     const float *lse, *delta; /* (B, H, G, R) */
     int64_t ls[4], des[4];
-    float *dq;        /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
+    float *dq; /* (B, H, G, R, D), strides dqs[0..3], D contiguous */
     int64_t dqs[4];
-    float *dk, *dv;   /* (B, H, N, D): the call's keys, D contiguous */
+    float *dk, *dv; /* (B, H, N, D): the call's keys, D contiguous */
     int64_t dks[3], dvs[3];
-    int64_t blocks;   /* key blocks per head */
+    int64_t blocks; /* key blocks per head */
 } BJob;
 
 /* Keys n0..n0+31 of head (b, h) packed at dst. */
@@ -136,16 +136,14 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
 
 /* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
    dst, zero past `rows`. */
-static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b,
-                             int64_t h, int64_t r0, int rows, void *dst) {
+static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b, int64_t h,
+                             int64_t r0, int rows, void *dst) {
     size_t size = (size_t)j->D * (j->f32 ? 4 : 2);
     for (int i = 0; i < MR; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
         char *to = (char *)dst + i * size;
-        if (i < rows)
-            memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
-        else
-            memset(to, 0, size);
+        if (i < rows) memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
+        else memset(to, 0, size);
     }
 }
 
@@ -156,11 +154,11 @@ static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int
 #ifdef QKV_X86
 #pragma GCC visibility push(hidden)
 void qkv_forward_item_avx512(const Job *j, int64_t it);
-void qkv_key_block_avx512(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                          float *dK, float *dV, void *scratch);
+void qkv_key_block_avx512(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                          float *dV, void *scratch);
 void qkv_forward_item_avx2(const Job *j, int64_t it);
-void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                        float *dK, float *dV, void *scratch);
+void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                        float *dV, void *scratch);
 #pragma GCC visibility pop
 #endif
 #endif

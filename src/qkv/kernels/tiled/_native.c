@@ -52,18 +52,14 @@
 #ifdef QKV_X86
 /* A forward work item or a backward one, by the call's instruction set. */
 static void forward_item(const Job *j, int64_t it) {
-    if (j->isa == ISA_AVX2)
-        qkv_forward_item_avx2(j, it);
-    else
-        qkv_forward_item_avx512(j, it);
+    if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
+    else qkv_forward_item_avx512(j, it);
 }
 
 static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                       float *dV, void *scratch) {
-    if (bj->f.isa == ISA_AVX2)
-        qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
-    else
-        qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
+    if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
+    else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
 }
 #endif
 
@@ -84,8 +80,7 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     for (int64_t g = 0; g < j->G; g++)
         for (int64_t r = 0; r < j->R; r++) {
-            float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] +
-                         r * bj->dqs[3];
+            float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
             const float *src = dq + (g * j->R + r) * D;
             for (int64_t d = 0; d < D; d++) dqr[d] += src[d];
         }
@@ -106,7 +101,7 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
    no race where two calls' keys overlap, no waiting for a slower thread's item, and the
    same bits whatever the threads did. */
 typedef struct {
-    float *mem;        /* dQ share (G·R·D), then dK and dV (KB·D each) */
+    float *mem; /* dQ share (G·R·D), then dK and dV (KB·D each) */
     int64_t call, n0;
 } Share;
 
@@ -159,8 +154,8 @@ static void backward_worker(Pass *ps) {
 #endif /* QKV_X86 */
 
 /* Packs block `it` of B·H·(Nt/32): 32 keys of one head. */
-static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t D,
-                       int64_t Nt, int f32) {
+static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t D, int64_t Nt,
+                       int f32) {
     int64_t bh = it / (Nt / 32), nb = it % (Nt / 32);
     pack32(p, bh / H, bh % H, nb * 32, T, D, f32, (char *)p->dst + it * 32 * D * (f32 ? 4 : 2));
 }
@@ -179,13 +174,13 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     long long B, H, T, D, Nt;
     int threads, f32;
     static char *names[] = {"packs", "sizes", "threads", "float32", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLLL)ip", names, &PyList_Type, &list,
-                                     &B, &H, &T, &D, &Nt, &threads, &f32))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLLL)ip", names, &PyList_Type, &list, &B,
+                                     &H, &T, &D, &Nt, &threads, &f32))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
         PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T, "
-                        "at most 8 packs");
+                                          "at most 8 packs");
         return NULL;
     }
     Pack packs[8];
@@ -194,16 +189,14 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
         long long xs0, xs1, xs2;
         int values;
         static char *fields[] = {"x", "dst", "values", NULL};
-        if (!parse_fields(PyList_GET_ITEM(list, i), "pack", "$(KLLL)Kp", fields, &x, &xs0,
-                          &xs1, &xs2, &dst, &values))
+        if (!parse_fields(PyList_GET_ITEM(list, i), "pack", "$(KLLL)Kp", fields, &x, &xs0, &xs1,
+                          &xs2, &dst, &values))
             return NULL;
-        packs[i] = (Pack){(const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst,
-                          values && !f32};
+        packs[i] = (Pack){
+            (const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values && !f32};
     }
-    Py_BEGIN_ALLOW_THREADS
-    pack_all(packs, n, B, H, T, D, Nt, threads, f32);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, D, Nt, threads, f32);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
 /* Whether the n values at x (float32, else bfloat16) are all finite (no exponent all ones):
@@ -232,10 +225,8 @@ static PyObject *finite_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     int f32, found;
     static char *names[] = {"x", "n", "float32", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$KLp", names, &x, &n, &f32)) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    found = all_finite((const void *)(uintptr_t)x, n, f32);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(found);
+    Py_BEGIN_ALLOW_THREADS found = all_finite((const void *)(uintptr_t)x, n, f32);
+    Py_END_ALLOW_THREADS return PyBool_FromLong(found);
 }
 
 /* The instruction set this CPU runs the step on in float32 (f32) or bfloat16: AVX-512
@@ -290,8 +281,8 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
-static int call_sizes(Job *j, const char *name, long long B, long long H, long long G,
-                      long long R, long long D, double scale, double cap, int f32, int threads) {
+static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
+                      long long D, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
@@ -299,8 +290,7 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
         return 0;
     }
     if (D % 32 != 0 || D > MAX_D || D <= 0 || R <= 0 || G <= 0 || threads < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256",
-                     name);
+        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256", name);
         return 0;
     }
     j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
@@ -319,8 +309,10 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
 static int key_range(Seg *s, const char *name, long long Nt, long long k0, long long N) {
     int64_t begin = k0 / 32 * 32, lead = k0 - begin;
     if (N <= 0 || k0 < 0 || Nt % 32 != 0 || begin + (lead + N + 31) / 32 * 32 > Nt) {
-        PyErr_Format(PyExc_ValueError, "%s: the call's keys must lie within the packed "
-                     "buffers", name);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the call's keys must lie within the packed "
+                     "buffers",
+                     name);
         return 0;
     }
     s->begin = begin, s->lead = lead, s->N = N;
@@ -331,8 +323,7 @@ static int key_range(Seg *s, const char *name, long long Nt, long long k0, long 
    set if they do not parse or fit. */
 static int parse_call(Job *j, PyObject *args, int threads) {
     unsigned long long q, kp, vp, out, lse;
-    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, vs2, os0, os1, os2, os3, ls0, ls1, ls2,
-        ls3;
+    long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, vs2, os0, os1, os2, os3, ls0, ls1, ls2, ls3;
     long long B, H, G, R, D, Nt;
     double scale, cap;
     unsigned long long slopes;
@@ -340,13 +331,12 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     int parts, f32;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    static char *names[] = {"q", "k", "v", "ranges", "out", "lse", "sizes", "Nt", "scale",
-                            "softcap", "alibi", "p_parts", "float32", NULL};
-    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip",
-                      names, &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
-                      &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1,
-                      &ls2, &ls3, &B, &H, &G, &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts,
-                      &f32))
+    static char *names[] = {"q",  "k",     "v",       "ranges", "out",     "lse",     "sizes",
+                            "Nt", "scale", "softcap", "alibi",  "p_parts", "float32", NULL};
+    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip", names,
+                      &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
+                      &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2,
+                      &ls3, &B, &H, &G, &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts, &f32))
         return 0;
     if (!call_sizes(j, "attend", B, H, G, R, D, scale, cap, f32, threads)) return 0;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
@@ -361,8 +351,8 @@ static int parse_call(Job *j, PyObject *args, int threads) {
         unsigned long long bias, bounds;
         long long k0, N, bs0, bs1, bs2, bnb;
         static char *fields[] = {"k0", "N", "bias", "bounds", NULL};
-        if (!parse_fields(PyList_GET_ITEM(ranges, s), "attend: a range", "$LL(KLLL)(KL)",
-                          fields, &k0, &N, &bias, &bs0, &bs1, &bs2, &bounds, &bnb) ||
+        if (!parse_fields(PyList_GET_ITEM(ranges, s), "attend: a range", "$LL(KLLL)(KL)", fields,
+                          &k0, &N, &bias, &bs0, &bs1, &bs2, &bounds, &bnb) ||
             !key_range(&segs[s], "attend", Nt, k0, N))
             return 0;
         segs[s].bias = (const float *)(uintptr_t)bias;
@@ -429,7 +419,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
     }
     Py_END_ALLOW_THREADS
 #endif
-    for (Py_ssize_t c = 0; c < n; c++) free((void *)jobs[c].segs);
+        for (Py_ssize_t c = 0; c < n; c++) free((void *)jobs[c].segs);
     free(jobs), free(start);
     Py_RETURN_NONE;
 }
@@ -460,18 +450,18 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long slopes;
     long long qpos;
     int f32;
-    static char *names[] = {"q", "dout", "k", "v", "bias", "bounds", "lse", "delta", "dq",
-                            "dk", "dv", "sizes", "keys", "scale", "softcap", "alibi",
-                            "float32", NULL};
+    static char *names[] = {"q",    "dout",  "k",       "v",     "bias",    "bounds",
+                            "lse",  "delta", "dq",      "dk",    "dv",      "sizes",
+                            "keys", "scale", "softcap", "alibi", "float32", NULL};
     if (!parse_fields(args, "backward",
-                          "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                          "(KLLL)(LLLLL)(LLL)dd(KL)p", names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout,
-                          &dos[0], &dos[1], &dos[2], &dos[3], &k, &kst[0], &kst[1], &kst[2], &v,
-                          &vst[0], &vst[1], &vst[2], &bias, &bs[0], &bs[1], &bs[2], &bounds, &bnb,
-                          &lse, &ls[0], &ls[1], &ls[2], &ls[3], &delta, &des[0], &des[1], &des[2],
-                          &des[3], &dq, &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1],
-                          &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B, &H, &G, &R, &D, &T, &k0, &N,
-                          &scale, &cap, &slopes, &qpos, &f32))
+                      "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
+                      "(KLLL)(LLLLL)(LLL)dd(KL)p",
+                      names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0], &dos[1], &dos[2],
+                      &dos[3], &k, &kst[0], &kst[1], &kst[2], &v, &vst[0], &vst[1], &vst[2], &bias,
+                      &bs[0], &bs[1], &bs[2], &bounds, &bnb, &lse, &ls[0], &ls[1], &ls[2], &ls[3],
+                      &delta, &des[0], &des[1], &des[2], &des[3], &dq, &dqs[0], &dqs[1], &dqs[2],
+                      &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B,
+                      &H, &G, &R, &D, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
@@ -554,9 +544,8 @@ static PyObject *run_backward(PyObject *list, int threads) {
         omp_init_lock(&ps.lock);
         Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
-        backward_worker(&ps);
-        Py_END_ALLOW_THREADS
-        omp_destroy_lock(&ps.lock);
+            backward_worker(&ps);
+        Py_END_ALLOW_THREADS omp_destroy_lock(&ps.lock);
         for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
         if (ps.done != items) failed = PyErr_NoMemory(); /* an item found no memory */
 #endif
@@ -604,8 +593,15 @@ static PyMethodDef methods[] = {
      "buffers (one online softmax across them), into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "qkv's native attention step (AVX-512 or AVX2; bfloat16: AVX512-BF16).",
-                                    -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "_native",
+    "qkv's native attention step (AVX-512 or AVX2; bfloat16: AVX512-BF16).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -12,10 +12,11 @@
 
 #if QKV_ISA == 512
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define VI static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define VI                                                                                         \
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define NAMED(x) x##_avx512
-#define DOT_ROWS 8   /* scores: rows × 32 keys of accumulators (16 zmm) */
-#define PV_ROWS 4    /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
+#define DOT_ROWS 8 /* scores: rows × 32 keys of accumulators (16 zmm) */
+#define PV_ROWS 4  /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
 #define PV_COLS 4
 #define OUTER_KEYS 4 /* dK, dV: keys × 32 columns (8 zmm) */
 
@@ -47,8 +48,8 @@ VI vf viota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 
 #define TARGET __attribute__((target("avx2,fma")))
 #define VI static inline __attribute__((always_inline, target("avx2,fma")))
 #define NAMED(x) x##_avx2
-#define DOT_ROWS 3   /* 3 rows × 32 keys: 12 ymm (the 8 rows as 3, 3, 2) */
-#define PV_ROWS 3    /* 3 rows × 32 columns: 12 ymm */
+#define DOT_ROWS 3 /* 3 rows × 32 keys: 12 ymm (the 8 rows as 3, 3, 2) */
+#define PV_ROWS 3  /* 3 rows × 32 columns: 12 ymm */
 #define PV_COLS 2
 #define OUTER_KEYS 2 /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
 
@@ -105,7 +106,8 @@ VI lanemask vne(vf a, vf b) {
 }
 VI vf vexp(vf x) { return (vf){qkv_exp8(x.lo), qkv_exp8(x.hi)}; }
 VI vf viota(void) {
-    return (vf){_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
+    return (vf){_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
 }
 #else
 #error "QKV_ISA: 512 or 256"

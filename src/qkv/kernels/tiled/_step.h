@@ -19,9 +19,10 @@
 /* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 and the 32 keys
    of the packed block kb (D, 32). (The sums stay in local registers until the end: a vector
    type may alias anything, so sums kept in *S would be stored and reloaded at every step.) */
-TARGET static inline __attribute__((always_inline)) void dots_rows(
-        const Job *j, const float *qt, const float *kb, int64_t jb, vf scale, float S[MR][KT],
-        int i0, const int NR) {
+TARGET static inline __attribute__((always_inline)) void dots_rows(const Job *j, const float *qt,
+                                                                   const float *kb, int64_t jb,
+                                                                   vf scale, float S[MR][KT],
+                                                                   int i0, const int NR) {
     int64_t D = j->D;
     vf acc[DOT_ROWS][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = vzero();
@@ -39,8 +40,8 @@ TARGET static inline __attribute__((always_inline)) void dots_rows(
 }
 
 /* The MR rows, DOT_ROWS at a time. */
-TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, int64_t jb,
-                            vf scale, float S[MR][KT]) {
+TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, int64_t jb, vf scale,
+                            float S[MR][KT]) {
     int i0 = 0;
     for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, DOT_ROWS);
     if (MR % DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, MR % DOT_ROWS);
@@ -49,9 +50,9 @@ TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, int6
 /* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
    vs[2] apart: V itself, never read past the call's last key), for the NR rows from i0 and
    NV 16-column vectors from c0. */
-TARGET static inline __attribute__((always_inline)) void pv_block_f32(
-        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
-        int64_t ps, float *O, int i0, const int NR, int64_t c0, const int NV) {
+TARGET static inline __attribute__((always_inline)) void
+pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
+             const float *P, int64_t ps, float *O, int i0, const int NR, int64_t c0, const int NV) {
     int64_t D = j->D;
     vf acc[PV_ROWS][PV_COLS];
     for (int i = 0; i < NR; i++)
@@ -72,8 +73,8 @@ TARGET static inline __attribute__((always_inline)) void pv_block_f32(
 }
 
 /* The NR rows from i0 over every column: PV_COLS vectors at a time, then the 32 left. */
-TARGET static inline __attribute__((always_inline)) void pv_rows(
-        const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
+TARGET static inline __attribute__((always_inline)) void
+pv_rows(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
         int64_t ps, float *O, int i0, const int NR) {
     int64_t c0 = 0;
     for (; c0 + 16 * PV_COLS <= j->D; c0 += 16 * PV_COLS)
@@ -82,8 +83,8 @@ TARGET static inline __attribute__((always_inline)) void pv_rows(
 }
 
 /* The MR rows, PV_ROWS at a time. */
-TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last,
-                          const int *live, const float *P, int64_t ps, float *O) {
+TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
+                          const float *P, int64_t ps, float *O) {
     int i0 = 0;
     for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, PV_ROWS);
     if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, MR % PV_ROWS);
@@ -100,18 +101,15 @@ TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t 
         if (!live[jb / 32])
             for (int i = 0; i < MR; i++) vstore(&S[i][jb], none), vstore(&S[i][jb + 16], none);
 #if QKV_BF16
-        else if (!j->f32)
-            dots_bf16(j, qt, kb, jb, scale, S);
+        else if (!j->f32) dots_bf16(j, qt, kb, jb, scale, S);
 #endif
-        else
-            dots_f32(j, qt, kb, jb, scale, S);
+        else dots_f32(j, qt, kb, jb, scale, S);
     }
 }
 
 /* One row's P = e^(s - base) over the live 32-key blocks of its nk scores, stored at pf
    for ·V; returns Σ P. */
-TARGET static float probs_f32(const float *s, int64_t nk, const int *live, float base,
-                              float *pf) {
+TARGET static float probs_f32(const float *s, int64_t nk, const int *live, float base, float *pf) {
     vf acc = vzero(), vb = vset1(base);
     for (int64_t n = 0; n < nk; n += 16) {
         if (!live[n / 32]) continue;
@@ -155,8 +153,7 @@ TARGET static void live_blocks(const Job *j, int64_t b, const float *bias, int64
    soft-capped where it has a cap (`cap`, `inv` = 1 / cap as vectors), *t = tanh(s / cap)
    for the backward's 1 - t². */
 TARGET static inline __attribute__((always_inline)) vf modified(const Job *j, vf x, float slope,
-                                                               int64_t d, vf cap, vf inv,
-                                                               vf *t) {
+                                                                int64_t d, vf cap, vf inv, vf *t) {
     if (j->slopes) x = vadd(x, vmul(vset1(slope), vadd(vset1((float)d), viota())));
     if (j->cap > 0.0f) {
         *t = vtanh(vmul(x, inv));
@@ -167,8 +164,7 @@ TARGET static inline __attribute__((always_inline)) vf modified(const Job *j, vf
 
 /* The 16 scores x plus the row's bias where it has one (br), -inf outside its keys (the
    lanes of `in`). */
-TARGET static inline __attribute__((always_inline)) vf masked(vf x, const float *br,
-                                                             lanemask in) {
+TARGET static inline __attribute__((always_inline)) vf masked(vf x, const float *br, lanemask in) {
     if (br) x = vadd(x, vloadz(in, br)); /* 0 outside `in`, which the -inf then replaces */
     return vblend(in, vset1(-INFINITY), x);
 }
@@ -184,9 +180,9 @@ static inline float alibi_of(const Job *j, int64_t h, int64_t row, int64_t n0, i
    padding) over the keys of every range of the job, one online softmax: then out and lse. */
 TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     int64_t D = job->D, GR = job->G * job->R;
-    float qt[MR * MAX_D]; /* Q's rows in the call's dtype */
+    float qt[MR * MAX_D];                                 /* Q's rows in the call's dtype */
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
-    float Pf[MR * KT];           /* float32 P */
+    float Pf[MR * KT];                                    /* float32 P */
     int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
 #if QKV_BF16
     bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
@@ -253,8 +249,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 }
             }
 #if QKV_BF16
-            if (!j->f32)
-                pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
+            if (!j->f32) pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
             else
 #endif
                 pv_f32(j, vp, n0, last, live, Pf, KT, O);
@@ -353,10 +348,13 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
         const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
         for (int i = 0; i < MR; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            float lse = i < rows ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] +
-                                           r * bj->ls[3]] : -INFINITY;
-            float delta = i < rows ? bj->delta[b * bj->des[0] + h * bj->des[1] +
-                                               g * bj->des[2] + r * bj->des[3]] : 0.0f;
+            float lse = i < rows
+                            ? bj->lse[b * bj->ls[0] + h * bj->ls[1] + g * bj->ls[2] + r * bj->ls[3]]
+                            : -INFINITY;
+            float delta =
+                i < rows
+                    ? bj->delta[b * bj->des[0] + h * bj->des[1] + g * bj->des[2] + r * bj->des[3]]
+                    : 0.0f;
             const float *br = bias && i < rows ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
             int64_t kf, kl, d = 0; /* the keys this row may see */
             row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
