@@ -5,11 +5,17 @@ hypothesis profiles: the default run stays fast; `--hypothesis-profile=slow` run
 of examples per property."""
 
 import contextlib
+import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 import qkv
+
+# The machine profile the dispatch stores (qkv.kernels.tiled.profile) goes to a directory of
+# the test run's own, never the user's cache.
+os.environ.setdefault("QKV_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

@@ -292,16 +292,16 @@ def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
 
 def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkeypatch, tune):
     """Rule "native bfloat16" and the tiled kernel's path follow a measurement made once
-    per process (an Intel Xeon with the instructions ran the native bfloat16 kernel at 0.71×
-    float32's speed): where the probe says slower, bfloat16 takes the float32 path, and
-    float32 torch's flash kernel; pinned (native_probe=False) it runs wherever the CPU can;
-    qkv.dispatch says which."""
-    from qkv.kernels.tiled import native
+    per machine and stored (an Intel Xeon with the instructions ran the native bfloat16
+    kernel at 0.71× float32's speed): where the probe says slower, bfloat16 takes the
+    float32 path, and float32 torch's flash kernel; pinned (native_probe=False) it runs
+    wherever the CPU can; qkv.dispatch says which."""
+    from qkv.kernels.tiled import native, profile
 
     if not native.available():
         pytest.skip("native kernel not built, or no AVX512-BF16 here")
-    found = native.probe()
-    assert native.probe() is found  # measured once
+    found = profile.probe()
+    assert profile.probe() is found  # read once per process
     assert found.native_ms > 0 and found.float32_ms > 0 and found.native32_ms > 0
     qb, kb, vb = make_qkv(1, 2, 2, 1024, 1024, 32, 32, dtype=torch.bfloat16)
     q32, k32, v32 = (x.float() for x in (qb, kb, vb))
@@ -316,7 +316,7 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
         native.Probe(1.0, 1.0, 1.2),  # float32 native slower
     ]
     for verdict in verdicts:
-        monkeypatch.setattr(native, "probe", lambda v=verdict: v)
+        monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
         assert verdict.float32 == (verdict in verdicts[3:5])
         assert verdict.faster == (verdict in (verdicts[0], verdicts[3]))
         f = qkv.dispatch(q32, k32, v32, mask=window)

@@ -63,9 +63,9 @@ class Tuning:
             copies).
         native_probe: run the native kernel only where a measurement on this CPU says it
             is worth it (float32: within 1.1× of torch's flash kernel; bfloat16: under 0.9×
-            of float32's path; ``qkv.kernels.tiled.native.probe``: made once per process,
-            tens of milliseconds; ``qkv.dispatch`` reports it); off: wherever the CPU has
-            the instructions (pinned, as the tests do).
+            of float32's path; ``qkv.kernels.tiled.profile.probe``: measured once per
+            machine and stored, ``qkv doctor`` shows it; ``qkv.dispatch`` reports it);
+            off: wherever the CPU has the instructions (pinned, as the tests do).
         p_parts: P enters ·V as this many bfloat16 parts in the native kernel: 2 (hi + lo,
             ~16 bits: qkv's accuracy promise) or 1 (rounded once, as torch does: faster, up
             to 1.64× the output's own rounding; docs/kernels.md#the-native-kernel).

@@ -23,6 +23,7 @@ from ..learn.explain import explain
 from ..nn.mha import MultiHeadAttention
 from ..nn.modules import SelfAttention
 from .args import Parser, positive
+from .doctor import run_doctor
 from .runs import run_generate, run_heads, run_train, run_view
 
 
@@ -51,6 +52,19 @@ def _parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"qkv {metadata.version('qkv')}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    doc = sub.add_parser(
+        "doctor",
+        help="what this machine runs: CPU, threads, native kernels, the kernel choice",
+        description="Print the CPU and its instruction sets, the native kernels, the "
+        "machine profile behind the kernel choice (measured once, stored) and which code "
+        "each dtype and mask kind takes.",
+    )
+    doc.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure the profile again (a stored choice changes only past a margin)",
+    )
 
     ex = sub.add_parser(
         "explain",
@@ -425,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": run_generate,
         "heads": run_heads,
         "view": run_view,
+        "doctor": run_doctor,
     }
     try:
         return commands[args.command](args) or 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import Problem
-from ..kernels.tiled import flash, native
+from ..kernels.tiled import flash, native, profile
 from ..kernels.tiled.plan import Plan
 from ..masks import FULL, Mask, MaskLike
 from ..scores import ScoreMod
@@ -260,9 +260,9 @@ def _rule_native(a: Call) -> Dispatch | None:
     ):
         return None
     if a.tuning.native_probe:
-        found = native.probe()
+        found = profile.probe()
         measured = (
-            f"measured once on this CPU: {found.native_ms:.2f} ms against float32's "
+            f"measured once on this machine: {found.native_ms:.2f} ms against float32's "
             f"{found.float32_ms:.2f} ms through torch's kernel, {found.native32_ms:.2f} ms native"
         )
     else:
@@ -291,11 +291,11 @@ def _native_mod(mod: ScoreMod | None) -> str | None:
 def _native_wins(a: Call, dtype: torch.dtype) -> bool:
     """Whether the native kernel is worth it in ``dtype`` here — in bfloat16, faster than
     the float32 path; in float32, not slower than torch's flash kernel (see
-    :class:`qkv.kernels.tiled.native.Probe`): measured once per process
-    (:func:`qkv.kernels.tiled.native.probe`), or taken as given when the probe is off."""
+    :class:`qkv.kernels.tiled.native.Probe`): measured once per machine and stored
+    (:func:`qkv.kernels.tiled.profile.probe`), or taken as given when the probe is off."""
     if not a.tuning.native_probe:
         return True
-    found = native.probe()
+    found = profile.probe()
     return found.float32 if dtype == torch.float32 else found.faster
 
 

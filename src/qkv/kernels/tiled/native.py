@@ -37,6 +37,7 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
     AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16), asked once, when first needed."""
     f32 = dtype == torch.float32
+    _pin_from_environment()
     return dtype in DTYPES and _native is not None and bool(_native.available(f32))
 
 
@@ -45,6 +46,7 @@ def isa(dtype: torch.dtype = torch.float32) -> str:
     where it cannot run it (not built, another CPU, another dtype)."""
     if _native is None or dtype not in DTYPES:
         return ""
+    _pin_from_environment()
     return str(_native.isa(dtype == torch.float32))
 
 
@@ -78,14 +80,23 @@ def use_isa(name: str) -> Iterator[None]:
         _native.use_isa(before)
 
 
-if _native is not None and os.environ.get("QKV_NATIVE_ISA"):
+@functools.cache
+def _pin_from_environment() -> None:
+    """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process, read the first
+    time the kernel is asked for (not at import); a name this build or CPU cannot run is
+    an error."""
+    name = os.environ.get("QKV_NATIVE_ISA")
+    if _native is None or not name:
+        return
     try:
-        _native.use_isa(os.environ["QKV_NATIVE_ISA"])
+        _native.use_isa(name)
     except ValueError:
         raise ValueError(
-            f'QKV_NATIVE_ISA={os.environ["QKV_NATIVE_ISA"]!r}: "avx2" pins float32 to the '
-            "AVX2 step; unset it to let the CPU choose"
+            f'QKV_NATIVE_ISA={name!r}: "avx2" pins float32 to the AVX2 step; unset it to '
+            "let the CPU choose"
         ) from None
+    if str(_native.isa(True)) != name:
+        raise ValueError(f"QKV_NATIVE_ISA={name!r} names an instruction set this CPU lacks")
 
 
 class Probe(NamedTuple):
@@ -98,29 +109,36 @@ class Probe(NamedTuple):
     native_ms: float
     float32_ms: float
     native32_ms: float = float("nan")
+    #: the choices as a stored profile made them (:mod:`.profile`); None: from the times
+    use_float32: bool | None = None
+    use_bfloat16: bool | None = None
 
     @property
     def float32(self) -> bool:
         """Float32 runs natively: the native kernel takes at most 1.1× torch's time here
         (a margin toward it: quiet, the two are close; beside other work, the native one
         call per pass slows far less — docs/benchmarks.md#on-a-busy-machine-issue-25)."""
+        if self.use_float32 is not None:
+            return self.use_float32
         return self.native32_ms <= 1.1 * self.float32_ms
 
     @property
     def faster(self) -> bool:
         """bfloat16 runs natively: under 0.9× the time of the float32 path it would take
         otherwise (a margin, so that noise does not pick a kernel that is not faster)."""
+        if self.use_bfloat16 is not None:
+            return self.use_bfloat16
         float32 = min(self.float32_ms, self.native32_ms if self.float32 else math.inf)
         return self.native_ms < 0.9 * float32
 
 
-@functools.cache
-def probe() -> Probe:
+def measure() -> Probe:
     """Measure whether this CPU runs the native kernel faster than torch's flash kernel
-    (see :class:`Probe`); asked by the dispatch the first time a float32 or bfloat16 call
-    could run it. On one Intel Xeon with AVX512-BF16 but no AMX, the native bfloat16 path
-    ran at 0.71× float32's speed; on the AMD EPYC of this project's sessions at ~1.5–2×:
-    the instruction-set flag alone does not say which wins."""
+    (see :class:`Probe`). The dispatch reads it from the machine's profile
+    (:func:`qkv.kernels.tiled.profile.probe`), measured once per machine: on one Intel Xeon
+    with AVX512-BF16 but no AMX the native bfloat16 path ran slower than float32, on the AMD
+    EPYC of this project's sessions faster — the instruction-set flag alone does not say
+    which wins."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
     calls: dict[str, Callable[[], object]] = {
@@ -138,7 +156,9 @@ def probe() -> Probe:
             if i:  # the first round warms up
                 runs[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
-    return Probe(*(median.get(n, math.nan) for n in ("native", "float32", "native32")))
+    return Probe(
+        median.get("native", math.nan), median["float32"], median.get("native32", math.nan)
+    )
 
 
 def supports(

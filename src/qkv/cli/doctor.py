@@ -1,0 +1,65 @@
+"""``qkv doctor``: what this machine runs — the CPU and its instruction sets, threads, the
+native kernels, the stored profile behind the kernel choice, and which code each dtype and
+mask kind takes."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from importlib import metadata
+
+import torch
+
+from .. import masks
+from ..functional import dispatch
+from ..kernels import paged
+from ..kernels.tiled import native, profile
+
+#: the instruction flags that decide which step runs
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16", "sve")
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    model, flags = profile.cpu()
+    print(f"qkv {metadata.version('qkv')}, torch {torch.__version__}, Python "
+          f"{platform.python_version()}")  # fmt: skip
+    have = [f for f in FLAGS if f in flags]
+    print(f"CPU: {model} ({platform.machine()}; {', '.join(have) or 'no flags read'})")
+    print(f"threads: {torch.get_num_threads()} (torch's)")
+    if not native.available(torch.float32):
+        print("native tiled kernel: not built or not runnable here (PyTorch paths run)")
+    else:
+        bf16 = "native" if native.available(torch.bfloat16) else "no AVX512-BF16: float32 copies"
+        print(
+            f"native tiled kernel: float32 on {native.isa(torch.float32)} "
+            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}"
+        )
+    print(f"native paged decode kernel: {'built' if paged.available() else 'not built'}")
+    if native.available(torch.float32):
+        found, where = profile.load(remeasure=args.remeasure)
+        print(f"profile: {where}")
+        print(f"  machine: {profile.machine_key()}")
+        print(
+            f"  probe (4 heads, 256 queries over 1,024 keys, D = 64): native bfloat16 "
+            f"{found.native_ms:.2f} ms, float32 through torch's kernel {found.float32_ms:.2f} ms, "
+            f"native float32 {found.native32_ms:.2f} ms"
+        )
+        print(
+            f"  float32 runs {'natively' if found.float32 else 'through torch'}; bfloat16 "
+            f"{'natively' if found.faster else 'as float32 does'}"
+        )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 4096, 64, generator=g)
+    kinds = {
+        "no mask": None,
+        "causal": masks.causal(),
+        "sliding_window(256)": masks.sliding_window(256),
+        "document (8 docs)": masks.document(torch.arange(4096) // 512),
+    }
+    print("which code runs (B=1, H=8, T=4096, D=64):")
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for name, mask in kinds.items():
+            d = dispatch(xd, xd, xd, mask=mask)
+            print(f"  {str(dtype).removeprefix('torch.'):8} {name:20} {d.path:20} ({d.rule})")
+    return 0

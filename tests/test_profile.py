@@ -1,0 +1,139 @@
+"""One kernel choice per machine: the native kernel's probe measured once, stored in the
+cache directory, read by every process after; a re-measurement that keeps a choice near
+its threshold; damaged files and unwritable directories measured around with one warning;
+``qkv doctor``; and the profiled dispatch itself (the rest of the suite pins it)."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks
+from qkv.kernels.tiled import native, profile
+
+needs_native = pytest.mark.skipif(
+    not native.available(torch.float32), reason="the native kernel is not built here"
+)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / profile.FILE
+
+
+def counting(monkeypatch, *probes):
+    """native.measure giving these probes in turn, counting its calls."""
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return probes[min(len(calls), len(probes)) - 1]
+
+    monkeypatch.setattr(native, "measure", measure)
+    return calls
+
+
+@needs_native
+def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
+    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    found, where = profile.load()
+    assert where.startswith("measured and stored") and found.float32 and found.faster
+    again, where = profile.load()
+    assert where.startswith("stored") and again == found and len(calls) == 1
+    entry = json.loads(cache.read_text())["machines"][profile.machine_key()]
+    assert entry["use_float32"] is True and entry["float32_ms"] == 2.0
+
+
+@needs_native
+def test_a_remeasurement_near_the_threshold_keeps_the_stored_choice(cache, monkeypatch):
+    counting(monkeypatch, native.Probe(1.0, 2.0, 2.0), native.Probe(1.0, 2.0, 2.3))
+    assert profile.load()[0].float32  # 1.0× torch's time: native
+    kept = profile.load(remeasure=True)[0]
+    assert kept.native32_ms == 2.3 and kept.float32  # 1.15×: within the margin, kept
+    counting(monkeypatch, native.Probe(1.0, 2.0, 3.0))
+    assert not profile.load(remeasure=True)[0].float32  # 1.5×: past it, changed
+
+
+@needs_native
+def test_a_damaged_profile_is_measured_again_with_one_warning(cache, monkeypatch):
+    counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    cache.parent.mkdir(parents=True)
+    cache.write_text("{ not json")
+    with pytest.warns(UserWarning, match="damaged"):
+        _, where = profile.load()
+    assert where.startswith("measured and stored")
+    assert json.loads(cache.read_text())["format"] == profile.FORMAT
+
+
+@needs_native
+def test_an_unwritable_cache_directory_measures_in_the_process(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(blocker / "cache"))  # under a file: unwritable
+    counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    with pytest.warns(UserWarning, match="QKV_CACHE_DIR"):
+        found, where = profile.load()
+    assert where.startswith("measured in this process") and found.float32
+
+
+@needs_native
+def test_every_process_on_the_machine_names_the_same_path(tmp_path):
+    """Three fresh processes, the probe on (the default): one measures and stores, the
+    others read; all name the same code for the same call."""
+    env = {**os.environ, "QKV_CACHE_DIR": str(tmp_path / "cache")}
+    code = (
+        "import torch, qkv; x = torch.randn(1, 4, 2048, 64);"
+        "print(qkv.dispatch(x, x, x, mask=qkv.masks.sliding_window(128)).path)"
+    )
+    paths = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        ).stdout.strip()
+        for _ in range(3)
+    ]
+    assert len(set(paths)) == 1 and paths[0].startswith("tiled-"), paths
+    assert (tmp_path / "cache" / profile.FILE).exists()
+
+
+def test_a_bad_isa_pin_is_an_error_when_the_kernel_is_first_asked_for():
+    env = {**os.environ, "QKV_NATIVE_ISA": "avx9000"}
+    code = "import qkv.kernels.tiled.native as n; print('imported'); n.available()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "imported" in done.stdout  # no environment read at import
+    if native._native is not None:
+        assert done.returncode != 0 and "QKV_NATIVE_ISA='avx9000'" in done.stderr
+
+
+@needs_native
+def test_the_profiled_dispatch_follows_the_stored_choice(cache, monkeypatch, tune):
+    tune(native_probe=True)
+    cases = [
+        (native.Probe(1.0, 2.0, 1.5), "tiled-native"),
+        (native.Probe(1.0, 2.0, 9), "tiled-flash"),
+    ]
+    for verdict, want in cases:
+        monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
+        x = torch.randn(1, 2, 1024, 64)
+        assert qkv.dispatch(x, x, x, mask=masks.sliding_window(64)).path == want
+
+
+def test_qkv_doctor_prints_the_machine_and_its_choices(cache, capsys):
+    from qkv.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a writable cache: no warning
+        assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU:" in out and "threads:" in out and "which code runs" in out
+    assert "sliding_window(256)" in out
+    if native.available(torch.float32):
+        assert "profile: measured and stored" in out
+        assert main(["doctor"]) == 0 and "profile: stored in" in capsys.readouterr().out
