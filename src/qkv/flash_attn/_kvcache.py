@@ -231,7 +231,9 @@ class _Cache:
     def sequence(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's keys and values of slots start .. stop − 1, (1, H_kv, L, ·)."""
         page, offset = self.slots(b, start, stop)
-        return (x[page, offset].transpose(0, 1)[None] for x in (self.k, self.v))  # type: ignore[return-value]
+        keys = self.k[page, offset].transpose(0, 1)[None]  # (1, H_kv, L, D)
+        values = self.v[page, offset].transpose(0, 1)[None]  # (1, H_kv, L, D_v)
+        return keys, values
 
     def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
