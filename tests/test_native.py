@@ -23,7 +23,7 @@ from qkv.core.call import Call
 from qkv.core.dispatch import choose
 from qkv.core.lowering import lower
 from qkv.kernels import paged as paged_kernel
-from qkv.kernels.tiled import flash, native
+from qkv.kernels.tiled import flash, native, profile
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
 
@@ -621,7 +621,7 @@ def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch
     on the same inputs (the half-precision pass's Delta reads the rounded out)."""
     if dtype == torch.bfloat16:
         tune(native=True)
-        monkeypatch.setattr(native, "probe", lambda: native.Probe(2.0, 1.0, 1.0))
+        monkeypatch.setattr(profile, "probe", lambda: native.Probe(2.0, 1.0, 1.0))
         tune(native_probe=True)
     q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=21)
     mask = mask_zoo(2, 75, 61)[name]
