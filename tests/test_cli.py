@@ -344,3 +344,30 @@ def test_generate_decodes_several_prompts_together(tmp_path, capsys):
     alone = capsys.readouterr().out.rstrip("\n")
     assert together.startswith("--- 0: 'hello'\n") and "--- 1: 'ab'\n" in together
     assert together.split("\n")[1] == alone
+
+
+def test_cli_explain_traces_a_trained_layer(tmp_path, capsys):
+    """--checkpoint: one attention layer of a trained run over --prompt's bytes, its input
+    what the model computes there; the weights are the module's own (checked against the
+    module called on the same input)."""
+    import torch
+
+    from qkv.training import load_checkpoint, train
+
+    out = tmp_path / "run"
+    train(out, preset="tiny", steps=3, progress=False)
+    argv = ["explain", "--checkpoint", str(out), "--layer", "1", "--prompt", "ab a", "--json"]
+    assert main([*argv, "--no-png"]) == 0
+    trace = json.loads(capsys.readouterr().out)
+    assert trace["tokens"] == ["a", "b", "␣", "a"] and "layer 1, trained 3 steps" in trace["title"]
+    model = load_checkpoint(out).eval()
+    seen = []
+    model.blocks[1].ln_1.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        model(torch.tensor([list(b"ab a")]))
+        want = model.blocks[1].attn(seen[0])[0]
+    got = torch.tensor(trace["steps"]["output"], dtype=want.dtype)
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-4
+    with pytest.raises(SystemExit):
+        main(["explain", "--checkpoint", str(out), "--layer", "9", "--no-png"])
+    assert "--layer must be 0 .. 1; got 9" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,6 +100,17 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("attention.png"),
         help="where to write the heatmap (default attention.png)",
+    )
+    ex.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a trained run (qkv train --out): explain one of its attention layers on --prompt",
+    )
+    ex.add_argument("--layer", type=int, default=0, help="with --checkpoint: the layer (0)")
+    ex.add_argument(
+        "--prompt",
+        default="the cat sat. the cat sat.",
+        help="with --checkpoint: the text whose bytes the layer attends over",
     )
     ex.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
     ex.add_argument("--precision", type=int, default=4, help="decimals in the tables (4)")
@@ -327,6 +339,8 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
 def _explain(args: argparse.Namespace) -> None:
     if not args.no_png and not args.png.parent.is_dir():
         raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
+    if args.checkpoint is not None:
+        return _show(_trained_trace(args), args)
     if args.simplified:
         unused = [
             f
@@ -366,7 +380,45 @@ def _explain(args: argparse.Namespace) -> None:
             + (", causal" if args.causal else "")
             + f"), seed {args.seed}: random weights, untrained"
         )
-    trace = explain(x, tokens=tokens, module=module, mask=mask, title=title)
+    _show(explain(x, tokens=tokens, module=module, mask=mask, title=title), args)
+
+
+def _trained_trace(args: argparse.Namespace) -> Any:
+    """One attention layer of a trained run traced over --prompt's bytes: the layer's input
+    is what the model computes there for the prompt (captured as the layer's norm returns it)."""
+    from ..training import load_checkpoint, read_config, read_state
+
+    options = ("heads", "d_out", "seed", "tokens", "embeddings", "input")
+    given = [f for f in options if getattr(args, f) is not None]
+    if given or args.simplified or args.causal:
+        raise ValueError(
+            "--checkpoint explains the run's own layer: --heads, --d-out, --seed, --tokens, "
+            "--embeddings, --input, --simplified and --causal do not apply"
+        )
+    if read_config(args.checkpoint)["train"].get("data", "text") != "text":
+        raise ValueError("--checkpoint: this run was not trained on bytes of text")
+    model = load_checkpoint(args.checkpoint).eval()
+    n = len(model.blocks)
+    if not 0 <= args.layer < n:
+        raise ValueError(f"--layer must be 0 .. {n - 1}; got {args.layer}")
+    ids = list(args.prompt.encode("utf-8"))[: model.config.block_size]
+    if not ids or max(ids) >= model.config.vocab_size:
+        raise ValueError("--prompt must be non-empty text within the model's vocabulary")
+    block, seen = model.blocks[args.layer], []
+    hook = block.ln_1.register_forward_hook(lambda module, inputs, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        hook.remove()
+    # each byte as a label: a space as ␣, a newline as \n, a byte past ASCII as \xNN
+    tokens = ["␣" if b == 32 else repr(chr(b))[1:-1] if b < 128 else f"\\x{b:02x}" for b in ids]
+    step = read_state(args.checkpoint).get("step")
+    title = f"{args.checkpoint}, layer {args.layer}, trained {step} steps"
+    return explain(seen[0][0].detach(), tokens=tokens, module=block.attn, title=title)
+
+
+def _show(trace: Any, args: argparse.Namespace) -> None:
     print(json.dumps(trace.to_dict()) if args.json else trace.to_text(args.precision), end="")
     if not args.no_png:
         try:
