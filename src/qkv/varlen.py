@@ -23,7 +23,7 @@ from .kernels import paged
 from .masks import Mask, causal, padding, predicate, sliding_window
 from .scores import ScoreMod, as_score_mod
 
-__all__ = ["paged_attention", "varlen_attention"]
+__all__ = ["paged_attention", "pages_needed", "varlen_attention", "window_mask"]
 
 
 def varlen_attention(
@@ -263,7 +263,7 @@ def paged_attention(
         if done is not None:
             return done if return_lse else done[0]
         # a length or a page out of range: the checks below say which
-    needed = _pages_needed(table, lengths, key_pages.shape[0], key_pages.shape[1])
+    needed = pages_needed(table, lengths, key_pages.shape[0], key_pages.shape[1])
     # The gather: each sequence's pages, in order, into one padded (B, H_kv, L, ·) tensor.
     P = key_pages.shape[1]
     longest = int(lengths.max()) if len(lengths) else 0
@@ -302,7 +302,7 @@ def _unpaged(
             f"block_table must be (N, max_pages) integers with N = {len(used)} sequences; "
             f"got {tuple(table.shape)}"
         )
-    _pages_needed(table, torch.tensor(used, dtype=torch.long), key.shape[0], P, "seqused_k")
+    pages_needed(table, torch.tensor(used, dtype=torch.long), key.shape[0], P, "seqused_k")
     pages = [table[s, : -(-n // P)].long().to(key.device) for s, n in enumerate(used)]
     ks = [key[p].reshape(-1, *key.shape[2:])[:n] for p, n in zip(pages, used)]
     vs = [value[p].reshape(-1, *value.shape[2:])[:n] for p, n in zip(pages, used)]
@@ -358,7 +358,7 @@ def _page_shapes(
     return table, lengths
 
 
-def _pages_needed(
+def pages_needed(
     table: torch.Tensor, lengths: torch.Tensor, num_pages: int, P: int, name: str = "lengths"
 ) -> torch.Tensor:
     """Which entries of the block table the lengths need, (B, max_pages), each checked to

@@ -9,22 +9,15 @@ journey starts with one step" step by step and writes a heatmap of the weights.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from .. import masks
-from ..learn import tutorial
-from ..learn.explain import explain
-from ..nn.mha import MultiHeadAttention
-from ..nn.modules import SelfAttention
 from .args import Parser, positive
 from .doctor import run_doctor
+from .explain import run_explain
 from .runs import run_generate, run_heads, run_train, run_view
 
 
@@ -288,146 +281,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
-    tokens: list[str] | None = args.tokens.split() if args.tokens else None
-    rows = args.embeddings
-    if args.input is not None:
-        try:
-            data = json.loads(args.input.read_text())
-            rows, tokens = data["embeddings"], tokens or data.get("tokens")
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"--input {args.input}: cannot read tokens and embeddings ({err})"
-            ) from None
-    if rows is None:
-        rows = tutorial.EMBEDDINGS
-        tokens = tokens or list(tutorial.SENTENCE)
-    where = f"--input {args.input}" if args.input is not None else "--embeddings"
-    if (
-        not isinstance(rows, (list, tuple))
-        or not rows
-        or not all(isinstance(r, (list, tuple)) for r in rows)
-    ):
-        raise ValueError(f"{where}: embeddings must be a non-empty table, one row per token")
-    widths = [len(r) for r in rows]
-    if len(set(widths)) != 1 or widths[0] == 0:
-        bad = next((i for i, w in enumerate(widths) if w != widths[0]), 0)
-        raise ValueError(
-            f"{where}: embeddings must be rows of one width; row 0 has "
-            f"{widths[0]} numbers, row {bad} has {widths[bad]}"
-        )
-    try:
-        x = torch.tensor(rows, dtype=torch.float32)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}: embeddings must hold numbers only") from None
-    not_finite = (~torch.isfinite(x)).nonzero()
-    if len(not_finite):
-        row, col = not_finite[0].tolist()
-        raise ValueError(
-            f"{where}: embeddings must be finite; row {row} holds {x[row, col].item()} "
-            f"at column {col}"
-        )
-    tokens = tokens or [str(i) for i in range(x.shape[0])]
-    if len(tokens) != x.shape[0]:
-        raise ValueError(
-            f"{len(tokens)} tokens but {x.shape[0]} embedding rows: give one "
-            "row per token (--embeddings or --input)"
-        )
-    return tokens, x
-
-
-def _explain(args: argparse.Namespace) -> None:
-    if not args.no_png and not args.png.parent.is_dir():
-        raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
-    if args.checkpoint is not None:
-        return _show(_trained_trace(args), args)
-    if args.simplified:
-        unused = [
-            f
-            for f, v in (("--heads", args.heads), ("--d-out", args.d_out), ("--seed", args.seed))
-            if v is not None
-        ]
-        if unused:
-            raise ValueError(
-                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with "
-                "--simplified, which has no trainable weights: drop one or the other"
-            )
-    args.heads = 1 if args.heads is None else args.heads
-    # The seeds' width of 2, and 2 dims for every head where there are several.
-    args.d_out = 2 * args.heads if args.d_out is None else args.d_out
-    if args.d_out % args.heads:
-        raise ValueError(
-            f"--d-out {args.d_out} must be a multiple of --heads {args.heads} (each head "
-            f"takes d_out / heads dims): try --d-out {2 * args.heads}"
-        )
-    args.seed = 789 if args.seed is None else args.seed
-    tokens, x = _sequence(args)
-    torch.manual_seed(args.seed)
-    E = x.shape[1]
-    module: SelfAttention | MultiHeadAttention | None
-    if args.simplified:
-        module, mask = None, masks.causal() if args.causal else None
-        title = "simplified attention" + (", causal" if args.causal else "")
-    else:
-        mask = None
-        if args.heads == 1:
-            module = SelfAttention(E, args.d_out, causal=args.causal)
-        else:
-            module = MultiHeadAttention(E, args.d_out, args.heads, causal=args.causal)
-        title = (
-            f"{type(module).__name__}(d_in={E}, d_out={args.d_out}"
-            + (f", heads={args.heads}" if args.heads > 1 else "")
-            + (", causal" if args.causal else "")
-            + f"), seed {args.seed}: random weights, untrained"
-        )
-    _show(explain(x, tokens=tokens, module=module, mask=mask, title=title), args)
-
-
-def _trained_trace(args: argparse.Namespace) -> Any:
-    """One attention layer of a trained run traced over --prompt's bytes: the layer's input
-    is what the model computes there for the prompt (captured as the layer's norm returns it)."""
-    from ..training import load_checkpoint, read_config, read_state
-
-    options = ("heads", "d_out", "seed", "tokens", "embeddings", "input")
-    given = [f for f in options if getattr(args, f) is not None]
-    if given or args.simplified or args.causal:
-        raise ValueError(
-            "--checkpoint explains the run's own layer: --heads, --d-out, --seed, --tokens, "
-            "--embeddings, --input, --simplified and --causal do not apply"
-        )
-    if read_config(args.checkpoint)["train"].get("data", "text") != "text":
-        raise ValueError("--checkpoint: this run was not trained on bytes of text")
-    model = load_checkpoint(args.checkpoint).eval()
-    n = len(model.blocks)
-    if not 0 <= args.layer < n:
-        raise ValueError(f"--layer must be 0 .. {n - 1}; got {args.layer}")
-    ids = list(args.prompt.encode("utf-8"))[: model.config.block_size]
-    if not ids or max(ids) >= model.config.vocab_size:
-        raise ValueError("--prompt must be non-empty text within the model's vocabulary")
-    block, seen = model.blocks[args.layer], []
-    hook = block.ln_1.register_forward_hook(lambda module, inputs, out: seen.append(out))
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        hook.remove()
-    # each byte as a label: a space as ␣, a newline as \n, a byte past ASCII as \xNN
-    tokens = ["␣" if b == 32 else repr(chr(b))[1:-1] if b < 128 else f"\\x{b:02x}" for b in ids]
-    step = read_state(args.checkpoint).get("step")
-    title = f"{args.checkpoint}, layer {args.layer}, trained {step} steps"
-    return explain(seen[0][0].detach(), tokens=tokens, module=block.attn, title=title)
-
-
-def _show(trace: Any, args: argparse.Namespace) -> None:
-    print(json.dumps(trace.to_dict()) if args.json else trace.to_text(args.precision), end="")
-    if not args.no_png:
-        try:
-            trace.heatmap(args.png)
-            print(f"heatmap written to {args.png}", file=sys.stderr)
-        except ImportError as err:
-            print(f"no heatmap: {err}", file=sys.stderr)
-
-
 #: the largest mask ``qkv mask`` draws (a picture of T_q × T_k characters)
 MAX_PICTURE = 1024
 
@@ -485,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     commands = {
-        "explain": _explain,
+        "explain": run_explain,
         "mask": _mask,
         "train": run_train,
         "generate": run_generate,

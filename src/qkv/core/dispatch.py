@@ -63,7 +63,7 @@ from ..scores import ScoreMod
 from .call import Call, Dispatch, Rule, fast_scale
 from .planning import block_codes, make_tiled_plan
 from .record import editors, listeners
-from .rules import PLAIN, RULES, sdpa_mode, sdpa_takes, tiled_path
+from .rules import RULES, sdpa_mode, sdpa_takes, tiled_path
 
 __all__ = [
     "BACKENDS",
@@ -125,22 +125,20 @@ def choose(a: Call) -> Dispatch:
     """Check an explicit ``backend``, or apply :data:`RULES` (those of this mode: eager or
     tracing) for ``"auto"``."""
     backend = a.backend
-    if backend == "auto" and a.fast_scale is not None:  # a decode step: rule "plain" at once
-        return PLAIN[a.mask is not None]
-    check_backend(
-        backend,
-        dropout_p=a.dropout_p,
-        generator=a.generator,
-        return_weights=a.return_weights,
-        return_lse=a.return_lse,
-        score_mod=a.mod,
-    )
-    if backend == "flex" and isinstance(a.mask, (torch.Tensor, np.ndarray)):
-        raise ValueError(
-            "backend='flex' takes a qkv mask (a predicate with a block map), not "
-            "a dense tensor: use backend='sdpa', 'tiled' or 'auto' for a tensor mask"
+    if backend != "auto":  # "auto" can give everything: only a named backend is checked
+        check_backend(
+            backend,
+            dropout_p=a.dropout_p,
+            generator=a.generator,
+            return_weights=a.return_weights,
+            return_lse=a.return_lse,
+            score_mod=a.mod,
         )
-    if backend != "auto":
+        if backend == "flex" and isinstance(a.mask, (torch.Tensor, np.ndarray)):
+            raise ValueError(
+                "backend='flex' takes a qkv mask (a predicate with a block map), not "
+                "a dense tensor: use backend='sdpa', 'tiled' or 'auto' for a tensor mask"
+            )
         return _requested(a, backend)
     skip = "eager" if a.tracing else "tracing"
     for rule in RULES:

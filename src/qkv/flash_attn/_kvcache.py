@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..functional import attention
-from ..varlen import paged_attention, window_mask
+from ..varlen import paged_attention, pages_needed, window_mask
 from ._common import fa_window, score_mod
 
 
@@ -104,8 +104,9 @@ def flash_attn_with_kvcache(
     if plain and T_q == 1 and not q.requires_grad:  # a decode step: pages read in place
         out, lse = paged_attention(
             q[:, 0],
-            *cache.pages(),
-            cache.table(),
+            cache.k,
+            cache.v,
+            cache.block_table,
             total,
             scale=softmax_scale,
             sinks=learnable_sink,
@@ -205,16 +206,9 @@ class _Cache:
         return int(k.shape[1])
 
     def check_pages(self, total: torch.Tensor) -> None:
-        if self.rows is not None:
-            return
-        needed = (total + self.P - 1) // self.P
-        cols = torch.arange(self.block_table.shape[1])[None, :] < needed[:, None]
-        bad = cols & ((self.block_table < 0) | (self.block_table >= self.k.shape[0]))
-        if bool(bad.any()):
-            raise ValueError(
-                f"block_table names a page outside the cache's {self.k.shape[0]} for a token "
-                "a sequence holds"
-            )
+        """Every page a sequence's tokens need is one of the cache's (paged caches)."""
+        if self.rows is None:
+            pages_needed(self.block_table, total, self.k.shape[0], self.P, "cache_seqlens")
 
     def slots(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, offset) of sequence b's slots start .. stop − 1."""
@@ -234,12 +228,6 @@ class _Cache:
         keys = self.k[page, offset].transpose(0, 1)[None]  # (1, H_kv, L, D)
         values = self.v[page, offset].transpose(0, 1)[None]  # (1, H_kv, L, D_v)
         return keys, values
-
-    def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k, self.v
-
-    def table(self) -> torch.Tensor:
-        return self.block_table
 
 
 def _per_sequence(name: str, x: Any, B: int, default: int | None) -> torch.Tensor:

@@ -52,9 +52,11 @@ def cpu() -> tuple[str, list[str]]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine(), []
-    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
-    model = fields.get("model name\t", fields.get("model name", "")).strip()
-    flags = fields.get("flags\t\t", fields.get("flags", "")).split()
+    first = text.split("\n\n")[0]  # the first processor's block
+    pairs = (line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    model = fields.get("model name", "")
+    flags = fields.get("flags", "").split()
     return model or platform.machine(), sorted(flags)
 
 
