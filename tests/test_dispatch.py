@@ -270,10 +270,12 @@ def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
         "tiled-flash": dict(mask=window),
         "tiled-loop": dict(mask=window, score_mod=qkv.scores.softcap(5.0)),
     }
+    wide = make_qkv(1, 2, 2, 700, 700, 600, 600, dtype=torch.float32)  # past the native kernel
     for want, kw in cases.items():
-        d = qkv.dispatch(q, k, v, **kw)
+        x = wide if want.startswith("tiled") else (q, k, v)
+        d = qkv.dispatch(*x, **kw)
         assert d.path == want and d.rule, (want, d)
-        assert _ran(monkeypatch, lambda kw=kw: qkv.attention(q, k, v, **kw)) == want, want
+        assert _ran(monkeypatch, lambda kw=kw, x=x: qkv.attention(*x, **kw)) == want, want
     d = qkv.dispatch(q, k_nan, v, mask=window)
     assert (d.path, d.rule) == ("tiled-loop", "non-finite key")
     assert _ran(monkeypatch, lambda: qkv.attention(q, k_nan, v, mask=window)) == "tiled-loop"

@@ -102,14 +102,25 @@ def heads_layout(x5, mask, G):
     return x, mask.expand(B, H_kv, G * R, -1).reshape(B, H_kv * G, R, -1)
 
 
+HEAD_SHAPES = [  # (D, D_v) of 2026's models, and sizes off the vectors
+    (192, 128),  # multi-head latent attention, expanded (DeepSeek V3)
+    (576, 512),  # ... absorbed, over the latent cache
+    (320, 320),
+    (80, 80),
+    (112, 48),
+    (34, 17),  # off every vector, D_v < 16
+]
+
+
 @pytest.mark.parametrize(
-    "B,H_kv,G,R,T_k,k0,k1,D",
+    "B,H_kv,G,R,T_k,k0,k1,D,D_v",
     [
-        (1, 2, 1, 37, 53, 0, 53, 32),  # rows and keys off the tiles
-        (2, 2, 2, 19, 100, 3, 91, 64),  # GQA rows, a call starting inside a 32-key block
-        (1, 1, 3, 8, 300, 33, 290, 96),  # D % 64 == 32, several 128-key steps
-        (1, 2, 1, 130, 161, 1, 160, 128),
-        (1, 1, 1, 5, 40, 31, 33, 256),  # two keys, the widest head
+        (1, 2, 1, 37, 53, 0, 53, 32, 32),  # rows and keys off the tiles
+        (2, 2, 2, 19, 100, 3, 91, 64, 64),  # GQA rows, a call starting inside a 32-key block
+        (1, 1, 3, 8, 300, 33, 290, 96, 96),  # D % 64 == 32, several 128-key steps
+        (1, 2, 1, 130, 161, 1, 160, 128, 128),
+        (1, 1, 1, 5, 40, 31, 33, 256, 256),  # two keys
+        *((1, 1, 2, 11, 150, 5, 141, D, D_v) for D, D_v in HEAD_SHAPES),
     ],
 )
 @pytest.mark.parametrize(
@@ -122,12 +133,18 @@ def heads_layout(x5, mask, G):
     indirect=["dtype"],
 )
 @pytest.mark.parametrize("mod", ["", "softcap", "alibi", "alibi+softcap"])
-def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, parts, mod):
+def test_one_call_equals_the_oracle(
+    B, H_kv, G, R, T_k, k0, k1, D, D_v, bias_kind, dtype, parts, mod
+):
     """With a modification: the soft-cap's scores up to ~±10 (well into the cap); ALiBi's
-    first query at q_idx k0 + 5 (kv_idx: a key's index in K)."""
+    first query at q_idx k0 + 5 (kv_idx: a key's index in K). Any head dims to 576, V's
+    apart from Q's and K's."""
+    if dtype == torch.bfloat16 and (D % 2 or D_v % 2):
+        pytest.skip("bfloat16 takes even head dims")
     g = torch.Generator().manual_seed(B * 1000 + R)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
-    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
+    k = torch.randn(B, H_kv, T_k, D, generator=g).to(dtype)
+    v = torch.randn(B, H_kv, T_k, D_v, generator=g).to(dtype)
     N = k1 - k0
     bias = bounds = allowed = None
     if bias_kind != "none":
@@ -151,7 +168,7 @@ def test_one_call_equals_the_oracle(B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dt
         return_lse=True,
     )
     got, got_lse = (
-        out.reshape(B, H_kv * G, R, D).double().numpy(),
+        out.reshape(B, H_kv * G, R, D_v).double().numpy(),
         lse.reshape(B, H_kv * G, R).double().numpy(),
     )
     # float32 arithmetic (on bfloat16 inputs: with P as hi + lo, ~16 bits, the default, the
@@ -290,26 +307,32 @@ def test_native_output_within_its_own_rounding_on_random_problems(
 
 
 @pytest.mark.parametrize(
-    "B,H_kv,G,R,T_k,k0,k1,D",
+    "B,H_kv,G,R,T_k,k0,k1,D,D_v",
     [
-        (1, 2, 1, 37, 53, 0, 53, 32),
-        (2, 2, 2, 19, 100, 3, 91, 64),  # GQA rows, a call starting inside a 32-key block
-        (1, 1, 3, 8, 300, 33, 290, 96),  # D % 64 == 32, several 64-key blocks
-        (1, 1, 1, 5, 40, 31, 33, 256),
+        (1, 2, 1, 37, 53, 0, 53, 32, 32),
+        (2, 2, 2, 19, 100, 3, 91, 64, 64),  # GQA rows, a call starting inside a 32-key block
+        (1, 1, 3, 8, 300, 33, 290, 96, 96),  # D % 64 == 32, several 64-key blocks
+        (1, 1, 1, 5, 40, 31, 33, 256, 256),
+        *((1, 1, 2, 11, 150, 5, 141, D, D_v) for D, D_v in HEAD_SHAPES),
     ],
 )
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_head", "bounds_per_batch"])
 @pytest.mark.parametrize("mod", ["", "softcap", "alibi", "alibi+softcap"])
 @BOTH
 def test_one_backward_call_equals_float64_autograd(
-    B, H_kv, G, R, T_k, k0, k1, D, bias_kind, dtype, mod
+    B, H_kv, G, R, T_k, k0, k1, D, D_v, bias_kind, dtype, mod
 ):
     """dQ, dK, dV of one call from the exact lse and Delta = rowsum(dO ∘ O): float32
     arithmetic (on bfloat16 inputs, dS enters ·K as hi + lo), so float32's error; with a
-    soft-cap, through its derivative 1 - tanh²; with ALiBi, whose term passes dS through."""
+    soft-cap, through its derivative 1 - tanh²; with ALiBi, whose term passes dS through.
+    Any head dims to 576, V's apart from Q's and K's."""
+    if dtype == torch.bfloat16 and (D % 2 or D_v % 2):
+        pytest.skip("bfloat16 takes even head dims")
     g = torch.Generator().manual_seed(7 * R + D)
-    q5, do5 = (torch.randn(B, H_kv, G, R, D, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(B, H_kv, T_k, D, generator=g).to(dtype) for _ in range(2))
+    q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(dtype)
+    do5 = torch.randn(B, H_kv, G, R, D_v, generator=g).to(dtype)
+    k = torch.randn(B, H_kv, T_k, D, generator=g).to(dtype)
+    v = torch.randn(B, H_kv, T_k, D_v, generator=g).to(dtype)
     N, scale = k1 - k0, (3 if "softcap" in mod else 1) / math.sqrt(D)
     kw, score_mod = kernel_mod(mod, H_kv * G, g)
     bias = bounds = allowed = None
@@ -331,7 +354,7 @@ def test_one_backward_call_equals_float64_autograd(
     want = torch.autograd.grad((out * dout).sum(), (qd, kd, vd))
     with torch.no_grad():  # a row with no key: lse -inf
         lse, delta = lse.detach(), (dout * out).sum(-1)
-    dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D)
+    dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D_v)
     dq = torch.zeros(B, H_kv, G, R, D)
     native.backward(
         q5,
@@ -356,6 +379,31 @@ def test_one_backward_call_equals_float64_autograd(
         atol += 2**-24 * 64 * float(kw["slopes"].max()) * (T_k + 5)
     for got, exp in zip((dq.reshape(B, H_kv * G, R, D), dk, dv), want):
         np.testing.assert_allclose(got.double().numpy(), exp.numpy(), atol=atol, rtol=1e-4)
+
+
+@BOTH
+@pytest.mark.parametrize("small", [False, True], ids=["blocks", "small_tiles"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "padding"])
+@pytest.mark.parametrize("D,D_v", [(192, 128), (80, 48), (34, 18), (17, 33)])
+def test_every_head_shape_runs_natively_through_attention(D, D_v, name, small, dtype, tune):
+    """Head dims off the vectors and V narrower or wider than Q and K: both passes in the
+    native kernel (qkv.dispatch says so), T_q != T_k, GQA, against float64 autograd."""
+    if dtype == torch.bfloat16 and (D % 2 or D_v % 2):
+        pytest.skip("bfloat16 takes even head dims")
+    if small:
+        tune(**small_tiles(), fused_span=24, group=4, shared_min=8, backward_span=16)
+    else:
+        tune(small_scores=0)
+    T_q, T_k = 61, 75
+    mask = mask_zoo(2, T_k, T_q)[name]
+    q, k, v = make_qkv(2, 4, 2, T_q, T_k, D, D_v, dtype=dtype, seed=12)
+    g = torch.randn(2, 4, T_q, D_v, generator=torch.Generator().manual_seed(13)).to(dtype)
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native"
+    got = grads(q, k, v, g, mask, backend="tiled")
+    want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
+    for a, b in zip(got, want):
+        atol = 1e-5 if dtype == torch.float32 else rounding_tolerance(b.numpy(), dtype, 2.0)
+        np.testing.assert_allclose(a.double().numpy(), b.numpy(), atol=atol, rtol=1e-5)
 
 
 @BOTH
@@ -578,16 +626,16 @@ def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, mo
     [
         "nan_query",
         "inf_value",
-        "head_dim_48",
+        "head_dim_600",  # past the widest head
         "float64",
         "native_off",
         "float32_nan_query",
-        "float32_head_dim_48",
+        "float32_head_dim_600",
     ],
 )
 def test_where_it_does_not_run_torchs_kernel_answers(case, monkeypatch, tune):
     """Forward and backward: neither native call is made."""
-    D = 48 if "head_dim_48" in case else 32
+    D = int(case.rsplit("_", 1)[1]) if "head_dim" in case else 32
     dtype = torch.float64 if case == "float64" else torch.bfloat16
     dtype = torch.float32 if case.startswith("float32") else dtype
     q, k, v = make_qkv(1, 2, 2, 40, 40, D, D, dtype=dtype, seed=2)
@@ -695,8 +743,10 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
         native.attend(q5, packed, 0, 100, None, 1.0)  # keys past the packed buffer
     with pytest.raises(ValueError, match="mismatched"):
         native.attend(q5.float(), packed, 0, 40, None, 1.0)  # float32 rows, bfloat16 keys
-    with pytest.raises(ValueError, match="one shape and dtype"):
+    with pytest.raises(ValueError, match="length and dtype"):
         native.pack(k.float(), k)
+    with pytest.raises(ValueError, match="length and dtype"):
+        native.pack(k, k[:, :, :39])
     rows, dq, dkv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8, 32), torch.zeros(1, 2, 41, 32)
     with pytest.raises(ValueError, match="past T_k"):  # the backward reads K and V as they are
         native.backward(
@@ -718,8 +768,8 @@ def test_auto_runs_bfloat16_natively_from_1024_squared_scores():
     q = q.detach()
     assert qkv.dispatch(q[:, :, :512], k[:, :, :1024], v, mask=causal).backend == "sdpa"
     assert qkv.dispatch(q.float(), k.float(), v.float(), mask=causal).backend == "sdpa"
-    q48, k48, v48 = make_qkv(1, 2, 2, 1024, 1024, 48, 48, dtype=torch.bfloat16)
-    assert qkv.dispatch(q48, k48, v48, mask=causal).backend == "sdpa"
+    wide = make_qkv(1, 2, 2, 1024, 1024, 600, 600, dtype=torch.bfloat16)  # past the widest
+    assert qkv.dispatch(*wide, mask=causal).backend == "sdpa"
 
 
 def test_the_boundary_to_c_is_named_fields(monkeypatch):

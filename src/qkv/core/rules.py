@@ -110,13 +110,8 @@ def tiled_path(a: Call) -> tuple[str, str]:
         return "tiled-loop", loop
     if not a.tuning.fused:
         return "tiled-loop", "the PyTorch loop: fused calls turned off (Tuning.fused)"
-    if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):
-        return "tiled-loop", (
-            "the PyTorch loop: torch's flash kernel cannot take this call (not on the CPU, "
-            "D_v != D, NaN/inf in the keys, or this torch lacks it)"
-        )
     capped = "" if mod is None else f", {mod} applied in it"
-    if a.tuning.native:
+    if a.tuning.native and a.key_finite:
         if native.supports(a.q, a.k, a.v) and _native_wins(a, a.q.dtype):
             name = str(a.q.dtype).removeprefix("torch.")
             on = native.isa(a.q.dtype)
@@ -133,6 +128,12 @@ def tiled_path(a: Call) -> tuple[str, str]:
                 f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
                 f"float32 copies{capped}"
             )
+    if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):
+        return "tiled-loop", (
+            "the PyTorch loop: neither the native kernel nor torch's flash kernel can take "
+            "this call (not on the CPU, NaN/inf in the keys, head dims past the native "
+            "kernel's with D_v != D, or this torch lacks it)"
+        )
     if a.mod is not None:
         return "tiled-loop", f"{loop} (the native kernel cannot run this call)"
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"

@@ -23,12 +23,13 @@ TARGET_BF16 static inline __m512 split(__m512 p0, __m512 p1, bf16 *hi, bf16 *lo)
     return _mm512_add_ps(h0, h1);
 }
 
-/* S[i][jb..jb+32) = (q_i · k_n) · scale for MR rows and the 32 keys of one packed block kb
-   (bfloat16 pairs). (The sums stay in local registers until the end: __m512 may alias
-   anything, so sums kept in *S would be stored and reloaded at every step.) */
-TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb, int64_t jb,
+/* S[i][jb..jb+32) = (q_i · k_n) · scale for MR rows (pad32(D) apart; D even) and the 32
+   keys of one packed block kb (bfloat16 pairs). (The sums stay in local registers until
+   the end: __m512 may alias anything, so sums kept in *S would be stored and reloaded at
+   every step.) */
+TARGET_BF16 static void dots_bf16(int64_t D, const bf16 *qt, const bf16 *kb, int64_t jb,
                                   __m512 scale, float S[MR][KT]) {
-    int64_t D = j->D;
+    int64_t qs = pad32(D);
     __m512 acc[MR][2];
     for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t d2 = 0; d2 < D / 2; d2++) {
@@ -36,7 +37,7 @@ TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb, 
         __m512bh k0 = (__m512bh)_mm512_loadu_si512(at), k1 = (__m512bh)_mm512_loadu_si512(at + 32);
         for (int i = 0; i < MR; i++) {
             int32_t pair;
-            memcpy(&pair, qt + i * D + 2 * d2, 4);
+            memcpy(&pair, qt + i * qs + 2 * d2, 4);
             __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k0);
             acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k1);
@@ -48,15 +49,18 @@ TARGET_BF16 static void dots_bf16(const Job *j, const bf16 *qt, const bf16 *kb, 
     }
 }
 
-/* O[i] += P[i] · V over nk keys from n0, P given as bfloat16 hi (+ lo when PARTS is 2), for
-   4 rows at a time and NV 16-column vectors of the head dim at a time. */
+/* O[i] += P[i] · V over nk keys from n0 (V in value pairs `cols` wide; O's rows pad32(cols)
+   apart), P given as bfloat16 hi (+ lo when PARTS is 2), for 4 rows at a time and NV
+   16-column vectors from c0 (the last ones read under a mask past `cols`). */
 TARGET_BF16 static inline __attribute__((always_inline)) void
-pv_block(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph,
-         const bf16 *Pl, float *O, int i0, int64_t c0, const int NV, const int PARTS) {
-    int64_t D = j->D;
+pv_block(const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph, const bf16 *Pl,
+         float *O, int64_t cols, int i0, int64_t c0, const int NV, const int PARTS) {
+    int64_t D = cols, os = pad32(cols);
     __m512 acc[4][4];
+    __mmask16 in[4];
+    for (int c = 0; c < NV; c++) in[c] = lanes(c0 + 16 * c, 0, cols);
     for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * D + c0 + 16 * c);
+        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_loadu_ps(O + (i0 + i) * os + c0 + 16 * c);
     for (int64_t n2 = 0; n2 < nk / 2; n2++) {
         if (!live[n2 / 16]) { /* P = 0 over the block */
             n2 += 15;
@@ -64,7 +68,7 @@ pv_block(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, 
         }
         const bf16 *at = vp + ((n0 / 2 + n2) * D + c0) * 2;
         __m512bh vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(at + 32 * c);
+        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_maskz_loadu_epi32(in[c], at + 32 * c);
         for (int i = 0; i < 4; i++) {
             int32_t hi, lo = 0;
             memcpy(&hi, Ph + (i0 + i) * KT + 2 * n2, 4);
@@ -77,23 +81,28 @@ pv_block(const Job *j, const bf16 *vp, int64_t n0, int64_t nk, const int *live, 
         }
     }
     for (int i = 0; i < 4; i++)
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * os + c0 + 16 * c, acc[i][c]);
 }
 
+/* The 4 rows from i0 over every column: 64 at a time, then what is left. */
+TARGET_BF16 static inline __attribute__((always_inline)) void
+pv_cols(const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph, const bf16 *Pl,
+        float *O, int64_t cols, int i0, const int PARTS) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= cols; c0 += 64) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 4, PARTS);
+    int64_t left = (cols - c0 + 15) / 16; /* 0 .. 3 vectors */
+    if (left == 1) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 1, PARTS);
+    else if (left == 2) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 2, PARTS);
+    else if (left == 3) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 3, PARTS);
+}
+
+/* O[i] += P[i] · V for the MR rows, V `cols` wide. */
 TARGET_BF16 static void pv_bf16(const Job *j, const bf16 *vp, int64_t n0, int64_t nk,
-                                const int *live, const bf16 *Ph, const bf16 *Pl, float *O) {
+                                const int *live, const bf16 *Ph, const bf16 *Pl, float *O,
+                                int64_t cols) {
     for (int i0 = 0; i0 < MR; i0 += 4) {
-        int64_t c0 = 0;
-        if (j->parts == 2) {
-            for (; c0 + 64 <= j->D; c0 += 64)
-                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 2);
-            if (c0 < j->D)
-                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 2); /* D % 64 == 32 */
-        } else {
-            for (; c0 + 64 <= j->D; c0 += 64)
-                pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 4, 1);
-            if (c0 < j->D) pv_block(j, vp, n0, nk, live, Ph, Pl, O, i0, c0, 2, 1);
-        }
+        if (j->parts == 2) pv_cols(vp, n0, nk, live, Ph, Pl, O, cols, i0, 2);
+        else pv_cols(vp, n0, nk, live, Ph, Pl, O, cols, i0, 1);
     }
 }
 

@@ -11,11 +11,11 @@
 #define QKV_X86 1
 #endif
 
-#define MR 8    /* query rows per register tile */
-#define KT 128  /* keys per online-softmax step */
-#define ROWS 32 /* query rows per work item */
-#define MAX_D 256
-#define KB 64 /* keys per backward work item */
+#define MR 8      /* query rows per register tile */
+#define KT 128    /* keys per online-softmax step */
+#define ROWS 32   /* query rows per work item */
+#define MAX_D 576 /* the widest head dim, of Q and K or of V */
+#define KB 64     /* keys per backward work item */
 
 /* The vector instruction sets the step is compiled for; float32 runs on either, bfloat16
    on AVX-512 (with AVX512-BF16) alone. */
@@ -41,7 +41,7 @@ typedef struct {
     int64_t bnb;
     float *out, *lse;
     int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
-    int64_t B, H, G, R, D;
+    int64_t B, H, G, R, D, Dv;                        /* Dv: V's head dim (D: Q's and K's) */
     int64_t begin; /* the first packed key the call reads (a multiple of 32) */
     int64_t lead;  /* keys read before the call's first key (0 to 31) */
     int64_t N;     /* the call's keys */
@@ -65,7 +65,13 @@ typedef struct {
     int64_t xs[3];
     void *dst;
     int values;
+    int64_t D;
 } Pack;
+
+/* A head dim rounded up to 32: the row length of the step's own buffers of rows (Q, dO,
+   their float32 copies, the output, dK, dV), zero past the head dim, so that their loops
+   run over whole vectors. */
+static inline int64_t pad32(int64_t D) { return (D + 31) / 32 * 32; }
 
 /* A backward call: dQ, dK, dV of one call, from the whole rows' lse and Delta. */
 typedef struct {
@@ -134,23 +140,23 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
     if (hi < *l) *l = hi;
 }
 
-/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R) into MR rows of
-   dst, zero past `rows`. */
-static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t b, int64_t h,
-                             int64_t r0, int rows, void *dst) {
-    size_t size = (size_t)j->D * (j->f32 ? 4 : 2);
+/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R; `dim` wide) into
+   MR rows of dst, pad32(dim) apart, zero past `rows` and past `dim`. */
+static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t dim, int64_t b,
+                             int64_t h, int64_t r0, int rows, void *dst) {
+    size_t unit = j->f32 ? 4 : 2, size = (size_t)dim * unit, row = (size_t)pad32(dim) * unit;
     for (int i = 0; i < MR; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-        char *to = (char *)dst + i * size;
+        char *to = (char *)dst + i * row;
+        memset(to, 0, row);
         if (i < rows) memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
-        else memset(to, 0, size);
     }
 }
 
 /* The step, per instruction set (_step.h): a forward work item (ROWS query rows of one
    (b, h), every range of the job) into out and lse; a backward one (KB keys from n0 of
-   head (b, h), all rows) into its own dq share (G, R, D), dK and dV (KB, D), with
-   `scratch` (3 · KB · MAX_D floats) for its packed keys. */
+   head (b, h), all rows) into its own dq share (G, R, D), dK (KB, pad32(D)) and dV
+   (KB, pad32(Dv)), with `scratch` (3 · KB · MAX_D floats) for its packed keys. */
 #ifdef QKV_X86
 #pragma GCC visibility push(hidden)
 void qkv_forward_item_avx512(const Job *j, int64_t it);

@@ -28,15 +28,17 @@
    K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
    item's keys itself, from K and V as they are), the 32 keys the score loop takes
    at a time together. bfloat16, in the pairs VDPBF16PS multiplies: kp (B, H, Nt/32, D/2, 32,
-   2) and vp (B, H, Nt/2, D, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
+   2) and vp (B, H, Nt/2, D_v, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
    zero past the last key, and vp V itself (D contiguous, rows vs[2] apart, never read past
    a call's keys). Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
    contiguous, or NULL; bounds (instead of a bias, masks whose every row sees one interval
    of keys): int32 (B|1, R, 2), each query position's keys [lo, hi) counted from k0,
    stride bnb over B (0 where broadcast), or NULL; out: float32 (B, H, G, R, D) with
-   strides os[0..3], D contiguous; lse: float32 (B, H, G, R) with strides ls[0..3]. D must
-   be a multiple of 32. */
+   strides os[0..3], D_v contiguous; lse: float32 (B, H, G, R) with strides ls[0..3]. D
+   (Q's and K's head dim) and D_v (V's) are any sizes up to 576 (bfloat16: even, for the
+   pairs the backward multiplies V in too); the step's own row buffers are padded to 32 and V is
+   read under a mask where a row ends inside a vector. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -75,7 +77,8 @@ static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *d
 static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
                       const float *dKa, const float *dVa) {
     const Job *j = &bj->f;
-    int64_t D = j->D, lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
+    int64_t D = j->D, Dv = j->Dv, Dp = pad32(D), Dvp = pad32(Dv);
+    int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     for (int64_t g = 0; g < j->G; g++)
@@ -87,10 +90,8 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
         float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
         float *dv = bj->dv + b * bj->dvs[0] + h * bj->dvs[1] + (n0 + n - lead) * bj->dvs[2];
-        for (int64_t d = 0; d < D; d++) {
-            dk[d] += dKa[n * D + d];
-            dv[d] += dVa[n * D + d];
-        }
+        for (int64_t d = 0; d < D; d++) dk[d] += dKa[n * Dp + d];
+        for (int64_t d = 0; d < Dv; d++) dv[d] += dVa[n * Dvp + d];
     }
 }
 
@@ -101,7 +102,7 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
    no race where two calls' keys overlap, no waiting for a slower thread's item, and the
    same bits whatever the threads did. */
 typedef struct {
-    float *mem; /* dQ share (G·R·D), then dK and dV (KB·D each) */
+    float *mem; /* dQ share (G·R·D), then dK and dV (KB·pad32(D), KB·pad32(D_v)) */
     int64_t call, n0;
 } Share;
 
@@ -124,7 +125,8 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
         const BJob *bj = &ps->calls[s->call];
         int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
-        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->mem + q, s->mem + q + KB * D);
+        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->mem + q,
+                  s->mem + q + KB * pad32(D));
         free(s->mem);
         s->mem = NULL;
         ps->committed[bh]++;
@@ -139,13 +141,13 @@ static void backward_worker(Pass *ps) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];
         int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
-        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
-        float *mem = calloc((size_t)(q + 2 * KB * D), sizeof(float));
+        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D, dk = KB * pad32(D);
+        float *mem = calloc((size_t)(q + dk + KB * pad32(bj->f.Dv)), sizeof(float));
         if (!mem || !scratch) { /* (its item is not done: the caller raises) */
             free(mem);
             break;
         }
-        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + KB * D, scratch);
+        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + dk, scratch);
         commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
         __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
@@ -154,48 +156,52 @@ static void backward_worker(Pass *ps) {
 #endif /* QKV_X86 */
 
 /* Packs block `it` of B·H·(Nt/32): 32 keys of one head. */
-static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t D, int64_t Nt,
-                       int f32) {
+static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t Nt, int f32) {
     int64_t bh = it / (Nt / 32), nb = it % (Nt / 32);
-    pack32(p, bh / H, bh % H, nb * 32, T, D, f32, (char *)p->dst + it * 32 * D * (f32 ? 4 : 2));
+    pack32(p, bh / H, bh % H, nb * 32, T, p->D, f32,
+           (char *)p->dst + it * 32 * p->D * (f32 ? 4 : 2));
 }
 
 /* Every pack of a pass in one parallel region. */
-static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t T, int64_t D,
-                     int64_t Nt, int threads, int f32) {
+static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t T, int64_t Nt,
+                     int threads, int f32) {
     int64_t blocks = B * H * (Nt / 32);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t it = 0; it < n * blocks; it++)
-        pack_block(&packs[it / blocks], it % blocks, H, T, D, Nt, f32);
+        pack_block(&packs[it / blocks], it % blocks, H, T, Nt, f32);
 }
 
 static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *list;
-    long long B, H, T, D, Nt;
+    long long B, H, T, Nt;
     int threads, f32;
     static char *names[] = {"packs", "sizes", "threads", "float32", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLLL)ip", names, &PyList_Type, &list, &B,
-                                     &H, &T, &D, &Nt, &threads, &f32))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLL)ip", names, &PyList_Type, &list, &B,
+                                     &H, &T, &Nt, &threads, &f32))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
-    if (D % 2 != 0 || Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
-        PyErr_SetString(PyExc_ValueError, "pack: D even, Nt a multiple of 32 covering T, "
-                                          "at most 8 packs");
+    if (Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
+        PyErr_SetString(PyExc_ValueError, "pack: Nt a multiple of 32 covering T, at most 8 packs");
         return NULL;
     }
     Pack packs[8];
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long x, dst;
-        long long xs0, xs1, xs2;
+        long long xs0, xs1, xs2, D;
         int values;
-        static char *fields[] = {"x", "dst", "values", NULL};
-        if (!parse_fields(PyList_GET_ITEM(list, i), "pack", "$(KLLL)Kp", fields, &x, &xs0, &xs1,
-                          &xs2, &dst, &values))
+        static char *fields[] = {"x", "dst", "values", "D", NULL};
+        if (!parse_fields(PyList_GET_ITEM(list, i), "pack", "$(KLLL)KpL", fields, &x, &xs0, &xs1,
+                          &xs2, &dst, &values, &D))
             return NULL;
-        packs[i] = (Pack){
-            (const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values && !f32};
+        values = values && !f32;
+        if (D <= 0 || D > MAX_D || (!f32 && D % 2 != 0)) {
+            PyErr_SetString(PyExc_ValueError, "pack: D from 1 to 576, even in bfloat16");
+            return NULL;
+        }
+        packs[i] =
+            (Pack){(const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values, D};
     }
-    Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, D, Nt, threads, f32);
+    Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, Nt, threads, f32);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
@@ -282,18 +288,19 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
-                      long long D, double scale, double cap, int f32, int threads) {
+                      long long D, long long Dv, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
                                                 : "this CPU has no AVX512-BF16");
         return 0;
     }
-    if (D % 32 != 0 || D > MAX_D || D <= 0 || R <= 0 || G <= 0 || threads < 1) {
-        PyErr_Format(PyExc_ValueError, "%s: D must be a positive multiple of 32 up to 256", name);
+    if (D > MAX_D || D <= 0 || Dv > MAX_D || Dv <= 0 || (!f32 && (D % 2 || Dv % 2)) || R <= 0 ||
+        G <= 0 || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: D and D_v from 1 to 576 (bfloat16: even)", name);
         return 0;
     }
-    j->B = B, j->H = H, j->G = G, j->R = R, j->D = D;
+    j->B = B, j->H = H, j->G = G, j->R = R, j->D = D, j->Dv = Dv;
     if (!(cap >= 0.0 && cap < INFINITY)) {
         PyErr_Format(PyExc_ValueError, "%s: the soft-cap must be finite and > 0 (0: none)", name);
         return 0;
@@ -324,7 +331,7 @@ static int key_range(Seg *s, const char *name, long long Nt, long long k0, long 
 static int parse_call(Job *j, PyObject *args, int threads) {
     unsigned long long q, kp, vp, out, lse;
     long long qs0, qs1, qs2, qs3, ks0, ks1, vs0, vs1, vs2, os0, os1, os2, os3, ls0, ls1, ls2, ls3;
-    long long B, H, G, R, D, Nt;
+    long long B, H, G, R, D, Dv, Nt;
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
@@ -333,12 +340,13 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     memset(j, 0, sizeof *j);
     static char *names[] = {"q",  "k",     "v",       "ranges", "out",     "lse",     "sizes",
                             "Nt", "scale", "softcap", "alibi",  "p_parts", "float32", NULL};
-    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLL)Ldd(KL)ip", names,
+    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLLL)Ldd(KL)ip", names,
                       &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
                       &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2,
-                      &ls3, &B, &H, &G, &R, &D, &Nt, &scale, &cap, &slopes, &qpos, &parts, &f32))
+                      &ls3, &B, &H, &G, &R, &D, &Dv, &Nt, &scale, &cap, &slopes, &qpos, &parts,
+                      &f32))
         return 0;
-    if (!call_sizes(j, "attend", B, H, G, R, D, scale, cap, f32, threads)) return 0;
+    if (!call_sizes(j, "attend", B, H, G, R, D, Dv, scale, cap, f32, threads)) return 0;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
@@ -445,7 +453,7 @@ static PyObject *attend_many(PyObject *self, PyObject *args, PyObject *kwargs) {
 static int parse_backward(BJob *bj, PyObject *args, int threads) {
     unsigned long long q, dout, k, v, bias, bounds, lse, delta, dq, dk, dv;
     long long qs[4], dos[4], kst[3], vst[3], bs[3], bnb, ls[4], des[4], dqs[4], dks[3], dvs[3];
-    long long B, H, G, R, D, T, k0, N;
+    long long B, H, G, R, D, Dv, T, k0, N;
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
@@ -455,18 +463,18 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
                             "keys", "scale", "softcap", "alibi", "float32", NULL};
     if (!parse_fields(args, "backward",
                       "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                      "(KLLL)(LLLLL)(LLL)dd(KL)p",
+                      "(KLLL)(LLLLLL)(LLL)dd(KL)p",
                       names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0], &dos[1], &dos[2],
                       &dos[3], &k, &kst[0], &kst[1], &kst[2], &v, &vst[0], &vst[1], &vst[2], &bias,
                       &bs[0], &bs[1], &bs[2], &bounds, &bnb, &lse, &ls[0], &ls[1], &ls[2], &ls[3],
                       &delta, &des[0], &des[1], &des[2], &des[3], &dq, &dqs[0], &dqs[1], &dqs[2],
                       &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B,
-                      &H, &G, &R, &D, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32))
+                      &H, &G, &R, &D, &Dv, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
     Seg keys;
-    if (!call_sizes(j, "backward", B, H, G, R, D, scale, cap, f32, threads) ||
+    if (!call_sizes(j, "backward", B, H, G, R, D, Dv, scale, cap, f32, threads) ||
         !key_range(&keys, "backward", T < 0 ? 0 : (T + 31) / 32 * 32 + 32, k0, N))
         return 0;
     if (k0 + N > T) {
@@ -480,8 +488,8 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     j->bias = (const float *)(uintptr_t)bias;
     j->bounds = (const int32_t *)(uintptr_t)bounds, j->bnb = bnb;
     bj->dout = (const void *)(uintptr_t)dout;
-    bj->k = (Pack){(const void *)(uintptr_t)k, {kst[0], kst[1], kst[2]}, NULL, 0};
-    bj->v = (Pack){(const void *)(uintptr_t)v, {vst[0], vst[1], vst[2]}, NULL, 0};
+    bj->k = (Pack){(const void *)(uintptr_t)k, {kst[0], kst[1], kst[2]}, NULL, 0, D};
+    bj->v = (Pack){(const void *)(uintptr_t)v, {vst[0], vst[1], vst[2]}, NULL, 0, Dv};
     bj->kv = bj->k, bj->kv.values = 1;
     bj->T = T;
     bj->lse = (const float *)(uintptr_t)lse;
@@ -577,18 +585,18 @@ static PyMethodDef methods[] = {
      "the gradients added in one fixed order. A call is a dict: q=(ptr, *4 strides), "
      "dout=(ptr, *4), k=(ptr, *3), v=(ptr, *3), bias=(ptr|0, *3), bounds=(ptr|0, *1), "
      "lse=(ptr, *4), delta=(ptr, *4), dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), "
-     "sizes=(B, H, G, R, D), keys=(T, k0, N), scale, softcap, alibi=(slopes|0, qpos), "
-     "float32: its gradients added to dq (in key-block order), dk and dv; K and V "
-     "(B, H, T, D) as they are."},
+     "sizes=(B, H, G, R, D, D_v), keys=(T, k0, N), scale, softcap, alibi=(slopes|0, qpos), "
+     "float32: its gradients added to dq (in key-block order), dk and dv; K (B, H, T, D) and "
+     "V (B, H, T, D_v) as they are."},
     {"pack", (PyCFunction)(void (*)(void))pack_py, METH_VARARGS | METH_KEYWORDS,
-     "pack(*, packs, sizes=(B, H, T, D, Nt), threads, float32): tensors into the kernel's "
+     "pack(*, packs, sizes=(B, H, T, Nt), threads, float32): tensors into the kernel's "
      "score layout (values 0) or bfloat16's value layout (1), in one parallel region; a "
-     "pack is a dict x=(ptr, *3 strides), dst, values."},
+     "pack is a dict x=(ptr, *3 strides), dst, values, D (its head dim)."},
     {"attend_many", (PyCFunction)(void (*)(void))attend_many, METH_VARARGS | METH_KEYWORDS,
      "attend_many(*, calls, threads): every call in one parallel region, their work items "
      "dealt from one counter. A call is a dict: q=(ptr, *4 strides), k=(kp, *2), "
      "v=(vp, *2), ranges=[dict k0, N, bias=(ptr|0, *3), bounds=(ptr|0, *1)], "
-     "out=(ptr, *4), lse=(ptr, *4), sizes=(B, H, G, R, D), Nt, scale, softcap, "
+     "out=(ptr, *4), lse=(ptr, *4), sizes=(B, H, G, R, D, D_v), Nt, scale, softcap, "
      "alibi=(slopes|0, qpos), p_parts, float32: the step over key ranges of the packed "
      "buffers (one online softmax across them), into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};

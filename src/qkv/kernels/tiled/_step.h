@@ -16,19 +16,20 @@
 #define QKV_BF16 0
 #endif
 
-/* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 and the 32 keys
-   of the packed block kb (D, 32). (The sums stay in local registers until the end: a vector
-   type may alias anything, so sums kept in *S would be stored and reloaded at every step.) */
-TARGET static inline __attribute__((always_inline)) void dots_rows(const Job *j, const float *qt,
+/* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 (qt's rows
+   pad32(D) apart) and the 32 keys of the packed block kb (D, 32). (The sums stay in local
+   registers until the end: a vector type may alias anything, so sums kept in *S would be
+   stored and reloaded at every step.) */
+TARGET static inline __attribute__((always_inline)) void dots_rows(int64_t D, const float *qt,
                                                                    const float *kb, int64_t jb,
                                                                    vf scale, float S[MR][KT],
                                                                    int i0, const int NR) {
-    int64_t D = j->D;
+    int64_t qs = pad32(D);
     vf acc[DOT_ROWS][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = vzero();
     for (int64_t d = 0; d < D; d++) {
         for (int i = 0; i < NR; i++) {
-            vf qb = vset1(qt[(i0 + i) * D + d]);
+            vf qb = vset1(qt[(i0 + i) * qs + d]);
             acc[i][0] = vfma(qb, vload(kb + d * 32), acc[i][0]);
             acc[i][1] = vfma(qb, vload(kb + d * 32 + 16), acc[i][1]);
         }
@@ -40,23 +41,27 @@ TARGET static inline __attribute__((always_inline)) void dots_rows(const Job *j,
 }
 
 /* The MR rows, DOT_ROWS at a time. */
-TARGET static void dots_f32(const Job *j, const float *qt, const float *kb, int64_t jb, vf scale,
+TARGET static void dots_f32(int64_t D, const float *qt, const float *kb, int64_t jb, vf scale,
                             float S[MR][KT]) {
     int i0 = 0;
-    for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, DOT_ROWS);
-    if (MR % DOT_ROWS) dots_rows(j, qt, kb, jb, scale, S, i0, MR % DOT_ROWS);
+    for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS) dots_rows(D, qt, kb, jb, scale, S, i0, DOT_ROWS);
+    if (MR % DOT_ROWS) dots_rows(D, qt, kb, jb, scale, S, i0, MR % DOT_ROWS);
 }
 
 /* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
-   vs[2] apart: V itself, never read past the call's last key), for the NR rows from i0 and
-   NV 16-column vectors from c0. */
+   vs[2] apart: V itself, never read past the call's last key nor past its `cols` columns;
+   O's rows pad32(cols) apart), for the NR rows from i0 and NV 16-column vectors from c0.
+   TAIL: the last vectors reach past `cols`, and V is read under a mask there. */
 TARGET static inline __attribute__((always_inline)) void
 pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
-             const float *P, int64_t ps, float *O, int i0, const int NR, int64_t c0, const int NV) {
-    int64_t D = j->D;
+             const float *P, int64_t ps, float *O, int64_t cols, int i0, const int NR, int64_t c0,
+             const int NV, const int TAIL) {
+    int64_t os = pad32(cols);
     vf acc[PV_ROWS][PV_COLS];
+    lanemask in[PV_COLS];
+    for (int c = 0; c < NV; c++) in[c] = lanes(c0 + 16 * c, 0, cols);
     for (int i = 0; i < NR; i++)
-        for (int c = 0; c < NV; c++) acc[i][c] = vload(O + (i0 + i) * D + c0 + 16 * c);
+        for (int c = 0; c < NV; c++) acc[i][c] = vload(O + (i0 + i) * os + c0 + 16 * c);
     for (int64_t n32 = 0; n32 < last; n32 += 32) {
         if (!live[n32 / 32]) continue; /* P = 0 over the block */
         int64_t stop = last - n32 < 32 ? last - n32 : 32, step = j->vs[2];
@@ -64,46 +69,57 @@ pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int 
         for (int64_t n = 0; n < stop; n++, at += step) {
             for (int i = 0; i < NR; i++) {
                 vf p = vset1(pr[i * ps + n]);
-                for (int c = 0; c < NV; c++) acc[i][c] = vfma(p, vload(at + 16 * c), acc[i][c]);
+                for (int c = 0; c < NV; c++) {
+                    vf x = TAIL ? vloadz(in[c], at + 16 * c) : vload(at + 16 * c);
+                    acc[i][c] = vfma(p, x, acc[i][c]);
+                }
             }
         }
     }
     for (int i = 0; i < NR; i++)
-        for (int c = 0; c < NV; c++) vstore(O + (i0 + i) * D + c0 + 16 * c, acc[i][c]);
+        for (int c = 0; c < NV; c++) vstore(O + (i0 + i) * os + c0 + 16 * c, acc[i][c]);
 }
 
-/* The NR rows from i0 over every column: PV_COLS vectors at a time, then the 32 left. */
+/* The NR rows from i0 over every column: PV_COLS vectors at a time, then what is left
+   (fewer vectors, the last one masked where `cols` ends inside it). */
 TARGET static inline __attribute__((always_inline)) void
 pv_rows(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
-        int64_t ps, float *O, int i0, const int NR) {
+        int64_t ps, float *O, int64_t cols, int i0, const int NR) {
     int64_t c0 = 0;
-    for (; c0 + 16 * PV_COLS <= j->D; c0 += 16 * PV_COLS)
-        pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, NR, c0, PV_COLS);
-    if (c0 < j->D) pv_block_f32(j, vp, n0, last, live, P, ps, O, i0, NR, c0, 2);
+    for (; c0 + 16 * PV_COLS <= cols; c0 += 16 * PV_COLS)
+        pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, PV_COLS, 0);
+    int64_t left = (cols - c0 + 15) / 16; /* 0 .. PV_COLS vectors */
+    if (left == 1) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 1, 1);
+    else if (left == 2) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 2, 1);
+#if PV_COLS > 2
+    else if (left == 3) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 3, 1);
+    else if (left == 4) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 4, 1);
+#endif
 }
 
 /* The MR rows, PV_ROWS at a time. */
 TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
-                          const float *P, int64_t ps, float *O) {
+                          const float *P, int64_t ps, float *O, int64_t cols) {
     int i0 = 0;
-    for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, PV_ROWS);
-    if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, i0, MR % PV_ROWS);
+    for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS)
+        pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, PV_ROWS);
+    if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, MR % PV_ROWS);
 }
 
-/* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype) and the nk keys from
-   n0 (nk: a multiple of 32), -inf over the 32-key blocks not live (no row of the tile may
-   attend to them). */
-TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t n0, int64_t nk,
-                          const int *live, float by, float S[MR][KT]) {
+/* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype, pad32(D) apart) and
+   the nk keys from n0 (nk: a multiple of 32) packed D wide, -inf over the 32-key blocks not
+   live (no row of the tile may attend to them). */
+TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t D, int64_t n0,
+                          int64_t nk, const int *live, float by, float S[MR][KT]) {
     const vf scale = vset1(by), none = vset1(-INFINITY);
     for (int64_t jb = 0; jb < nk; jb += 32) {
-        const void *kb = elem(j, kp, (n0 + jb) / 32 * j->D * 32);
+        const void *kb = elem(j, kp, (n0 + jb) / 32 * D * 32);
         if (!live[jb / 32])
             for (int i = 0; i < MR; i++) vstore(&S[i][jb], none), vstore(&S[i][jb + 16], none);
 #if QKV_BF16
-        else if (!j->f32) dots_bf16(j, qt, kb, jb, scale, S);
+        else if (!j->f32) dots_bf16(D, qt, kb, jb, scale, S);
 #endif
-        else dots_f32(j, qt, kb, jb, scale, S);
+        else dots_f32(D, qt, kb, jb, scale, S);
     }
 }
 
@@ -179,7 +195,7 @@ static inline float alibi_of(const Job *j, int64_t h, int64_t row, int64_t n0, i
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
    padding) over the keys of every range of the job, one online softmax: then out and lse. */
 TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
-    int64_t D = job->D, GR = job->G * job->R;
+    int64_t D = job->D, Dv = job->Dv, GR = job->G * job->R, os = pad32(Dv);
     float qt[MR * MAX_D];                                 /* Q's rows in the call's dtype */
     float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
     float Pf[MR * KT];                                    /* float32 P */
@@ -189,12 +205,12 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     if (rows < MR) memset(Ph, 0, sizeof Ph), memset(Pl, 0, sizeof Pl);
 #endif
     if (rows < MR) memset(Pf, 0, sizeof Pf); /* padding rows enter ·V as P = 0 */
-    load_rows(job, job->q, job->qs, b, h, r0, rows, qt);
+    load_rows(job, job->q, job->qs, D, b, h, r0, rows, qt);
     for (int i = 0; i < MR; i++) {
         m[i] = -INFINITY;
         l[i] = lp[i] = 0.0f;
     }
-    memset(O, 0, sizeof(float) * MR * D);
+    memset(O, 0, sizeof(float) * MR * os);
     for (int64_t sg = 0; sg < job->nseg; sg++) {
         Job one = *job, *j = &one; /* the job over this range alone */
         const Seg *seg = &job->segs[sg];
@@ -212,7 +228,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                the rest is skipped (-inf scores, no ·V). */
             int live[KT / 32];
             live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
-            scores(j, qt, kp, n0, nk, live, j->scale, S);
+            scores(j, qt, kp, D, n0, nk, live, j->scale, S);
             const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
@@ -244,22 +260,22 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 m[i] = mnew;
                 if (alpha != 1.0f) {
                     vf va = vset1(alpha);
-                    for (int64_t d = 0; d < D; d += 16)
-                        vstore(O + i * D + d, vmul(vload(O + i * D + d), va));
+                    for (int64_t d = 0; d < os; d += 16)
+                        vstore(O + i * os + d, vmul(vload(O + i * os + d), va));
                 }
             }
 #if QKV_BF16
-            if (!j->f32) pv_bf16(j, vp, n0, nk, live, Ph, Pl, O);
+            if (!j->f32) pv_bf16(j, vp, n0, nk, live, Ph, Pl, O, Dv);
             else
 #endif
-                pv_f32(j, vp, n0, last, live, Pf, KT, O);
+                pv_f32(j, vp, n0, last, live, Pf, KT, O, Dv);
         }
     }
     for (int i = 0; i < rows; i++) {
         int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
         float *o = job->out + b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
         float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] = O[i * D + d] * inv;
+        for (int64_t d = 0; d < Dv; d++) o[d] = O[i * os + d] * inv;
         job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
             l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }
@@ -273,10 +289,9 @@ TARGET void NAMED(qkv_forward_item)(const Job *j, int64_t it) {
 
 /* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
    OUTER_KEYS keys × 32 columns at a time, independent FMA chains that hide the FMA
-   latency. */
-TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, int rows,
+   latency. x's rows and acc's are D = pad32 of a head dim long (zero past it). */
+TARGET static void outer(const float W[MR][KB], const float *x, int64_t D, int rows,
                          const int *live, int64_t nk, float *acc) {
-    int64_t D = j->D;
     for (int64_t n = 0; n < nk; n += OUTER_KEYS) {
         if (!live[n / 32]) continue;
         for (int64_t c = 0; c < D; c += 32) {
@@ -299,20 +314,20 @@ TARGET static void outer(const Job *j, const float W[MR][KB], const float *x, in
 
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
    begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
-   thread's `scratch` (3 · KB · D floats): no pass packs all of K and V beforehand. dq: this
-   item's (G, R, D) share; dKa, dVa: its keys' (KB, D). */
+   thread's `scratch` (3 · KB · MAX_D floats): no pass packs all of K and V beforehand. dq:
+   this item's (G, R, D) share; dKa, dVa: its keys' (KB, pad32(D)) and (KB, pad32(Dv)). */
 TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                                  float *dKa, float *dVa, void *scratch) {
     const Job *j = &bj->f;
-    int64_t D = j->D, GR = j->G * j->R;
+    int64_t D = j->D, Dv = j->Dv, GR = j->G * j->R, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     size_t size = j->f32 ? 4 : 2;
-    char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * D * size;
+    char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * Dv * size;
     for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
         pack32(&bj->k, b, h, j->begin + n0 + s, bj->T, D, j->f32, kp + s * D * size);
-        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, D, j->f32, vk + s * D * size);
+        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, Dv, j->f32, vk + s * Dv * size);
         if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
     }
     const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
@@ -325,25 +340,28 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     const void *qrows = qf, *drows = df;
 #endif
     float O[MR * MAX_D];
-    memset(dKa, 0, sizeof(float) * KB * D);
-    memset(dVa, 0, sizeof(float) * KB * D);
+    memset(dKa, 0, sizeof(float) * KB * Dp);
+    memset(dVa, 0, sizeof(float) * KB * Dvp);
     for (int64_t r0 = 0; r0 < GR; r0 += MR) {
         int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
         int live[KT / 32], any = 0;
         live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
         for (int64_t sb = 0; sb < nk / 32; sb++) any |= live[sb];
         if (!any) continue;
-        load_rows(j, j->q, j->qs, b, h, r0, rows, (void *)qrows);
-        load_rows(j, bj->dout, bj->dos, b, h, r0, rows, (void *)drows);
+        load_rows(j, j->q, j->qs, D, b, h, r0, rows, (void *)qrows);
+        load_rows(j, bj->dout, bj->dos, Dv, b, h, r0, rows, (void *)drows);
 #if QKV_BF16
-        for (int64_t x = 0; !j->f32 && x < MR * D; x++) { /* float32 copies for dK and dV */
-            uint32_t uq = (uint32_t)qt[x] << 16, ud = (uint32_t)dt[x] << 16;
-            memcpy(qf + x, &uq, 4);
-            memcpy(df + x, &ud, 4);
+        for (int64_t x = 0; !j->f32 && x < MR * Dp; x++) { /* float32 copies for dK and dV */
+            uint32_t u = (uint32_t)qt[x] << 16;
+            memcpy(qf + x, &u, 4);
+        }
+        for (int64_t x = 0; !j->f32 && x < MR * Dvp; x++) {
+            uint32_t u = (uint32_t)dt[x] << 16;
+            memcpy(df + x, &u, 4);
         }
 #endif
-        scores(j, qrows, kp, 0, nk, live, j->scale, S);
-        scores(j, drows, vk, 0, nk, live, 1.0f, dP);
+        scores(j, qrows, kp, D, 0, nk, live, j->scale, S);
+        scores(j, drows, vk, Dv, 0, nk, live, 1.0f, dP);
         const vf zero = vzero(), scale = vset1(j->scale), one = vset1(1.0f);
         const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
         for (int i = 0; i < MR; i++) {
@@ -372,20 +390,20 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
                 vstore(&dS[i][n], ds);
             }
         }
-        outer(j, P, df, rows, live, nk, dVa);
-        outer(j, dS, qf, rows, live, nk, dKa);
-        memset(O, 0, sizeof(float) * MR * D);
+        outer(P, df, Dvp, rows, live, nk, dVa);
+        outer(dS, qf, Dp, rows, live, nk, dKa);
+        memset(O, 0, sizeof(float) * MR * Dp);
 #if QKV_BF16
         if (!j->f32) { /* dS enters ·K as bfloat16 hi + lo */
             split_rows(dS, nk, Dh, Dl);
-            pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O);
+            pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O, D);
         } else
 #endif
-            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O);
+            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O, D);
         for (int i = 0; i < rows; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
             float *dqr = dq + (g * j->R + r) * D;
-            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * D + d];
+            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * Dp + d];
         }
     }
 }

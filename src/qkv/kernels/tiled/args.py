@@ -15,17 +15,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_keys(k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise unless K and V are what the kernel reads in place: one shape, one dtype it
-    computes in, D contiguous."""
+    """Raise unless K and V are what the kernel reads in place: one batch, head count and
+    length (their head dims may differ), one dtype it computes in, the head dim contiguous."""
     if (
         k.stride(-1) != 1
         or v.stride(-1) != 1
-        or v.shape != k.shape
+        or v.shape[:3] != k.shape[:3]
         or k.dtype != v.dtype
         or k.dtype not in DTYPES
     ):
         raise ValueError(
-            "native: K and V of one shape and dtype (float32 or bfloat16), each with D contiguous"
+            "native: K and V of one batch, head count, length and dtype (float32 or bfloat16), "
+            "each with its head dim contiguous"
         )
 
 

@@ -28,12 +28,12 @@ from .torch_ops import FLASH, FLASH_BACKWARD
 def supports(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key_finite: bool | None = None
 ) -> bool:
-    """Whether :func:`fused_forward` and :func:`fused_backward` can run this call: torch's
-    CPU kernels exist, the tensors are on the CPU in a floating dtype, D_v = D (the kernel's
-    requirement), and K is finite — the kernel adds the mask to the scores, and NaN + (-inf)
-    would carry a masked-out NaN key into the rows that mask it (the loop masks by
-    assignment instead). Reads all of K unless ``key_finite`` says (the dispatch reads it
-    once per call)."""
+    """Whether :func:`fused_forward` and :func:`fused_backward` can run this call through
+    torch's flash kernel: torch's CPU kernels exist, the tensors are on the CPU in a
+    floating dtype, D_v = D (torch's kernel's requirement), and K is finite — the kernel
+    adds the mask to the scores, and NaN + (-inf) would carry a masked-out NaN key into the
+    rows that mask it (the loop masks by assignment instead). Reads all of K unless
+    ``key_finite`` says (the dispatch reads it once per call)."""
     return (
         FLASH is not None
         and FLASH_BACKWARD is not None
@@ -71,9 +71,9 @@ def fused_forward(
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
-    H_kv, G = k.shape[1], H // k.shape[1]
+    H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
     q5 = _blocked(q, H_kv)
-    out = torch.empty(B, H_kv, G, T_q, D, dtype=acc, device=q.device)
+    out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
@@ -81,7 +81,7 @@ def fused_forward(
     if native is not None:
         jobs = native_jobs(plan, q5, out, lse, mask_tile, cache, call.q_offset)
         _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts, **mod)
-        return out.view(B, H, T_q, D), lse.view(B, H, T_q)
+        return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
         for c in group:

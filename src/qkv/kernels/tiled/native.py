@@ -6,7 +6,8 @@ bits); the softmax state in float32 either way. docs/kernels.md#the-native-kerne
 measurements; where it is not built or the CPU lacks the instructions, the fused calls run
 torch's flash kernel in float32 instead.
 
-Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
+Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim
+of Q and K · D_v of V.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def supports(
     """Whether the native kernel can run the flash calls of this call in ``dtype`` — the
     inputs' (the default), or float32 on copies of half-precision inputs: Q, K, V of one
     dtype on the CPU, the kernel built and this CPU able to run it, each with its head dim
-    contiguous, D = D_v a multiple of 32 (the kernel's vectors) up to 256, and finite Q and
+    contiguous, head dims it takes (:func:`shapes_fit`), and finite Q and
     V (the dispatch has checked K) — the kernel's max would pass over a NaN score, and
     0 · inf in ·V would reach rows that mask the key out. Reads Q and V: the dispatch asks
     once per call."""
@@ -194,22 +195,39 @@ def finite(x: torch.Tensor) -> bool:
     return bool(_native.finite(x=x.data_ptr(), n=x.numel(), float32=x.dtype == torch.float32))
 
 
+MAX_D = 576
+"""The widest head dim the kernel takes, of Q and K (D) or of V (D_v): DeepSeek's absorbed
+multi-head latent attention reads 576-wide keys and 512-wide values."""
+
+
 def shapes_fit(dtype: torch.dtype, device: torch.device, D: int, D_v: int) -> bool:
     """The part of :func:`supports` that reads no values: float32 or bfloat16 on a CPU that
-    runs the kernel in it, D = D_v a multiple of 32 up to 256."""
-    return device.type == "cpu" and D_v == D and D % 32 == 0 and D <= 256 and available(dtype)
+    runs the kernel in it, D and D_v from 1 to :data:`MAX_D` (D_v may differ from D; in
+    bfloat16 both even, for the pairs the bfloat16 dot product multiplies)."""
+    return (
+        device.type == "cpu"
+        and 0 < D <= MAX_D
+        and 0 < D_v <= MAX_D
+        and (dtype != torch.bfloat16 or D % 2 == D_v % 2 == 0)
+        and available(dtype)
+    )
 
 
 class Packed(NamedTuple):
     """K and V as the kernel reads them, packed once per forward pass: K with each 32 keys
     the score loop takes together side by side, zero past the last key; Nt covers every key
     a call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the
-    pairs the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D, 2);
+    pairs the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D_v, 2);
     float32: k (B, H_kv, Nt/32, D, 32), and v is V itself (its rows read in place)."""
 
     k: torch.Tensor
     v: torch.Tensor
     Nt: int
+
+    @property
+    def D_v(self) -> int:
+        """V's head dim."""
+        return self.v.shape[-1] if self.v.dtype == torch.float32 else self.v.shape[-2]
 
     def values(self) -> tuple[int, int, int, int]:
         """v as the kernel takes it: its address, its strides over B and H, and from one
@@ -220,22 +238,23 @@ class Packed(NamedTuple):
 
 
 def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
-    """K and V (B, H_kv, T_k, D), float32 or bfloat16 with D contiguous, packed for
-    :func:`attend`, in one parallel region."""
+    """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32 or bfloat16 with the head dim
+    contiguous, packed for :func:`attend`, in one parallel region."""
     check_keys(k, v)
     B, H_kv, T_k, D = k.shape
+    D_v = v.shape[-1]
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
     if k.dtype == torch.float32:  # V is read in place
         kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
     else:
         kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
-        vp = torch.empty(B, H_kv, Nt // 2, D, 2, dtype=torch.bfloat16)
-    todo = [dict(x=(k.data_ptr(), *k.stride()[:3]), dst=kp.data_ptr(), values=False)]
+        vp = torch.empty(B, H_kv, Nt // 2, D_v, 2, dtype=torch.bfloat16)
+    todo = [dict(x=(k.data_ptr(), *k.stride()[:3]), dst=kp.data_ptr(), values=False, D=D)]
     if k.dtype != torch.float32:
-        todo.append(dict(x=(v.data_ptr(), *v.stride()[:3]), dst=vp.data_ptr(), values=True))
+        todo.append(dict(x=(v.data_ptr(), *v.stride()[:3]), dst=vp.data_ptr(), values=True, D=D_v))
     _native.pack(
         packs=todo,
-        sizes=(B, H_kv, T_k, D, Nt),
+        sizes=(B, H_kv, T_k, Nt),
         threads=torch.get_num_threads(),
         float32=k.dtype == torch.float32,
     )
@@ -264,8 +283,10 @@ def attend(
     q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
     k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
     allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
-    (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D) and ``lse``
+    (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D_v) and ``lse``
     (B, H_kv, G, R), float32 views, where given."""
+    B, H_kv, G, R, _ = q5.shape
+    out = torch.empty(B, H_kv, G, R, packed.D_v) if out is None else out
     job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse, qpos)
     attend_many([job], packed, scale, p_parts, softcap, slopes)
     return job.out, job.lse
@@ -285,21 +306,21 @@ class Range(NamedTuple):
 
 class Job:
     """One call of :func:`attend_many`: queries q5 over the keys of ``ranges`` (disjoint),
-    one online softmax across them, into ``out`` and ``lse`` (made when None), as in
-    :func:`attend` (``qpos``: its first query's position, for ALiBi). No ranges: every row
-    has no key (out 0, lse -inf)."""
+    one online softmax across them, into ``out`` (B, H_kv, G, R, D_v) and ``lse`` (made
+    when None), as in :func:`attend` (``qpos``: its first query's position, for ALiBi). No
+    ranges: every row has no key (out 0, lse -inf)."""
 
     def __init__(
         self,
         q5: torch.Tensor,
         ranges: Sequence[Range],
-        out: torch.Tensor | None = None,
+        out: torch.Tensor,
         lse: torch.Tensor | None = None,
         qpos: int = 0,
     ) -> None:
-        B, H_kv, G, R, D = q5.shape
+        B, H_kv, G, R, _ = q5.shape
         self.q5, self.ranges, self.qpos = q5, list(ranges), qpos
-        self.out = torch.empty(B, H_kv, G, R, D) if out is None else out
+        self.out = out
         self.lse = torch.empty(B, H_kv, G, R) if lse is None else lse
 
 
@@ -321,16 +342,17 @@ def attend_many(
             check_call("attend", job.q5, _keys_of(packed), r.k0, r.k1, r.bias, r.bounds)
         alibi = alibi_at(slopes, job.q5, job.qpos)
         B, H_kv, G, R, D = job.q5.shape
+        D_v = packed.D_v
         out, lse = job.out, job.lse
         if (
-            out.shape != (B, H_kv, G, R, D)
+            out.shape != (B, H_kv, G, R, D_v)
             or lse.shape != (B, H_kv, G, R)
             or out.stride(-1) != 1
             or out.dtype != torch.float32
             or lse.dtype != torch.float32
         ):
             raise ValueError(
-                "native.attend: out (B, H_kv, G, R, D) and lse (B, H_kv, G, R), "
+                "native.attend: out (B, H_kv, G, R, D_v) and lse (B, H_kv, G, R), "
                 "float32, out's last dim contiguous"
             )
         ranges = [
@@ -345,7 +367,7 @@ def attend_many(
                 ranges=ranges,
                 out=(out.data_ptr(), *out.stride()[:4]),
                 lse=(lse.data_ptr(), *lse.stride()),
-                sizes=(B, H_kv, G, R, D),
+                sizes=(B, H_kv, G, R, D, D_v),
                 Nt=packed.Nt,
                 scale=scale,
                 softcap=softcap,
@@ -384,10 +406,10 @@ def backward(
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
-    for keys k0..k1-1 ((B, H_kv, k1 - k0, D)). q5 and do5 (B, H_kv, G, R, D), K and V
-    (B, H_kv, T_k, D) as they are (each work item packs its own keys), all float32 or all
-    bfloat16; bias, or bounds, as a :class:`Range`'s; ``softcap``, ``slopes`` and ``qpos``
-    as :func:`attend`'s."""
+    for keys k0..k1-1 ((B, H_kv, k1 - k0, D) and (…, D_v)). q5 (B, H_kv, G, R, D) and do5
+    (…, D_v), K (B, H_kv, T_k, D) and V (…, D_v) as they are (each work item packs its own
+    keys), all float32 or all bfloat16; bias, or bounds, as a :class:`Range`'s;
+    ``softcap``, ``slopes`` and ``qpos`` as :func:`attend`'s."""
     job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds, qpos)
     backward_many([job], k, v, scale, softcap, slopes)
 
@@ -426,6 +448,7 @@ def backward_many(
     them for the pass)."""
     check_keys(k, v)
     B_k, H_k, T_k, D_k = k.shape
+    D_v = v.shape[-1]
     keys, args = (B_k, H_k, D_k, k.dtype), []
     for job in jobs:
         check_call("backward", job.q5, keys, job.k0, job.k1, job.bias, job.bounds)
@@ -436,13 +459,13 @@ def backward_many(
         N = job.k1 - job.k0
         floats = (job.lse, job.delta, job.dq, job.dk, job.dv)
         if (
-            job.do5.shape != job.q5.shape
+            job.do5.shape != (B, H_kv, G, R, D_v)
             or job.do5.dtype != job.q5.dtype
             or job.lse.shape != (B, H_kv, G, R)
             or job.delta.shape != job.lse.shape
             or job.dq.shape != job.q5.shape
             or job.dk.shape != (B, H_kv, N, D)
-            or job.dv.shape != job.dk.shape
+            or job.dv.shape != (B, H_kv, N, D_v)
             or any(x.dtype != torch.float32 for x in floats)
             or any(x.stride(-1) != 1 for x in (job.do5, job.dq, job.dk, job.dv))
         ):
@@ -464,7 +487,7 @@ def backward_many(
                 dq=(job.dq.data_ptr(), *job.dq.stride()[:4]),
                 dk=(job.dk.data_ptr(), *job.dk.stride()[:3]),
                 dv=(job.dv.data_ptr(), *job.dv.stride()[:3]),
-                sizes=(B, H_kv, G, R, D),
+                sizes=(B, H_kv, G, R, D, D_v),
                 keys=(T_k, job.k0, N),
                 scale=scale,
                 softcap=softcap,
