@@ -112,3 +112,25 @@ def test_issue_25_benchmarks_run_and_print_their_tables(script, args, rows):
     assert done.returncode == 0, done.stderr
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     assert len(table) >= rows and all(line.count("|") >= 5 for line in table)
+
+
+def test_kv_memory_reads_the_bytes_from_the_caches(capsys):
+    """``qkv bench --kv-memory``: bytes per token and layer of each cache, from its buffers:
+    MHA 2 · H · D values, GQA 2 · H_kv · D, MQA 2 · D, MLA r + rope, a window W/T of MHA's."""
+    from qkv.cli.main import main as cli
+
+    cli(["bench", "--kv-memory", "--H", "4", "--D", "8", "--kv-heads", "2",
+         "--kv-lora-rank", "12", "--rope-dim", "4", "--window", "16", "--context", "64",
+         "--layers", "2", "--dtypes", "float32"])  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ") and "---" not in line and "bytes per token" not in line
+    }
+    assert rows == {
+        "MHA (H_kv = 4)": "256",
+        "GQA (H_kv = 2)": "128",
+        "MQA (H_kv = 1)": "64",
+        "MLA (r = 12, rope = 4)": "64",
+        "MHA, sliding window of 16": "64 (over the sequence)",
+    }

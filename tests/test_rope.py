@@ -1,5 +1,6 @@
 """RoPE (qkv.RoPE): a rotation that sees relative positions, and what a module saves."""
 
+import pytest
 import torch
 
 import qkv
@@ -29,3 +30,19 @@ def test_rope_frequencies_are_not_saved_with_the_weights():
     mha = qkv.MultiHeadAttention(16, 16, num_heads=2, rope=qkv.RoPE(8))
     assert not any("inv_freq" in name for name in mha.state_dict())
     assert list(qkv.RoPE(8).state_dict()) == []
+
+
+def test_interleaved_scaled_rope_rotates_neighbouring_pairs():
+    """interleaved=True pairs (x_2i, x_2i+1) and lays the result out as the even channels
+    then the odd ones; scaling multiplies cos and sin; inv_freq is taken as given."""
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    freqs = torch.rand(4, dtype=torch.float64)
+    plain = qkv.RoPE(8, inv_freq=freqs, scaling=0.5)
+    mixed = qkv.RoPE(8, inv_freq=freqs, scaling=0.5, interleaved=True)
+    halves = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    torch.testing.assert_close(mixed(x, 7), plain(halves, 7), rtol=0, atol=0)
+    norms = plain(x, 7).norm(dim=-1) / x.norm(dim=-1)
+    torch.testing.assert_close(norms, torch.full_like(norms, 0.5))
+    assert "interleaved=True, scaling=0.5" in repr(mixed)
+    with pytest.raises(ValueError, match="inv_freq must have shape"):
+        qkv.RoPE(8, inv_freq=torch.ones(3))

@@ -9,6 +9,7 @@ one run.
     qkv bench --flex                     # the docs/benchmarks.md table
     qkv bench --T 1024 4096 --masks causal --repeats 5
     qkv bench --long                     # causal T=65536, H=2, fwd+bwd through tiled
+    qkv bench --kv-memory                # cache bytes per token: MHA, GQA, MQA, MLA, window
 
 Legend: B batch · H heads · T sequence length · D head dim.
 """
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from .. import masks
 from ..functional import attention
-from ..nn import MultiHeadAttention
+from ..nn import KVCache, LatentCache, MultiHeadAttention
 from .args import Parser, positive
 
 
@@ -303,6 +304,63 @@ def decode(lengths: list[int], repeats: int) -> str:
     return "\n".join(lines)
 
 
+def kv_memory(
+    H: int,
+    D: int,
+    kv_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    window: int,
+    layers: int,
+    context: int,
+    dtype: torch.dtype,
+) -> str:
+    """The bytes a KV cache holds per token for one model shape, measured from the caches
+    qkv builds (a :class:`qkv.KVCache` per kind of attention, a :class:`qkv.nn.LatentCache`
+    for multi-head latent attention) — their buffers' bytes over their capacity in tokens —
+    and what one sequence of ``context`` tokens then holds over ``layers`` layers. A
+    sliding window's cache keeps its last ``window`` tokens alone."""
+    n = 64  # tokens of capacity: bytes per token do not depend on it
+
+    def per_token(cache: KVCache | LatentCache, tokens: int = n) -> float:
+        held = (
+            cache.tensors().values()
+            if isinstance(cache, LatentCache)
+            else (cache.keys, cache.values)
+        )
+        return sum(t.numel() * t.element_size() for t in held) / tokens
+
+    kinds = {
+        f"MHA (H_kv = {H})": per_token(KVCache(1, H, n, D, dtype=dtype)),
+        f"GQA (H_kv = {kv_heads})": per_token(KVCache(1, kv_heads, n, D, dtype=dtype)),
+        "MQA (H_kv = 1)": per_token(KVCache(1, 1, n, D, dtype=dtype)),
+        f"MLA (r = {kv_lora_rank}, rope = {rope_dim})": per_token(
+            LatentCache(1, n, kv_lora_rank, rope_dim, dtype=dtype)
+        ),
+    }
+    window_cache = KVCache(1, H, min(window, context), D, dtype=dtype)
+    mha = kinds[f"MHA (H_kv = {H})"]
+    name = str(dtype).removeprefix("torch.")
+    lines = [
+        f"# H = {H} heads of {D}, {layers} layers, {name}; one sequence of {context} tokens",
+        "| cache | bytes per token and layer | per token, all layers | one sequence | ÷ MHA |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, b in kinds.items():
+        total = b * layers * context
+        lines.append(
+            f"| {kind} | {b:,.0f} | {b * layers / 1024:,.1f} KiB | {total / 2**20:,.1f} MiB | "
+            f"{b / mha:.4f} |"
+        )
+    held = per_token(window_cache, context) * context * layers  # a window keeps W tokens
+    lines.append(
+        f"| MHA, sliding window of {window} | {held / layers / context:,.0f} (over the "
+        f"sequence) | {held / context / 1024:,.1f} KiB | {held / 2**20:,.1f} MiB | "
+        f"{held / layers / context / mha:.4f} |"
+    )
+    return "\n".join(lines)
+
+
 def _interleaved(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
     """Median time of each function, the functions taking turns within every repeat so
     that a drift in the machine's speed reaches all of them alike, in an order rotated at
@@ -332,14 +390,17 @@ def main(argv: list[str] | None = None) -> None:
         default=[1024, 4096, 16384],
         help="sequence lengths T_q = T_k (default 1024 4096 16384)",
     )
-    parser.add_argument("--H", type=positive, default=8, help="heads (default 8)")
-    parser.add_argument("--D", type=positive, default=64, help="head dim (default 64)")
+    parser.add_argument(
+        "--H", type=positive, help="heads (default 8; --kv-memory: 128, DeepSeek V3's)"
+    )
+    parser.add_argument(
+        "--D", type=positive, help="head dim (default 64; --kv-memory: 128, DeepSeek V3's)"
+    )
     parser.add_argument(
         "--dtypes",
         nargs="+",
-        default=["float32", "bfloat16"],
         choices=["float32", "bfloat16", "float16", "float64"],
-        help="dtypes to time (default float32 bfloat16)",
+        help="dtypes to time (default float32 bfloat16; --kv-memory: bfloat16)",
     )
     parser.add_argument(
         "--masks",
@@ -392,6 +453,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only the decode-step table: KV caches of 1k, 8k and 32k tokens",
     )
+    parser.add_argument(
+        "--kv-memory",
+        action="store_true",
+        help="only the cache bytes per token of MHA, GQA, MQA, MLA and a sliding window, for "
+        "the shape of --H, --D, --kv-heads, --kv-lora-rank, --rope-dim, --window, --layers, "
+        "--context and the first of --dtypes (default: DeepSeek V3's, bfloat16)",
+    )
+    parser.add_argument("--kv-heads", type=positive, default=8, help="GQA's H_kv (default 8)")
+    parser.add_argument("--kv-lora-rank", type=positive, default=512, help="MLA's r (512)")
+    parser.add_argument("--rope-dim", type=positive, default=64, help="MLA's rotary key (64)")
+    parser.add_argument("--window", type=positive, default=4096, help="window (4096)")
+    parser.add_argument("--layers", type=positive, default=61, help="layers (61)")
+    parser.add_argument("--context", type=positive, default=32768, help="tokens (32768)")
     parser.add_argument("--json", type=Path, help="append results as JSON lines here")
     parser.add_argument(
         "--from-json",
@@ -409,6 +483,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode:
         print(decode([1024, 8192, 32768], max(args.repeats, 50)))
         return
+    if args.kv_memory:
+        dtype = getattr(torch, (args.dtypes or ["bfloat16"])[0])
+        print(
+            kv_memory(
+                args.H or 128,
+                args.D or 128,
+                args.kv_heads,
+                args.kv_lora_rank,
+                args.rope_dim,
+                args.window,
+                args.layers,
+                args.context,
+                dtype,
+            )
+        )
+        return
+    args.H, args.D = args.H or 8, args.D or 64
+    args.dtypes = args.dtypes or ["float32", "bfloat16"]
     if args.long:
         args.T, args.H, args.dtypes, args.masks, args.passes = (
             [65536],

@@ -21,7 +21,12 @@ class GPTConfig:
         positions: "learned" (GPT-2: a table of block_size positions) or "rope".
         attention_only: no MLPs (the models interpretability studies train).
         attention: "softmax", or "uniform": every position averages its past equally
-            (seed 001's ``xbow``), the baseline that shows what attention adds.
+            (seed 001's ``xbow``), the baseline that shows what attention adds; or "mla":
+            multi-head latent attention (:class:`qkv.nn.MultiHeadLatentAttention`), heads of
+            n_embd / n_head for queries, keys and values, a shared rotary key half that
+            wide, and a cache of kv_lora_rank + that half per token.
+        kv_lora_rank: the latent width of "mla"; None: 4 · n_embd / n_head (DeepSeek V3's
+            512 for its heads of 128).
         gelu: "tanh" (GPT-2's approximation) or "erf" (exact).
         layer_norm: LayerNorm before each branch and at the end; False for none (the
             attention-only models of interpretability studies have none).
@@ -53,6 +58,7 @@ class GPTConfig:
     init: str = "gpt2"
     layer_norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    kv_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -71,7 +77,7 @@ class GPTConfig:
             )
         choices = {
             "positions": ("learned", "rope"),
-            "attention": ("softmax", "uniform"),
+            "attention": ("softmax", "uniform", "mla"),
             "gelu": ("tanh", "erf"),
             "init": ("gpt2", "fan_in"),
         }
@@ -85,6 +91,25 @@ class GPTConfig:
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(
                 f"rope needs an even head width n_embd / n_head; got {self.n_embd // self.n_head}"
+            )
+        if self.attention == "mla" and (
+            self.n_kv_head not in (None, self.n_head) or (self.n_embd // self.n_head) % 4
+        ):
+            raise ValueError(
+                "GPTConfig.attention='mla' takes no n_kv_head (its keys and values come from "
+                "one latent) and a head width n_embd / n_head divisible by 4 (its rotary key "
+                f"is half a head, an even width); got n_kv_head={self.n_kv_head}, head width "
+                f"{self.n_embd // self.n_head}"
+            )
+        if self.kv_lora_rank is not None and (
+            isinstance(self.kv_lora_rank, bool)
+            or not isinstance(self.kv_lora_rank, int)
+            or self.kv_lora_rank < 1
+            or self.attention != "mla"
+        ):
+            raise ValueError(
+                "GPTConfig.kv_lora_rank is an int >= 1 for attention='mla'; got "
+                f"{self.kv_lora_rank!r} with attention={self.attention!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from torch import nn
 from ..distributed import Layout
 from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
+from ..nn.mla import LatentCache, MultiHeadLatentAttention
 from ..nn.paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
 from .batching import Batcher
@@ -46,6 +47,13 @@ class UniformAttention(MultiHeadAttention):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project(x, context, positions)
         return torch.zeros_like(q), k, v
+
+
+def _output_projection(attn: nn.Module) -> nn.Linear:
+    """The projection an attention layer writes into the residual stream with."""
+    proj = attn.o_proj if isinstance(attn, MultiHeadLatentAttention) else attn.out_proj
+    assert isinstance(proj, nn.Linear)
+    return proj
 
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -73,18 +81,33 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, rope: RoPE | None) -> None:
         super().__init__()
         E = config.n_embd
-        attention = UniformAttention if config.attention == "uniform" else MultiHeadAttention
         self.ln_1 = _norm(config)
-        self.attn = attention(
-            E,
-            E,
-            config.n_head,
-            num_kv_heads=config.n_kv_head,
-            causal=True,
-            dropout=config.dropout,
-            qkv_bias=True,
-            rope=rope,
-        )
+        self.attn: MultiHeadAttention | MultiHeadLatentAttention
+        if config.attention == "mla":
+            head = E // config.n_head
+            self.attn = MultiHeadLatentAttention(
+                E,
+                config.n_head,
+                kv_lora_rank=config.kv_lora_rank or 4 * head,
+                qk_nope_head_dim=head,
+                qk_rope_head_dim=head // 2,
+                v_head_dim=head,
+                causal=True,
+                rope=RoPE(head // 2, base=config.rope_base),
+                dropout=config.dropout,
+            )
+        else:
+            attention = UniformAttention if config.attention == "uniform" else MultiHeadAttention
+            self.attn = attention(
+                E,
+                E,
+                config.n_head,
+                num_kv_heads=config.n_kv_head,
+                causal=True,
+                dropout=config.dropout,
+                qkv_bias=True,
+                rope=rope,
+            )
         self.drop = nn.Dropout(config.dropout)
         self.ln_2: nn.Module | None = None
         self.mlp: MLP | None = None
@@ -99,9 +122,18 @@ class Block(nn.Module):
         schedule: str = "allgather",
         group: Any = None,
     ) -> torch.Tensor:
-        x = x + self.drop(
-            self.attn(self.ln_1(x), cache=cache, layout=layout, schedule=schedule, group=group)
-        )
+        if isinstance(self.attn, MultiHeadLatentAttention):
+            if layout is not None or not isinstance(cache, (LatentCache, type(None))):
+                raise ValueError(
+                    "a latent-attention GPT (attention='mla') runs without layout= and with "
+                    "its own caches (new_caches), not paged or packed ones"
+                )
+            out = self.attn(self.ln_1(x), cache=cache)
+        else:
+            out = self.attn(
+                self.ln_1(x), cache=cache, layout=layout, schedule=schedule, group=group
+            )
+        x = x + self.drop(out)
         if self.mlp is not None and self.ln_2 is not None:
             x = x + self.drop(self.mlp(self.ln_2(x)))
         return x
@@ -154,7 +186,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         if fan_in:
             return
-        residual = [b.attn.out_proj for b in self.layers]
+        residual = [_output_projection(b.attn) for b in self.layers]
         residual += [b.mlp.proj for b in self.layers if b.mlp is not None]
         for proj in residual:
             nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(len(residual)))
@@ -234,9 +266,10 @@ class GPT(nn.Module):
             x = block(x, None if caches is None else caches[i], layout, schedule, group)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
-    def new_caches(self, batch: int) -> list[KVCache]:
-        """One empty :class:`qkv.KVCache` per layer, each of block_size tokens."""
-        return [b.attn.new_cache(batch, self.config.block_size) for b in self.layers]
+    def new_caches(self, batch: int) -> list[KVCache] | list[LatentCache]:
+        """One empty cache per layer, each of block_size tokens: a :class:`qkv.KVCache`, or
+        for latent attention a :class:`qkv.nn.LatentCache`."""
+        return [b.attn.new_cache(batch, self.config.block_size) for b in self.layers]  # type: ignore[return-value]
 
     def new_paged_caches(self, num_pages: int, page_size: int = 16) -> PagedCaches:
         """One empty :class:`qkv.PagedKVCache` per layer (pools of ``num_pages`` pages of
@@ -244,6 +277,11 @@ class GPT(nn.Module):
         what the model takes as ``caches``."""
         w = self.lm_head.weight
         attn = self.layers[0].attn
+        if isinstance(attn, MultiHeadLatentAttention):
+            raise ValueError(
+                "a latent-attention GPT (attention='mla') has no paged caches yet: decode "
+                "through new_caches (generate with a (B, T) tensor)"
+            )
         return PagedCaches(
             [
                 PagedKVCache(

@@ -1,8 +1,9 @@
 """PyTorch modules built on :func:`qkv.attention`: the seeds' attention classes, multi-head
-attention with GQA, RoPE and a KV cache."""
+attention with GQA, RoPE and a KV cache, multi-head latent attention and its cache."""
 
 from .cache import Cache, KVCache
 from .mha import MultiHeadAttention
+from .mla import LatentCache, MultiHeadLatentAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
 from .paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from .rope import RoPE
@@ -12,8 +13,10 @@ __all__ = [
     "CausalAttention",
     "CrossAttention",
     "KVCache",
+    "LatentCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "MultiHeadLatentAttention",
     "PackedBatch",
     "PagedBatch",
     "PagedCaches",

@@ -4,7 +4,8 @@ Each pair of channels ``(x_i, x_{i + D/2})`` of a query or key at absolute posit
 rotated by the angle ``p · base^(-2i/D)``. A rotation preserves norms, and the dot product of
 a rotated query at ``p`` and a rotated key at ``s`` depends only on ``p - s``: attention sees
 relative positions although each vector was rotated by its own absolute one. The channel
-pairing is the "rotate half" one of GPT-NeoX and Llama.
+pairing is the "rotate half" one of GPT-NeoX and Llama; ``interleaved=True`` pairs
+neighbours ``(x_2i, x_2i+1)`` instead, as DeepSeek's checkpoints do.
 
 Legend: B batch · H heads · T sequence length · D head dim.
 """
@@ -21,6 +22,12 @@ class RoPE(nn.Module):
     Args:
         head_dim: D, the width of each head.
         base: the wavelength base; 10000 as in the paper.
+        interleaved: pair neighbouring channels (DeepSeek's layout); the output holds the
+            rotated even channels, then the odd ones, so a query and a key rotated alike
+            keep their dot product.
+        inv_freq: the D/2 angular frequencies, where a scaled RoPE (YaRN, as DeepSeek V3
+            uses) computes its own; None: ``base^(-2i/D)``.
+        scaling: cos and sin multiplied by it (YaRN's attention factor); 1 for plain RoPE.
 
     Example:
         >>> import torch, qkv
@@ -34,15 +41,30 @@ class RoPE(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        inv_freq: torch.Tensor | None = None,
+        scaling: float = 1.0,
+    ) -> None:
         super().__init__()
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 2; got {head_dim}")
         if not base > 1:
             raise ValueError(f"base must be > 1; got {base}")
+        if inv_freq is None:
+            inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        elif inv_freq.shape != (head_dim // 2,):
+            raise ValueError(
+                f"inv_freq must have shape (head_dim / 2,) = ({head_dim // 2},); "
+                f"got {tuple(inv_freq.shape)}"
+            )
         self.head_dim, self.base = head_dim, base
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleaved, self.scaling = interleaved, float(scaling)
+        self.register_buffer("inv_freq", inv_freq.to(torch.float64), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
         """Rotate x: (…, T, D). ``positions`` is the absolute position of x's first row (an
@@ -61,8 +83,10 @@ class RoPE(nn.Module):
                 f"got {tuple(positions.shape)}"
             )
         angles = positions.to(torch.float64)[..., None] * self.inv_freq.to(x.device)  # (…T, D/2)
-        cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(x.dtype)  # (T, D) or (B, T, D)
-        sin = torch.cat([torch.sin(angles)] * 2, dim=-1).to(x.dtype)
+        cos = torch.cat([torch.cos(angles) * self.scaling] * 2, dim=-1).to(x.dtype)  # (…T, D)
+        sin = torch.cat([torch.sin(angles) * self.scaling] * 2, dim=-1).to(x.dtype)
+        if self.interleaved:  # pairs (x_2i, x_2i+1) as (x_i, x_i+D/2)
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
         if positions.ndim == 2:  # (B, T, D) -> (B, 1, T, D), across the heads
             cos, sin = cos[:, None], sin[:, None]
@@ -71,4 +95,6 @@ class RoPE(nn.Module):
         return x * cos + rotated * sin
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base:g}"
+        extra = ", interleaved=True" if self.interleaved else ""
+        extra += f", scaling={self.scaling:g}" if self.scaling != 1.0 else ""
+        return f"head_dim={self.head_dim}, base={self.base:g}{extra}"

@@ -67,6 +67,18 @@ class TrainConfig:
 INDUCTION_VOCAB = 64
 
 
+#: cpu-10min's training: sized for ten minutes on a 2-core CPU.
+_TEN_MINUTES = TrainConfig(
+    steps=1800,
+    batch_size=16,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup=100,
+    eval_interval=200,
+    eval_windows=64,
+    autocast="auto",
+)
+
 #: name -> (model, training). Named for what they are; ``cpu-10min`` is the default.
 PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
     # Seconds: for tests and a first look.
@@ -77,16 +89,16 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
     # Sized for ten minutes on a 2-core CPU: 398 s measured (docs/training.md).
     "cpu-10min": (
         GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128, positions="rope"),
-        TrainConfig(
-            steps=1800,
-            batch_size=16,
-            lr=3e-3,
-            min_lr=3e-4,
-            warmup=100,
-            eval_interval=200,
-            eval_windows=64,
-            autocast="auto",
+        _TEN_MINUTES,
+    ),
+    # cpu-10min's model with multi-head latent attention (DeepSeek's form, docs/head-shapes.md):
+    # heads of 32, a rotary key of 16, a latent of 128; its cache holds 144 values per token
+    # and layer against multi-head attention's 256.
+    "mla": (
+        GPTConfig(
+            block_size=256, n_layer=4, n_head=4, n_embd=128, positions="rope", attention="mla"
         ),
+        _TEN_MINUTES,
     ),
     # The induction experiment (docs/induction.md): a 2-layer attention-only model, no
     # LayerNorm, untied, unit-scale init, on random segments repeated, until an induction
