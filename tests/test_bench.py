@@ -134,3 +134,27 @@ def test_kv_memory_reads_the_bytes_from_the_caches(capsys):
         "MLA (r = 12, rope = 4)": "64",
         "MHA, sliding window of 16": "64 (over the sequence)",
     }
+
+
+@pytest.mark.parametrize(
+    "script,args,lines",
+    [  # lines: what each prints per row
+        ("bench_head_shapes.py", ["--T", "96", "--window", "16", "--rounds", "1"], 36),
+        ("bench_mla.py", ["--context", "64", "--heads", "2", "--rounds", "2"], 3),
+        ("bench_kv_quant.py", ["--only", "bytes"], 4),
+    ],
+)
+def test_the_head_shape_and_cache_benchmarks_run(script, args, lines):
+    """The scripts behind docs/head-shapes.md run at a small size and print their rows
+    (their timings are not asserted)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / script
+    done = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if "×" in line]
+    assert len(rows) >= lines, done.stdout

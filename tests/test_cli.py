@@ -346,6 +346,26 @@ def test_generate_decodes_several_prompts_together(tmp_path, capsys):
     assert together.split("\n")[1] == alone
 
 
+def test_generate_takes_a_quantized_kv_cache(tmp_path, capsys):
+    """--kv-dtype int8 / fp8: the caches quantized (one prompt, and several on the paged
+    cache); a tiny model's greedy bytes are the float cache's here; with --no-cache it is a
+    one-line error."""
+    out = tmp_path / "tiny"
+    main(["train", "--preset", "tiny", "--out", str(out), "--steps", "2", "--quiet"])
+    capsys.readouterr()
+    common = ["--checkpoint", str(out), "--tokens", "8", "--temperature", "0"]
+    main(["generate", *common, "--prompt", "hello"])
+    plain = capsys.readouterr().out
+    for kv in ("int8", "fp8"):
+        main(["generate", *common, "--prompt", "hello", "--kv-dtype", kv])
+        assert capsys.readouterr().out == plain
+        main(["generate", *common, "--prompt", "hello", "--prompt", "ab", "--kv-dtype", kv])
+        assert "--- 1: 'ab'" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", *common, "--prompt", "hello", "--kv-dtype", "int8", "--no-cache"])
+    assert stop.value.code == 2 and "--no-cache uses none" in capsys.readouterr().err
+
+
 def test_cli_explain_traces_a_trained_layer(tmp_path, capsys):
     """--checkpoint: one attention layer of a trained run over --prompt's bytes, its input
     what the model computes there; the weights are the module's own (checked against the

@@ -105,6 +105,8 @@ def heads_layout(x5, mask, G):
 HEAD_SHAPES = [  # (D, D_v) of 2026's models, and sizes off the vectors
     (192, 128),  # multi-head latent attention, expanded (DeepSeek V3)
     (576, 512),  # ... absorbed, over the latent cache
+    (512, 512),  # Gemma 4's global layers
+    (256, 128),
     (320, 320),
     (80, 80),
     (112, 48),

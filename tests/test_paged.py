@@ -286,7 +286,7 @@ def test_shared_prefixes_nested_are_read_once_and_equal_each_alone(monkeypatch, 
         monkeypatch.setattr(
             qkv.nn.paged,
             "_shared",
-            lambda q, k, v, pages: read.append(len(pages)) or real(q, k, v, pages),
+            lambda q, pool, pages: read.append(len(pages)) or real(q, pool, pages),
         )
         got = mha(step, cache=p.batch(seqs))
         assert sorted(read) == [2, 3]  # the 3 pages all share, the 2 more the first two share

@@ -20,6 +20,7 @@ import torch
 from .core import dispatch
 from .functional import Backend, attention
 from .kernels import paged
+from .kernels.quant import dequantize, is_quantized
 from .masks import Mask, causal, padding, predicate, sliding_window
 from .scores import ScoreMod, as_score_mod
 
@@ -214,10 +215,14 @@ def paged_attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """A decode step over a paged KV cache: each sequence's newest query attends every key
     the sequence holds, read in its pages through the block table — vLLM's PagedAttention
-    and FlashAttention's ``block_table``, on a CPU.
+    and FlashAttention's ``block_table``, on a CPU. Pages may be quantized (int8 or float8
+    e4m3, a float32 scale per token and key/value head: :class:`qkv.PagedKVCache` with
+    ``dtype=torch.int8``): the native kernel reads them in place, with no dequantized copy.
 
     float32 and bfloat16 run qkv's native kernel (``kernels/_paged.c``), which reads each
     page where it lies; elsewhere — another dtype, a gradient to record, the kernel not
@@ -238,6 +243,9 @@ def paged_attention(
             (``seqused_k``).
         scale, sinks: as in :func:`qkv.attention`.
         return_lse: also return the (B, H) log-sum-exp.
+        key_scale, value_scale: for quantized pages, their scales, float32
+            (num_pages, P, H_kv) (``pool.scales()``); a row is its stored values times its
+            scale. None for float pages.
 
     Returns:
         out (B, H, D_v), and lse (B, H) with ``return_lse``. A sequence with no token gives
@@ -257,9 +265,12 @@ def paged_attention(
         True
     """
     table, lengths = _page_shapes(query, key_pages, value_pages, block_table, lengths)
+    _page_scales(key_pages, key_scale, value_scale)
     native = dispatch.paged(query, key_pages, value_pages, scale, sinks)
     if native is not None:  # the kernel checks the lengths and pages it reads
-        done = paged.decode(query, key_pages, value_pages, table, lengths, native, sinks=sinks)
+        done = paged.decode(
+            query, key_pages, value_pages, table, lengths, native, sinks, key_scale, value_scale
+        )
         if done is not None:
             return done if return_lse else done[0]
         # a length or a page out of range: the checks below say which
@@ -270,11 +281,13 @@ def paged_attention(
     n = -(-longest // P)
     index = torch.where(needed, table, 0)[:, :n].to(key_pages.device)
 
-    def gathered(pages: torch.Tensor) -> torch.Tensor:
+    def gathered(pages: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         x = pages[index]  # (B, n, P, H_kv, ·)
+        if scales is not None:  # quantized: widened and scaled as gathered
+            x = dequantize(x, scales[index], query.dtype)
         return x.reshape(x.shape[0], n * P, *x.shape[3:])[:, :longest].transpose(1, 2)
 
-    k, v = gathered(key_pages), gathered(value_pages)
+    k, v = gathered(key_pages, key_scale), gathered(value_pages, value_scale)
     mask = padding(lengths) if bool((lengths < longest).any()) else None
     out, lse = attention(
         query[:, :, None], k, v, mask=mask, scale=scale, sinks=sinks, return_lse=True
@@ -356,6 +369,28 @@ def _page_shapes(
     if lengths.shape != (B,) or lengths.is_floating_point():
         raise ValueError(f"lengths must be (B,) = ({B},) integers; got {tuple(lengths.shape)}")
     return table, lengths
+
+
+def _page_scales(
+    key_pages: torch.Tensor, key_scale: torch.Tensor | None, value_scale: torch.Tensor | None
+) -> None:
+    """Quantized pages come with their scales (float32, (num_pages, P, H_kv)), float pages
+    without: a ValueError saying which otherwise (a missing scale would read raw integers
+    as values)."""
+    quantized = is_quantized(key_pages.dtype)
+    for name, s in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if quantized and s is None:
+            raise ValueError(
+                f"{name} is needed: the pages are {key_pages.dtype}, each row stored with a "
+                "scale (pool.scales())"
+            )
+        if not quantized and s is not None:
+            raise ValueError(f"{name} is for quantized pages; these are {key_pages.dtype}")
+        if s is not None and (s.dtype != torch.float32 or s.shape != key_pages.shape[:3]):
+            raise ValueError(
+                f"{name} must be float32 (num_pages, P, H_kv) = {tuple(key_pages.shape[:3])}; "
+                f"got {s.dtype} {tuple(s.shape)}"
+            )
 
 
 def pages_needed(

@@ -202,6 +202,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="recompute the context every step instead of using KV caches",
     )
+    ge.add_argument(
+        "--kv-dtype",
+        choices=["int8", "fp8"],
+        help="quantize the KV caches: int8, or fp8 (float8 e4m3); a float32 scale per token "
+        "and head (default: the model's dtype)",
+    )
     hd = sub.add_parser(
         "heads",
         help="score every head of a trained GPT",

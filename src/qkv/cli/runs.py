@@ -202,7 +202,10 @@ def run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         top_p=args.top_p,
         generator=torch.Generator().manual_seed(args.seed),
+        kv_dtype={None: None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[args.kv_dtype],
     )
+    if args.kv_dtype and args.no_cache:
+        raise ValueError("--kv-dtype quantizes the KV caches; --no-cache uses none")
     if len(prompts) == 1:
         idx = torch.tensor(prompts)  # (1, T) bytes
         out = model.generate(idx, args.tokens, use_cache=not args.no_cache, **sampling)

@@ -1,6 +1,8 @@
 """qkv's native decode step over a paged KV cache (``_paged.c``, built at install): one query
 per sequence attends its keys in their pages, read through the block table, with no gather
-into a contiguous copy. float32 and bfloat16 (accumulated in float32); where it is not built,
+into a contiguous copy. float32 and bfloat16 (accumulated in float32), and pages quantized
+to int8 or float8 e4m3 with a float32 scale per row (:mod:`.quant`), read in place; where
+it is not built,
 :func:`qkv.paged_attention` gathers the pages and calls :func:`qkv.attention` instead
 (docs/ragged.md#attention-over-pages).
 
@@ -11,6 +13,8 @@ P page size.
 from __future__ import annotations
 
 import torch
+
+from .quant import is_quantized
 
 try:
     from . import _paged  # type: ignore[attr-defined]
@@ -23,17 +27,22 @@ def available() -> bool:
     return _paged is not None
 
 
+#: How the kernel is told the pages' storage (its kv_storage field).
+STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+
+
 def supports(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
 ) -> bool:
-    """Whether :func:`decode` runs these tensors: built, on the CPU, one float dtype of float32
-    or bfloat16, each row (the last dim) contiguous, and no gradient to record (the kernel has
-    no backward)."""
+    """Whether :func:`decode` runs these tensors: built, on the CPU, q float32 or bfloat16
+    and the pages of its dtype or both quantized to one of int8 and float8 e4m3, each row
+    (the last dim) contiguous, and no gradient to record (the kernel has no backward)."""
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
     return (
         _paged is not None
         and q.device.type == k.device.type == v.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype
+        and k.dtype == v.dtype
+        and (k.dtype == q.dtype or is_quantized(k.dtype))
         and q.dtype in (torch.float32, torch.bfloat16)
         and all(x.stride(-1) == 1 for x in (q, k, v))
         and not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs))
@@ -48,6 +57,8 @@ def decode(
     lengths: torch.Tensor,
     scale: float,
     sinks: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One query per sequence over its pages: ``out`` (B, H, D_v) in q's dtype and ``lse``
     (B, H) float32; None, having read nothing, where a length is past its table or a page
@@ -61,8 +72,20 @@ def decode(
         lengths: (B,) integers: the tokens sequence b holds.
         scale: multiplies the scores.
         sinks: (H,) logits of a key with no value in every row's softmax, or None.
+        key_scale, value_scale: quantized pages' scales, float32 (pages, P, H_kv) (any
+            strides): row (page, slot, head) is its stored values times its scale.
     """
     assert _paged is not None and supports(q, k, v, sinks), "check paged.supports first"
+    scales = []
+    for s in (key_scale, value_scale):
+        if is_quantized(k.dtype) != (s is not None):
+            raise ValueError("paged decode: quantized pages take their scales, others none")
+        if s is not None and (s.dtype != torch.float32 or s.shape != k.shape[:3]):
+            raise ValueError(
+                f"paged decode: scales float32 (pages, P, H_kv) = {tuple(k.shape[:3])}; got "
+                f"{s.dtype} {tuple(s.shape)}"
+            )
+        scales.append((0, 0, 0, 0) if s is None else (s.data_ptr(), *s.stride()))
     B, H, D = q.shape
     num_pages, P, H_kv, D_v = k.shape[0], k.shape[1], k.shape[2], v.shape[3]
     table32 = table.to(torch.int32).contiguous()
@@ -82,6 +105,9 @@ def decode(
         sizes=(B, H, H_kv, D, D_v, P),
         scale=float(scale),
         bfloat16=int(q.dtype == torch.bfloat16),
+        kv_storage=STORAGE[k.dtype],
+        key_scale=scales[0],
+        value_scale=scales[1],
         threads=torch.get_num_threads(),
     )
     return (out.to(q.dtype), lse) if fine else None

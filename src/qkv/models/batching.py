@@ -33,7 +33,9 @@ class Decoder(Protocol):
     config: GPTConfig
     lm_head: nn.Linear
 
-    def new_paged_caches(self, num_pages: int, page_size: int = 16) -> PagedCaches: ...
+    def new_paged_caches(
+        self, num_pages: int, page_size: int = 16, kv_dtype: torch.dtype | None = None
+    ) -> PagedCaches: ...
 
     def __call__(self, idx: torch.Tensor, *, caches: Any) -> Any: ...
 
@@ -60,6 +62,8 @@ class Batcher:
             (temperature 0 is greedy); one generator draws for the whole batch in request
             order, so a run is reproducible from its seed and its requests.
         stop_token: a request ends after producing this token (kept in its output).
+        kv_dtype: the paged caches' storage: None (the model's dtype), ``torch.int8`` or
+            ``torch.float8_e4m3fn`` (quantized, read in place by the decode kernel).
 
     Example:
         >>> import torch, qkv
@@ -86,10 +90,11 @@ class Batcher:
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         window = model.config.block_size
         pages = 32 * -(-window // page_size) if num_pages is None else num_pages
-        self.model, self.caches = model, model.new_paged_caches(pages, page_size)
+        self.model, self.caches = model, model.new_paged_caches(pages, page_size, kv_dtype)
         self.sampling = (temperature, top_k, top_p, generator)
         self.stop_token = stop_token
         self._requests: dict[int, _Request] = {}

@@ -266,15 +266,21 @@ class GPT(nn.Module):
             x = block(x, None if caches is None else caches[i], layout, schedule, group)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
-    def new_caches(self, batch: int) -> list[KVCache] | list[LatentCache]:
+    def new_caches(
+        self, batch: int, kv_dtype: torch.dtype | None = None
+    ) -> list[KVCache] | list[LatentCache]:
         """One empty cache per layer, each of block_size tokens: a :class:`qkv.KVCache`, or
-        for latent attention a :class:`qkv.nn.LatentCache`."""
-        return [b.attn.new_cache(batch, self.config.block_size) for b in self.layers]  # type: ignore[return-value]
+        for latent attention a :class:`qkv.nn.LatentCache`; ``kv_dtype`` ``torch.int8`` or
+        ``torch.float8_e4m3fn`` quantizes them (None: the model's dtype)."""
+        size = self.config.block_size
+        return [b.attn.new_cache(batch, size, kv_dtype) for b in self.layers]  # type: ignore[return-value]
 
-    def new_paged_caches(self, num_pages: int, page_size: int = 16) -> PagedCaches:
+    def new_paged_caches(
+        self, num_pages: int, page_size: int = 16, kv_dtype: torch.dtype | None = None
+    ) -> PagedCaches:
         """One empty :class:`qkv.PagedKVCache` per layer (pools of ``num_pages`` pages of
-        ``page_size`` tokens), on the model's device and dtype; ``caches.batch(seqs)`` is
-        what the model takes as ``caches``."""
+        ``page_size`` tokens), on the model's device and dtype, or quantized to
+        ``kv_dtype``; ``caches.batch(seqs)`` is what the model takes as ``caches``."""
         w = self.lm_head.weight
         attn = self.layers[0].attn
         if isinstance(attn, MultiHeadLatentAttention):
@@ -289,8 +295,9 @@ class GPT(nn.Module):
                     page_size,
                     attn.num_kv_heads,
                     attn.head_dim,
-                    dtype=w.dtype,
+                    dtype=w.dtype if kv_dtype is None else kv_dtype,
                     device=w.device,
+                    compute_dtype=w.dtype,
                 )
                 for _ in self.layers
             ]
@@ -305,12 +312,14 @@ class GPT(nn.Module):
         top_p: float | None,
         generator: torch.Generator | None,
         stop_token: int | None,
+        kv_dtype: torch.dtype | None,
     ) -> list[torch.Tensor]:
         was_training = self.training
         self.eval()
         try:
             batcher = Batcher(
                 self,
+                kv_dtype=kv_dtype,
                 num_pages=len(prompts) * -(-self.config.block_size // 16),
                 temperature=temperature,
                 top_k=top_k,
@@ -341,6 +350,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         stop_token: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -355,6 +365,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         stop_token: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> list[torch.Tensor]: ...
 
     @torch.no_grad()
@@ -369,6 +380,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         stop_token: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Continue each sequence of idx (B, T) by max_new_tokens tokens: (B, T + new).
 
@@ -396,10 +408,13 @@ class GPT(nn.Module):
             generator: the source of randomness: the same seed gives the same tokens.
             use_cache: decode with KV caches (default) or recompute every step.
             stop_token: for a list of prompts, a prompt ends after producing it.
+            kv_dtype: the caches' storage: None (the model's dtype), or ``torch.int8`` or
+                ``torch.float8_e4m3fn`` (quantized: a quarter of float32's bytes, the
+                logits within the rounding docs/head-shapes.md measures).
         """
         if isinstance(idx, (list, tuple)):
             return self._generate_ragged(
-                idx, max_new_tokens, temperature, top_k, top_p, generator, stop_token
+                idx, max_new_tokens, temperature, top_k, top_p, generator, stop_token, kv_dtype
             )
         if stop_token is not None:
             raise ValueError("stop_token applies to a list of prompts (each stops on its own)")
@@ -431,7 +446,7 @@ class GPT(nn.Module):
                 elif caches is not None and caches[0].length < window:
                     logits = self(idx[:, -1:], caches=caches)  # one new token
                 else:  # first step, or the window slid: prefill from position 0
-                    caches = self.new_caches(idx.shape[0])
+                    caches = self.new_caches(idx.shape[0], kv_dtype)
                     logits = self(context, caches=caches)
                 nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)  # (B, 1)
                 idx = torch.cat([idx, nxt], dim=1)

@@ -15,7 +15,9 @@ from typing import Protocol
 import torch
 
 from ..functional import MaskLike, attention
+from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..masks import Mask, causal
+from ..varlen import paged_attention
 
 
 class Cache(Protocol):
@@ -67,7 +69,14 @@ class KVCache:
     Args:
         batch, num_kv_heads, max_len, head_dim: B, H_kv, capacity in tokens, D.
         value_dim: D_v (default D).
-        dtype, device: of the buffers; appended tensors must match.
+        dtype, device: of the buffers; appended tensors must match. ``torch.int8`` or
+            ``torch.float8_e4m3fn`` quantize: each appended row (a token's key or value for
+            one head) is stored in that dtype with a float32 scale (``key_scale``,
+            ``value_scale``: (B, H_kv, max_len)), a quarter of float32's bytes
+            (:mod:`qkv.kernels.quant`); appended tensors are then ``compute_dtype``, and
+            what :meth:`append` returns is dequantized to it. No gradient flows through a
+            quantized cache.
+        compute_dtype: the dtype a quantized cache takes and gives back (float32).
 
     Example:
         >>> import torch, qkv
@@ -91,6 +100,7 @@ class KVCache:
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sizes(batch=batch, num_kv_heads=num_kv_heads, max_len=max_len, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
@@ -98,6 +108,13 @@ class KVCache:
         self.values = torch.zeros(
             batch, num_kv_heads, max_len, value_dim, dtype=dtype, device=device
         )
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
+        self._like = self.keys  # what appended tensors must be (dtype, device)
+        if is_quantized(dtype):
+            scales = torch.zeros(2, batch, num_kv_heads, max_len, device=device)
+            self.key_scale, self.value_scale = scales[0], scales[1]
+            self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self.length = 0
 
     @property
@@ -106,19 +123,60 @@ class KVCache:
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after the cached ones;
-        return views of all cached keys and values, (B, H_kv, length, ·)."""
+        return all cached keys and values, (B, H_kv, length, ·): views, or a quantized
+        cache's rows dequantized."""
+        self.store(key, value)
+        end = self.length
+        if self.key_scale is None or self.value_scale is None:
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        dtype = self._like.dtype
+        return (
+            dequantize(self.keys[:, :, :end], self.key_scale[:, :, :end], dtype),
+            dequantize(self.values[:, :, :end], self.value_scale[:, :, :end], dtype),
+        )
+
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after the cached ones
+        (quantized, in a quantized cache), returning nothing: :meth:`append` without the
+        read."""
         B, H_kv, _, D = self.keys.shape
-        check_appended(key, value, B, H_kv, D, self.values.shape[-1], self.keys, "the cache")
+        check_appended(key, value, B, H_kv, D, self.values.shape[-1], self._like, "the cache")
         T = key.shape[2]
         if self.length + T > self.max_len:
             raise ValueError(
                 f"KVCache overflow: appending T={T} tokens to {self.length} "
                 f"cached would exceed max_len={self.max_len}"
             )
-        self.keys[:, :, self.length : self.length + T] = key
-        self.values[:, :, self.length : self.length + T] = value
-        self.length += T
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        at, end = self.length, self.length + T
+        if self.key_scale is None or self.value_scale is None:
+            self.keys[:, :, at:end] = key
+            self.values[:, :, at:end] = value
+            self.length = end
+            return
+        check_no_grad(key, value)
+        for name, x in (("key", key), ("value", value)):
+            check_finite(x, name, lambda b, t: (b, at + t))
+        self.keys[:, :, at:end], self.key_scale[:, :, at:end] = quantize(key, self.keys.dtype)
+        self.values[:, :, at:end], self.value_scale[:, :, at:end] = quantize(
+            value, self.values.dtype
+        )
+        self.length = end
+
+    def as_pages(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cache as :func:`qkv.paged_attention` reads it, no copy: each sequence one
+        page of max_len slots — keys (B, max_len, H_kv, D) and values (…, D_v) views —
+        its block table (B, 1) and the lengths (B,)."""
+        B = self.keys.shape[0]
+        table = torch.arange(B, device=self.keys.device)[:, None]
+        lengths = torch.full((B,), self.length, device=self.keys.device)
+        return self.keys.transpose(1, 2), self.values.transpose(1, 2), table, lengths
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What the cache stores, by name: keys and values, and a quantized cache's scales."""
+        held = {"keys": self.keys, "values": self.values}
+        if self.key_scale is not None and self.value_scale is not None:
+            held |= {"key_scale": self.key_scale, "value_scale": self.value_scale}
+        return held
 
     def positions(self, T: int) -> int:
         """New tokens follow the cached ones: the first sits at ``length``."""
@@ -135,7 +193,26 @@ class KVCache:
         dropout_p: float,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Append k and v, then attend q over every cached key (:class:`Cache`)."""
+        """Append k and v, then attend q over every cached key (:class:`Cache`). A quantized
+        cache's decode step (one query, no mask or dropout) reads the stored rows in place
+        (:func:`qkv.paged_attention`, each sequence one page); anything else attends over
+        the rows :meth:`append` gives back."""
+        ks, vs = self.key_scale, self.value_scale
+        if ks is not None and vs is not None and q.shape[2] == 1 and mask is None and not dropout_p:
+            self.store(k, v)
+            keys, values, table, lengths = self.as_pages()
+            out = paged_attention(
+                q[:, :, 0],
+                keys,
+                values,
+                table,
+                lengths,
+                sinks=sinks,
+                key_scale=ks.transpose(1, 2),
+                value_scale=vs.transpose(1, 2),
+            )
+            assert isinstance(out, torch.Tensor)
+            return out[:, :, None]
         keys, values = self.append(k, v)  # (B, H_kv, length, ·)
         mask = with_causal(mask, causal)
         return attention(q, keys, values, mask=mask, dropout_p=dropout_p, sinks=sinks)

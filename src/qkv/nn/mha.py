@@ -196,11 +196,19 @@ class MultiHeadAttention(AttentionModule):
         )
         return self.merge(out, like=x)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """An empty :class:`qkv.KVCache` for this module, on its device and dtype."""
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty :class:`qkv.KVCache` for this module, on its device, in its dtype or
+        ``dtype`` (``torch.int8``, ``torch.float8_e4m3fn``: quantized, computing in the
+        module's dtype)."""
         w = self.W_key.weight
         return KVCache(
-            batch, self.num_kv_heads, max_len, self.head_dim, dtype=w.dtype, device=w.device
+            batch,
+            self.num_kv_heads,
+            max_len,
+            self.head_dim,
+            dtype=w.dtype if dtype is None else dtype,
+            device=w.device,
+            compute_dtype=w.dtype,
         )
 
     @classmethod

@@ -31,6 +31,8 @@ from torch import nn
 
 from ..core.call import Dispatch
 from ..functional import MaskLike, attention, dispatch
+from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
+from ..varlen import paged_attention
 from .cache import check_sizes, with_causal
 from .modules import check_input
 from .rope import RoPE
@@ -43,6 +45,10 @@ class LatentCache:
     latent (``kv_lora_rank`` values) followed by its rotary key (``rope_dim`` values),
     (B, 1, max_len, r + rope). The absorbed form attends over these rows as they are: one
     key/value head whose values are the first r columns of its keys (a view, no copy).
+
+    ``dtype=torch.int8`` or ``torch.float8_e4m3fn`` quantizes each row with a float32 scale
+    (``scales``, (B, 1, max_len)); :meth:`append` then gives the rows back dequantized to
+    ``compute_dtype``.
 
     Example:
         >>> import torch, qkv
@@ -63,12 +69,18 @@ class LatentCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sizes(batch=batch, max_len=max_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
         self.kv_lora_rank = kv_lora_rank
         self.rows = torch.zeros(
             batch, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
         )
+        self.scales: torch.Tensor | None = None
+        self._like = self.rows  # what appended rows must be (dtype, device)
+        if is_quantized(dtype):
+            self.scales = torch.zeros(batch, 1, max_len, device=device)
+            self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self.length = 0
 
     @property
@@ -76,26 +88,41 @@ class LatentCache:
         return self.rows.shape[2]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What the cache stores, by name: its rows (B, 1, max_len, r + rope)."""
-        return {"rows": self.rows}
+        """What the cache stores, by name: its rows (B, 1, max_len, r + rope), and a
+        quantized cache's scales (B, 1, max_len)."""
+        return {"rows": self.rows} | ({} if self.scales is None else {"scales": self.scales})
 
     def bytes_per_token(self) -> int:
         """Bytes the cache holds per token of one sequence (one layer)."""
         return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors().values())
 
+    def held(self) -> torch.Tensor:
+        """The cached rows (B, 1, length, r + rope), dequantized where quantized."""
+        rows = self.rows[:, :, : self.length]
+        if self.scales is None:
+            return rows
+        return dequantize(rows, self.scales[:, :, : self.length], self._like.dtype)
+
     def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Store rows (B, 1, T, r + rope) after the cached ones; return a view of all cached
-        rows, (B, 1, length, r + rope)."""
+        """Store rows (B, 1, T, r + rope) after the cached ones; return all cached rows,
+        (B, 1, length, r + rope): a view, or dequantized."""
+        self.store(rows)
+        return self.held()
+
+    def store(self, rows: torch.Tensor) -> None:
+        """Store rows (B, 1, T, r + rope) after the cached ones (quantized, in a quantized
+        cache), returning nothing: :meth:`append` without the read."""
         B, _, max_len, width = self.rows.shape
         if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != (B, 1, width):
             raise ValueError(
                 f"rows must have shape (B, 1, T, r + rope) with B={B}, r + rope={width}; "
                 f"got {tuple(rows.shape)}"
             )
-        if rows.dtype != self.rows.dtype or rows.device != self.rows.device:
+        like = self._like
+        if rows.dtype != like.dtype or rows.device != like.device:
             raise TypeError(
                 f"rows are {rows.dtype} on {rows.device} but the cache holds "
-                f"{self.rows.dtype} on {self.rows.device}"
+                f"{like.dtype} on {like.device}"
             )
         T = rows.shape[2]
         if self.length + T > max_len:
@@ -103,9 +130,14 @@ class LatentCache:
                 f"LatentCache overflow: appending T={T} tokens to {self.length} cached would "
                 f"exceed max_len={max_len}"
             )
-        self.rows[:, :, self.length : self.length + T] = rows
-        self.length += T
-        return self.rows[:, :, : self.length]
+        at, end = self.length, self.length + T
+        if self.scales is None:
+            self.rows[:, :, at:end] = rows
+        else:
+            check_no_grad(rows)
+            check_finite(rows, "latent row", lambda b, t: (b, at + t))
+            self.rows[:, :, at:end], self.scales[:, :, at:end] = quantize(rows, self.rows.dtype)
+        self.length = end
 
     def positions(self, T: int) -> int:
         """New tokens follow the cached ones: the first sits at ``length``."""
@@ -126,13 +158,33 @@ class LatentCache:
         """Append the new rows k (B, 1, T, r + rope), then attend the absorbed queries q
         (B, H, T, r + rope) over every cached row, its first r columns the values:
         (B, H, T, r) (:class:`qkv.nn.Cache`). v must be k's first r columns (a view): the
-        values are part of the rows, never stored apart."""
+        values are part of the rows, never stored apart. A quantized cache's decode step
+        (one query, no mask or dropout) reads the stored rows in place
+        (:func:`qkv.paged_attention`, each sequence one page, keys and values one row)."""
         r = self.kv_lora_rank
         if v.shape[-1] != r or v.data_ptr() != k.data_ptr() or v.stride() != k.stride():
             raise ValueError(
                 "LatentCache.attend: v must be k[..., :kv_lora_rank], a view of the rows "
                 "(the values are the latent part of each row)"
             )
+        if self.scales is not None and q.shape[2] == 1 and mask is None and not dropout_p:
+            self.store(k)
+            pages = self.rows.transpose(1, 2)  # (B, max_len, 1, r + rope)
+            scales = self.scales.transpose(1, 2)  # one per row: keys and values share it
+            B = pages.shape[0]
+            out = paged_attention(
+                q[:, :, 0],
+                pages,
+                pages[..., :r],
+                torch.arange(B, device=pages.device)[:, None],
+                torch.full((B,), self.length, device=pages.device),
+                scale=scale,
+                sinks=sinks,
+                key_scale=scales,
+                value_scale=scales,
+            )
+            assert isinstance(out, torch.Tensor)
+            return out[:, :, None]
         rows = self.append(k)
         return attention(
             q,
@@ -371,7 +423,7 @@ class MultiHeadLatentAttention(nn.Module):
             start = 0 if cache is None else cache.positions(T_q)
             q_nope, q_rope, rows = self._project(x, start)
             if cache is not None:  # the keys it would attend: the cached rows, then these
-                rows = torch.cat([cache.rows[:, :, : cache.length], rows], dim=2)
+                rows = torch.cat([cache.held(), rows], dim=2)
             if chosen == "absorbed":
                 q, k, v = self._absorbed_query(q_nope, q_rope), rows, rows[..., : self.kv_lora_rank]
             else:
@@ -379,11 +431,18 @@ class MultiHeadLatentAttention(nn.Module):
             found = dispatch(q, k, v, mask=with_causal(mask, self.causal), scale=self.scale)
         return dataclasses.replace(found, reason=f"{chosen} form ({why}); {found.reason}")
 
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        """An empty :class:`LatentCache` for this layer, on its device and dtype."""
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> LatentCache:
+        """An empty :class:`LatentCache` for this layer, on its device, in its dtype or
+        ``dtype`` (``torch.int8``, ``torch.float8_e4m3fn``: quantized)."""
         w = self.kv_a_proj.weight
         return LatentCache(
-            batch, max_len, self.kv_lora_rank, self.rope_dim, dtype=w.dtype, device=w.device
+            batch,
+            max_len,
+            self.kv_lora_rank,
+            self.rope_dim,
+            dtype=w.dtype if dtype is None else dtype,
+            device=w.device,
+            compute_dtype=w.dtype,
         )
 
     @classmethod

@@ -7,6 +7,7 @@ Legend: H query heads · H_kv key/value heads · D head dim · D_v value dim.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -14,7 +15,6 @@ import torch
 from ..masks import MaskLike
 from ..varlen import varlen_attention
 from .book import Pass
-from .cache import check_appended
 
 
 class Pool(Protocol):
@@ -25,6 +25,15 @@ class Pool(Protocol):
     values: torch.Tensor
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def check_rows(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rows: int,
+        where: Callable[[int, int], tuple[int, int]],
+        what: str,
+    ) -> None: ...
 
 
 class PackedBatch:
@@ -57,18 +66,13 @@ class PackedBatch:
 
     def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The packed (1, H_kv, total, ·) keys and values into each sequence's pages."""
-        H_kv = self.pool.keys.shape[0]
-        check_appended(
-            key,
-            value,
-            1,
-            H_kv,
-            self.pool.keys.shape[3],
-            self.pool.values.shape[3],
-            self.pool.keys,
-            "the pool",
-            " (packed)",
-        )
+        starts = self.cu[:-1].tolist()
+
+        def where(_: int, t: int) -> tuple[int, int]:  # packed token t's sequence, position
+            i = max(i for i, s in enumerate(starts) if s <= t)
+            return self.seqs[i], t - starts[i]
+
+        self.pool.check_rows(key, value, 1, where, " (packed)")
         done = self._plan.append(self._appends, tuple(self.lengths))
         self.pool.write(done.slots.to(self.pool.keys.device), key, value)
         self._appends += 1

@@ -11,12 +11,13 @@ D head dim · D_v value dim.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..functional import attention
+from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..lse import merge_attention
 from ..masks import Mask, MaskLike, padding, predicate
 from ..masks import causal as causal_mask
@@ -37,7 +38,11 @@ class PagedKVCache:
         num_pages: pages in the pool.
         page_size: tokens per page (P).
         num_kv_heads, head_dim: H_kv, D; ``value_dim`` D_v (default D).
-        dtype, device: of the pool; appended tensors must match.
+        dtype, device: of the pool; appended tensors must match. ``torch.int8`` or
+            ``torch.float8_e4m3fn`` quantize each appended row with a float32 scale, as
+            :class:`qkv.KVCache` does (:meth:`scales`); appended tensors are then
+            ``compute_dtype`` (float32), the native decode kernel reads the pages in place,
+            and :meth:`gather` dequantizes.
 
     Example:
         >>> import torch, qkv
@@ -60,6 +65,7 @@ class PagedKVCache:
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
         check_sizes(
             num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
@@ -70,6 +76,14 @@ class PagedKVCache:
         shape = (num_kv_heads, num_pages, page_size)
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
+        # A quantized pool's scales, (H_kv, pages, P) each; None for a float pool.
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
+        self._like = self.keys  # what appended tensors must be (dtype, device)
+        if is_quantized(dtype):
+            scales = torch.zeros(2, *shape, device=device)
+            self.key_scale, self.value_scale = scales[0], scales[1]
+            self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
         self._book = Book(num_pages, page_size)
 
@@ -109,8 +123,9 @@ class PagedKVCache:
         return child
 
     def _copy_page(self, source: int, target: int) -> None:
-        self.keys[:, target] = self.keys[:, source]
-        self.values[:, target] = self.values[:, source]
+        for x in (self.keys, self.values, self.key_scale, self.value_scale):
+            if x is not None:
+                x[:, target] = x[:, source]
 
     def shared_prefix(self, seqs: Sequence[int]) -> int:
         """How many leading pages every one of these sequences holds in common (each full)."""
@@ -134,11 +149,16 @@ class PagedKVCache:
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """(B, H_kv, T, ·) keys and values into the slots (page · P + offset, (B · T,),
-        row-major) reserved for them."""
+        row-major) reserved for them; quantized with their scales in a quantized pool
+        (checked finite and gradient-free first, by :meth:`_check`)."""
         H_kv, pages, P = self.keys.shape[:3]
-        for pool, x in ((self.keys, key), (self.values, value)):
-            flat = pool.view(H_kv, pages * P, pool.shape[3])
-            flat.index_copy_(1, slots, x.transpose(0, 1).reshape(H_kv, -1, x.shape[3]))
+        rows = [(self.keys, self.key_scale, key), (self.values, self.value_scale, value)]
+        for pool, scales, x in rows:
+            flat = x.transpose(0, 1).reshape(H_kv, -1, x.shape[3])
+            if scales is not None:
+                flat, scale = quantize(flat, pool.dtype)
+                scales.view(H_kv, pages * P).index_copy_(1, slots, scale)
+            _raw(pool).view(H_kv, pages * P, pool.shape[3]).index_copy_(1, slots, _raw(flat))
 
     def gather(
         self,
@@ -166,17 +186,29 @@ class PagedKVCache:
         index = [(t + [0] * n)[:n] for t in self._book.block_tables(seqs, skips)]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
 
-        def pages(pool: torch.Tensor, name: str) -> torch.Tensor:
+        def pages(pool: torch.Tensor, scales: torch.Tensor | None, name: str) -> torch.Tensor:
             H_kv, width = pool.shape[0], pool.shape[3]
-            x = self._select(pool, flat, name).view(H_kv, B, n * P, width)[:, :, :L]
+            x = self._select(pool, flat, name)
+            if scales is not None:  # quantized: widened and scaled
+                x = dequantize(x, scales.index_select(1, flat), self._like.dtype)
+            x = x.view(H_kv, B, n * P, width)[:, :, :L]
             return x.transpose(0, 1)  # (B, H_kv, L, ·)
 
-        return pages(self.keys, "keys"), pages(self.values, "values"), lengths
+        keys = pages(self.keys, self.key_scale, "keys")
+        return keys, pages(self.values, self.value_scale, "values"), lengths
 
     def pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's keys and values as (num_pages, P, H_kv, D) and (…, D_v) views (the
         layout :func:`qkv.paged_attention` and torch's ``block_table`` take), no copy."""
         return self.keys.permute(1, 2, 0, 3), self.values.permute(1, 2, 0, 3)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """A quantized pool's scales as (num_pages, P, H_kv) views (the layout
+        :func:`qkv.paged_attention`'s ``key_scale`` and ``value_scale`` take); (None, None)
+        for a float pool."""
+        if self.key_scale is None or self.value_scale is None:
+            return None, None
+        return self.key_scale.permute(1, 2, 0), self.value_scale.permute(1, 2, 0)
 
     def block_tables(self, seqs: Sequence[int], skip: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The sequences' block tables as one (B, max_pages) tensor (short tables padded
@@ -197,7 +229,8 @@ class PagedKVCache:
         if buf is None or buf.numel() < size:
             buf = self._scratch[name] = pool.new_empty(size)
         out = buf[:size].view(H_kv, len(flat), P, width)
-        return torch.index_select(pool, 1, flat, out=out)
+        torch.index_select(_raw(pool), 1, flat, out=_raw(out))
+        return out
 
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
@@ -211,12 +244,35 @@ class PagedKVCache:
         return PackedBatch(self, list(seqs), list(lengths), Pass(self._book, list(seqs)))
 
     def _check(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
-        H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
-        check_appended(key, value, len(seqs), H_kv, D, D_v, self.keys, "the pool", " sequences")
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a sequence appears twice in {list(seqs)}")
         for s in seqs:
             self._book.table(s)
+
+        def where(b: int, t: int) -> tuple[int, int]:
+            return seqs[b], self._book.length(seqs[b]) + t
+
+        self.check_rows(key, value, len(seqs), where, " sequences")
+
+    def check_rows(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rows: int,
+        where: Callable[[int, int], tuple[int, int]],
+        what: str,
+    ) -> None:
+        """Keys (rows, H_kv, T, D) and values (…, D_v) the pool can store, or an error
+        saying why (``what`` qualifies the rows in it); for a quantized pool also no gradient
+        to record and finite values — an error naming the sequence and position
+        (``where(row, t)``) before anything is stored."""
+        H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
+        check_appended(key, value, rows, H_kv, D, D_v, self._like, "the pool", what)
+        if self.key_scale is None:
+            return
+        check_no_grad(key, value)
+        check_finite(key, "key", where)
+        check_finite(value, "value", where)
 
     def __repr__(self) -> str:
         return (
@@ -307,12 +363,21 @@ class PagedBatch:
         nodes, starts = done.tree()
         tables, own = done.own()  # each sequence's pages past the nodes
         k_pages, v_pages = self.pool.pages()
+        k_scale, v_scale = self.pool.scales()
         T = q.shape[2]
         # With shared prefixes the sinks join once, after the parts merge (merge_attention).
         own_sinks = None if nodes else sinks
         if T == 1:
             result = paged_attention(
-                q[:, :, 0], k_pages, v_pages, tables, own, sinks=own_sinks, return_lse=bool(nodes)
+                q[:, :, 0],
+                k_pages,
+                v_pages,
+                tables,
+                own,
+                sinks=own_sinks,
+                return_lse=bool(nodes),
+                key_scale=k_scale,
+                value_scale=v_scale,
             )
             if not nodes:
                 assert isinstance(result, torch.Tensor)
@@ -326,7 +391,7 @@ class PagedBatch:
             out, lse = attention(q, k, v, mask=mask, sinks=own_sinks, return_lse=True)
         for rows, pages in nodes:  # each shared prefix, once for the rows that share it
             at = torch.tensor(rows)
-            part, part_lse = _shared(q[at], k_pages, v_pages, pages)
+            part, part_lse = _shared(q[at], self.pool, pages)
             merged, merged_lse = merge_attention([out[at], part], [lse[at], part_lse])
             out = out.index_copy(0, at, merged.to(out.dtype))
             lse = lse.index_copy(0, at, merged_lse.to(lse.dtype))
@@ -403,6 +468,12 @@ class PagedCaches:
         return f"PagedCaches({len(self.pools)} layers, {self.pools[0]!r} each)"
 
 
+def _raw(x: torch.Tensor) -> torch.Tensor:
+    """x as torch copies it: float8 viewed as its bytes (torch's CPU index_copy_ and
+    index_select take no float8), any other dtype as it is."""
+    return x.view(torch.uint8) if x.element_size() == 1 and x.is_floating_point() else x
+
+
 def _ragged_mask(lengths: torch.Tensor, T_q: int, causal: bool) -> Mask | None:
     """Rows of ``lengths`` keys each, padded to the longest, the last T_q of each row its
     queries (bottom-right): the mask keeping each to its own keys (``causal``: up to
@@ -421,7 +492,7 @@ def _ragged_mask(lengths: torch.Tensor, T_q: int, causal: bool) -> Mask | None:
 
 
 def _shared(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, pages: list[int]
+    q: torch.Tensor, pool: PagedKVCache, pages: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """R sequences' queries (R, H, T, D) over a prefix of pages they share, read once: one
     sequence of the pages whose query heads are all R·T queries, grouped by key/value head
@@ -429,12 +500,22 @@ def _shared(
     h // (R · G · T) for head h). Every query sees the whole prefix (it comes before them).
     (R, H, T, D_v) and the (R, H, T) log-sum-exp."""
     R, H, T, D = q.shape
+    (k_pages, v_pages), (k_scale, v_scale) = pool.pages(), pool.scales()
     H_kv = k_pages.shape[2]
     G = H // H_kv
     rows = q.reshape(R, H_kv, G, T, D).transpose(0, 1).reshape(1, H_kv * R * G * T, D)
     table = torch.tensor([pages])
     length = torch.tensor([len(pages) * k_pages.shape[1]])
-    out, lse = paged_attention(rows, k_pages, v_pages, table, length, return_lse=True)
+    out, lse = paged_attention(
+        rows,
+        k_pages,
+        v_pages,
+        table,
+        length,
+        return_lse=True,
+        key_scale=k_scale,
+        value_scale=v_scale,
+    )
 
     def back(x: torch.Tensor) -> torch.Tensor:  # (1, H_kv·R·G·T, C) -> (R, H, T, C)
         return x.reshape(H_kv, R, G, T, -1).transpose(0, 1).reshape(R, H, T, -1)

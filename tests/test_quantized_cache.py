@@ -1,0 +1,230 @@
+"""Quantized KV caches (int8, float8 e4m3; src/qkv/kernels/quant.py): the rounding is what
+it says, attention over a quantized cache equals attention over its dequantized values to
+float32 rounding — the native paged kernel reading pages in place, the gather path, the
+contiguous cache, a model decoding through each — and bad input gets a clear error."""
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import numpy as qnp
+from qkv.kernels import paged as paged_kernel
+from qkv.kernels.quant import QUANTIZED, dequantize, quantize
+
+DTYPES = pytest.mark.parametrize("dtype", list(QUANTIZED), ids=["int8", "fp8"])
+
+
+@DTYPES
+def test_a_row_rounds_within_its_format_and_zeros_stay_zero(dtype):
+    """int8: within half a step (scale / 2) of the row; e4m3: within 2^-4 of each value
+    relative (3 mantissa bits) or half its smallest step near 0. A row of zeros has scale
+    0 and comes back as zeros, no NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 50, 64, dtype=torch.float64, generator=g)
+    x = x * torch.rand(3, 4, 50, 1, generator=g, dtype=torch.float64) * 10
+    x[0, 0, 0] = 0.0
+    stored, scale = quantize(x, dtype)
+    assert stored.dtype == dtype and scale.dtype == torch.float32 and scale.shape == x.shape[:3]
+    back = dequantize(stored, scale, torch.float64)
+    err = (back - x).abs()
+    if dtype == torch.int8:
+        assert bool((err <= scale[..., None] * 0.5 * (1 + 1e-6) + 1e-12).all())
+    else:
+        # (plus float32's rounding of x / scale and back: a few parts in 10^7)
+        assert bool((err <= (x.abs() * 2**-4 + scale[..., None] * 2**-10) * (1 + 1e-5)).all())
+    assert scale[0, 0, 0] == 0 and not back[0, 0, 0].any() and torch.isfinite(back).all()
+
+
+def pages_and_queries(H, H_kv, D, D_v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(12, 8, H_kv, D, generator=g) * 2
+    v = torch.randn(12, 8, H_kv, D_v, generator=g)
+    (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+    q = torch.randn(3, H, D, generator=g)
+    table = torch.tensor([[3, 7, 0, 1], [5, 1, 2, 9], [11, 4, 6, 8]])
+    lengths = torch.tensor([13, 30, 0])  # one sequence holds no token
+    return q, kq, vq, ks, vs, table, lengths
+
+
+@DTYPES
+@pytest.mark.parametrize("H,H_kv,D,D_v", [(4, 2, 64, 64), (4, 4, 40, 24), (32, 2, 64, 48)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_reads_quantized_pages_in_place(H, H_kv, D, D_v, sinks, dtype, monkeypatch):
+    """The native kernel (AVX-512 for D, D_v multiples of 16, many query heads per key/value
+    head too; plain C otherwise) against the float64 oracle over the dequantized pages;
+    the gather path (a gradient recorded) likewise."""
+    q, kq, vq, ks, vs, table, lengths = pages_and_queries(H, H_kv, D, D_v, dtype)
+    sink = torch.randn(H) if sinks else None
+    calls = []
+    real = paged_kernel.decode
+    monkeypatch.setattr(paged_kernel, "decode", lambda *a: calls.append(1) or real(*a))
+    got = qkv.paged_attention(q, kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs)
+    if paged_kernel.available():
+        assert calls, "the native kernel did not run"
+    k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
+    for b in range(3):
+        n = int(lengths[b])
+        keys = k64[table[b]].reshape(-1, H_kv, D)[:n].transpose(0, 1).numpy()
+        values = v64[table[b]].reshape(-1, H_kv, D_v)[:n].transpose(0, 1).numpy()
+        want = qnp.attention(
+            q[b, None, :, None].double().numpy(),
+            np.repeat(keys, H // H_kv, 0)[None],
+            np.repeat(values, H // H_kv, 0)[None],
+            sinks=None if sink is None else sink.double().numpy(),
+        )[0, :, 0]
+        np.testing.assert_allclose(got[b].double().numpy(), want, atol=2e-6, rtol=1e-5)
+    with torch.enable_grad():  # a gradient to record: the gather path, dequantizing
+        gathered = qkv.paged_attention(
+            q.requires_grad_(), kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs
+        )
+    torch.testing.assert_close(gathered.detach(), got, rtol=1e-5, atol=2e-6)
+
+
+@DTYPES
+def test_a_quantized_kv_cache_gives_back_its_dequantized_rows(dtype):
+    cache = qkv.KVCache(2, 2, 10, 16, dtype=dtype)
+    k, v = torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16)
+    keys, values = cache.append(k, v)
+    for got, x in ((keys, k), (values, v)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, dequantize(*quantize(x, dtype)), rtol=0, atol=0)
+    assert set(cache.tensors()) == {"keys", "values", "key_scale", "value_scale"}
+    assert cache.tensors()["keys"].dtype == dtype
+
+
+@DTYPES
+@pytest.mark.parametrize("kind", ["contiguous", "paged", "paged_forked"])
+def test_decoding_through_a_quantized_cache_equals_attention_over_its_values(dtype, kind):
+    """Decode steps through a quantized cache equal attention over the dequantized keys
+    and values (float32 rounding): the cache changes what is stored, nothing else. Paged:
+    one query per sequence read in place; forked: a 4-token prompt shared by two sequences
+    (its pages read once for both, merged by log-sum-exp)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=g) for h in (4, 2, 2))
+    kd, vd = (dequantize(*quantize(x, dtype)) for x in (k, v))
+    first = 0
+    if kind == "contiguous":
+        cache = qkv.KVCache(2, 2, 9, 8, dtype=dtype)
+    else:
+        pool = qkv.PagedKVCache(16, 4, 2, 8, dtype=dtype)
+        seqs = [pool.new_sequence(), pool.new_sequence()]
+        if kind == "paged_forked":
+            first = 4
+            pool.append(seqs[:1], k[:1, :, :4], v[:1, :, :4])
+            pool.free(seqs[1])
+            seqs[1] = pool.fork(seqs[0])
+            kd[1, :, :4], vd[1, :, :4] = kd[0, :, :4], vd[0, :, :4]
+    with torch.no_grad():
+        for t in range(first, 9):
+            step = dict(mask=None, causal=True, dropout_p=0.0, sinks=None)
+            at = slice(t, t + 1)
+            where = cache if kind == "contiguous" else pool.batch(seqs)
+            got = where.attend(q[:, :, at], k[:, :, at], v[:, :, at], **step)
+            want = qkv.attention(q[:, :, at], kd[:, :, : t + 1], vd[:, :, : t + 1])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantized_pages_hold_under_a_third_of_float32s_bytes():
+    """Pages with their scales, per token and key/value head at D = 64: int8 and e4m3
+    68 bytes against float32's 256 (0.27×) and bfloat16's 128 (0.53×)."""
+
+    def per_token(pool):
+        held = [pool.keys, pool.values, *(s for s in pool.scales() if s is not None)]
+        return sum(x.numel() * x.element_size() for x in held) / (8 * 16)
+
+    f32 = per_token(qkv.PagedKVCache(8, 16, 1, 64))
+    bf16 = per_token(qkv.PagedKVCache(8, 16, 1, 64, dtype=torch.bfloat16))
+    for dtype in QUANTIZED:
+        q = per_token(qkv.PagedKVCache(8, 16, 1, 64, dtype=dtype))
+        assert q <= 0.3 * f32 and q <= 0.55 * bf16
+
+
+@DTYPES
+def test_bad_input_to_a_quantized_cache_gets_a_clear_error(dtype):
+    pool = qkv.PagedKVCache(8, 4, 2, 8, dtype=dtype)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    pool.append([a, b], torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    k = torch.randn(2, 2, 2, 8)
+    k[1, 0, 1, 5] = float("inf")
+    before = pool.tokens, pool.pages_in_use
+    with pytest.raises(ValueError, match=f"key of sequence {b} at position 4 holds NaN or inf"):
+        pool.append([a, b], k, torch.randn(2, 2, 2, 8))
+    assert (pool.tokens, pool.pages_in_use) == before  # nothing stored
+    cache = qkv.KVCache(1, 2, 8, 8, dtype=dtype)
+    with pytest.raises(ValueError, match="value of sequence 0 at position 1"):
+        nan = torch.tensor([0.0, float("nan")])[None, None, :, None].expand(1, 2, 2, 8)
+        cache.append(torch.randn(1, 2, 2, 8), nan)
+    assert cache.length == 0
+    with pytest.raises(ValueError, match="holds no gradient"):
+        cache.append(torch.randn(1, 2, 1, 8, requires_grad=True), torch.randn(1, 2, 1, 8))
+    with pytest.raises(TypeError, match="holds torch.float32"):
+        cache.append(torch.zeros(1, 2, 1, 8, dtype=dtype), torch.zeros(1, 2, 1, 8, dtype=dtype))
+    q, kq, vq, ks, vs, table, lengths = pages_and_queries(4, 2, 16, 16, dtype)
+    with pytest.raises(ValueError, match="key_scale is needed"):
+        qkv.paged_attention(q, kq, vq, table, lengths)
+    with pytest.raises(ValueError, match="for quantized pages"):
+        qkv.paged_attention(q, kq.float(), vq.float(), table, lengths, key_scale=ks)
+    with pytest.raises(ValueError, match="float32 \\(num_pages, P, H_kv\\)"):
+        qkv.paged_attention(q, kq, vq, table, lengths, key_scale=ks[:3], value_scale=vs)
+
+
+@DTYPES
+def test_a_quantized_latent_cache_attends_its_rows_in_place(dtype, monkeypatch):
+    """The absorbed decode step over an int8 / e4m3 latent cache reads the stored rows in
+    place (keys and values one row, one scale) and equals attention over the dequantized
+    rows; a multi-head latent attention layer decodes through it close to the float cache
+    (the rounding of its latents)."""
+    g = torch.Generator().manual_seed(0)
+    cache = qkv.nn.LatentCache(2, 10, 32, 16, dtype=dtype)
+    cache.append(torch.randn(2, 1, 6, 48, generator=g))
+    calls = []
+    real = paged_kernel.decode
+    monkeypatch.setattr(paged_kernel, "decode", lambda *a: calls.append(1) or real(*a))
+    q, row = torch.randn(2, 4, 1, 48, generator=g), torch.randn(2, 1, 1, 48, generator=g)
+    with torch.no_grad():
+        got = cache.attend(
+            q, row, row[..., :32], mask=None, causal=True, dropout_p=0.0, sinks=None, scale=0.2
+        )
+    held = cache.held()
+    want = qkv.attention(q, held, held[..., :32], scale=0.2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert calls or not paged_kernel.available()
+    torch.manual_seed(0)
+    mla = qkv.nn.MultiHeadLatentAttention(
+        64, 4, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16
+    )
+    x = torch.randn(2, 12, 64)
+    with torch.no_grad():
+        full = mla(x)
+        cache = mla.new_cache(2, 12, dtype)
+        steps = [mla(x[:, :4], cache=cache)] + [
+            mla(x[:, t : t + 1], cache=cache) for t in range(4, 12)
+        ]
+    assert set(cache.tensors()) == {"rows", "scales"} and cache.rows.dtype == dtype
+    assert (torch.cat(steps, 1) - full).abs().max() < 0.05 * full.abs().max()
+
+
+@DTYPES
+def test_a_gpt_decodes_through_quantized_caches(dtype):
+    """GPT.new_caches(batch, kv_dtype) and new_paged_caches(..., kv_dtype): the logits of a
+    prefill then decode steps stay within a few per cent of the float caches' (a random
+    model; the trained-model figures are in docs/head-shapes.md)."""
+    from qkv.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32, n_kv_head=2)).eval()
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = model(idx)
+        caches = model.new_caches(2, kv_dtype=dtype)
+        assert caches[0].keys.dtype == dtype
+        got = [model(idx[:, :6], caches=caches)]
+        got += [model(idx[:, t : t + 1], caches=caches) for t in range(6, 12)]
+        pools = model.new_paged_caches(16, 4, kv_dtype=dtype)
+        seqs = [pools.new_sequence(), pools.new_sequence()]
+        paged = [model(idx[:, :6], caches=pools.batch(seqs))]
+        paged += [model(idx[:, t : t + 1], caches=pools.batch(seqs)) for t in range(6, 12)]
+    for steps in (got, paged):
+        err = (torch.cat(steps, 1) - want).abs().max()
+        assert err < 0.05 * want.abs().max(), err
