@@ -255,3 +255,66 @@ def test_from_huggingface_keeps_the_dtype_and_refuses_what_it_cannot_read():
     ).kv_b_proj.weight.dtype == (torch.bfloat16)
     with pytest.raises(TypeError, match="rotary embedding"):
         MultiHeadLatentAttention.from_huggingface(dataclasses.make_dataclass("Fake", [])())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_a_paged_latent_cache_decodes_like_the_whole_forward(dtype):
+    """Two sequences in one pool of pages: a prompt each, then one token at a time, each
+    step's rows read where they lie (dispatch says so); float32 equals the causal forward
+    to rounding, int8 and e4m3 within their rounding of the latents."""
+    from qkv.nn import PagedLatentCache
+
+    torch.manual_seed(0)
+    mla = make(sizes=dict(SMALL, qk_rope_head_dim=16), E=48, dtype=torch.float32)
+    x = torch.randn(2, 10, 48)
+    pool = PagedLatentCache(16, 4, 32, 16, dtype=dtype)
+    seqs = [pool.new_sequence(), pool.new_sequence()]
+    with torch.no_grad():
+        want = mla(x)
+        steps = [mla(x[:, :3], cache=pool.batch(seqs))]
+        assert mla.dispatch(x[:, 3:4], cache=pool.batch(seqs)).path == "paged"
+        steps += [mla(x[:, t : t + 1], cache=pool.batch(seqs)) for t in range(3, 10)]
+    err = (torch.cat(steps, 1) - want).abs().max()
+    assert err < (1e-5 if dtype == torch.float32 else 0.05 * want.abs().max())
+    assert pool.lengths(seqs).tolist() == [10, 10] and pool.pages_in_use == 6
+    assert set(pool.tensors()) == ({"rows"} if dtype == torch.float32 else {"rows", "scales"})
+
+
+def test_a_ragged_paged_latent_batch_keeps_each_sequence_to_its_own_rows():
+    """Sequences of 3 and 6 rows (one forked from a shared prompt) decode together, a
+    token and then a chunk of two (gathered, each to its own rows): each equals decoding
+    alone. The expanded form over a ragged batch is refused, as are bad rows."""
+    from qkv.nn import PagedLatentCache
+
+    torch.manual_seed(1)
+    mla = make(sizes=dict(SMALL, qk_rope_head_dim=16), E=48, dtype=torch.float32)
+    x = torch.randn(2, 9, 48)
+    pool = PagedLatentCache(16, 4, 32, 16)
+    a = pool.new_sequence()
+    with torch.no_grad():
+        mla(x[:1, :3], cache=pool.batch([a]))
+        b = pool.fork(a)
+        mla(x[1:, 3:6], cache=pool.batch([b]))  # b: the shared 3, then 3 of its own
+        ax, bx = x[0, :3], torch.cat([x[0, :3], x[1, 3:6]])
+        step = mla(torch.stack([x[0, 3:4], x[1, 6:7]]), cache=pool.batch([a, b]))
+        chunk = mla(torch.stack([x[0, 4:6], x[1, 7:9]]), cache=pool.batch([a, b]), form="absorbed")
+        alone_a = mla(torch.cat([ax, x[0, 3:6]])[None])
+        alone_b = mla(torch.cat([bx, x[1, 6:9]])[None])
+        torch.testing.assert_close(step[0], alone_a[0, 3:4], rtol=0, atol=2e-6)
+        torch.testing.assert_close(step[1], alone_b[0, 6:7], rtol=0, atol=2e-6)
+        torch.testing.assert_close(chunk[0], alone_a[0, 4:6], rtol=0, atol=2e-6)
+        torch.testing.assert_close(chunk[1], alone_b[0, 7:9], rtol=0, atol=2e-6)
+        with pytest.raises(ValueError, match="different numbers of rows"):
+            mla(torch.randn(2, 1, 48), cache=pool.batch([a, b]), form="expanded")
+    q = torch.zeros(1, 1, 1, 48)
+    bad = torch.zeros(1, 1, 1, 48)
+    with pytest.raises(ValueError, match="a view of the rows"):
+        pool.batch([a]).attend(q, bad, torch.zeros(1, 1, 1, 32), mask=None, causal=True,
+                               dropout_p=0.0, sinks=None)  # fmt: skip
+    with pytest.raises(TypeError, match="holds torch.float32"):
+        pool.batch([a]).store(bad.double())
+    quantized = PagedLatentCache(4, 4, 32, 16, dtype=torch.int8)
+    s = quantized.new_sequence()
+    bad[0, 0, 0, 3] = float("inf")
+    with pytest.raises(ValueError, match=f"latent row of sequence {s} at position 0"):
+        quantized.batch([s]).store(bad)

@@ -6,6 +6,7 @@ from .mha import MultiHeadAttention
 from .mla import LatentCache, MultiHeadLatentAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
 from .paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
+from .paged_latent import PagedLatentBatch, PagedLatentCache
 from .rope import RoPE
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "PagedBatch",
     "PagedCaches",
     "PagedKVCache",
+    "PagedLatentBatch",
+    "PagedLatentCache",
     "RoPE",
     "SelfAttention",
 ]

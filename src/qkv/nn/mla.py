@@ -32,9 +32,9 @@ from torch import nn
 from ..core.call import Dispatch
 from ..functional import MaskLike, attention, dispatch
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
-from ..varlen import paged_attention
 from .cache import check_sizes, with_causal
 from .modules import check_input
+from .paged_latent import PagedLatentBatch, attend_in_place, check_values_view
 from .rope import RoPE
 
 FORMS = ("expanded", "absorbed")
@@ -143,6 +143,11 @@ class LatentCache:
         """New tokens follow the cached ones: the first sits at ``length``."""
         return self.length
 
+    def reads_in_place(self, T_q: int, mask: MaskLike, dropout_p: float) -> bool:
+        """Whether :meth:`attend` reads the stored rows where they lie (a quantized cache's
+        decode step) rather than attending over the rows :meth:`held` gives."""
+        return self.scales is not None and T_q == 1 and mask is None and not dropout_p
+
     def attend(
         self,
         q: torch.Tensor,
@@ -162,29 +167,14 @@ class LatentCache:
         (one query, no mask or dropout) reads the stored rows in place
         (:func:`qkv.paged_attention`, each sequence one page, keys and values one row)."""
         r = self.kv_lora_rank
-        if v.shape[-1] != r or v.data_ptr() != k.data_ptr() or v.stride() != k.stride():
-            raise ValueError(
-                "LatentCache.attend: v must be k[..., :kv_lora_rank], a view of the rows "
-                "(the values are the latent part of each row)"
-            )
-        if self.scales is not None and q.shape[2] == 1 and mask is None and not dropout_p:
+        check_values_view(k, v, r, "LatentCache.attend")
+        if self.scales is not None and self.reads_in_place(q.shape[2], mask, dropout_p):
             self.store(k)
-            pages = self.rows.transpose(1, 2)  # (B, max_len, 1, r + rope)
-            scales = self.scales.transpose(1, 2)  # one per row: keys and values share it
-            B = pages.shape[0]
-            out = paged_attention(
-                q[:, :, 0],
-                pages,
-                pages[..., :r],
-                torch.arange(B, device=pages.device)[:, None],
-                torch.full((B,), self.length, device=pages.device),
-                scale=scale,
-                sinks=sinks,
-                key_scale=scales,
-                value_scale=scales,
-            )
-            assert isinstance(out, torch.Tensor)
-            return out[:, :, None]
+            B = self.rows.shape[0]  # each sequence one page of max_len rows
+            table = torch.arange(B, device=q.device)[:, None]
+            lengths = torch.full((B,), self.length, device=q.device)
+            pages, scales = self.rows.transpose(1, 2), self.scales.transpose(1, 2)
+            return attend_in_place(q, pages, scales, table, lengths, r, scale, sinks)
         rows = self.append(k)
         return attention(
             q,
@@ -293,7 +283,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(H * v_head_dim, d_model, bias=bias)
         self.rope = rope
 
-    def choose(self, T_q: int, cache: LatentCache | None) -> tuple[str, str]:
+    def choose(self, T_q: int, cache: LatentCache | PagedLatentBatch | None) -> tuple[str, str]:
         """The form that computes T_q new tokens with fewer multiplications, and why.
         Without a cache (training, a whole sequence): expanded. With one: expanding costs
         r · H · (nope + v) per cached token whatever T_q is; absorbing costs
@@ -314,10 +304,11 @@ class MultiHeadLatentAttention(nn.Module):
         )
 
     def _project(
-        self, x: torch.Tensor, positions: int
+        self, x: torch.Tensor, positions: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, E) -> q_nope (B, H, T, nope) and q_rope (B, H, T, rope), rotated, and
-        the new rows (B, 1, T, r + rope): the normed latent, then the rotated shared key."""
+        """x (B, T, E) -> q_nope (B, H, T, nope) and q_rope (B, H, T, rope), rotated at
+        ``positions`` (the first token's, or (B, T): a ragged paged batch), and the new rows
+        (B, 1, T, r + rope): the normed latent, then the rotated shared key."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
@@ -354,7 +345,7 @@ class MultiHeadLatentAttention(nn.Module):
         x: torch.Tensor,
         *,
         mask: MaskLike = None,
-        cache: LatentCache | None = None,
+        cache: LatentCache | PagedLatentBatch | None = None,
         form: str | None = None,
     ) -> torch.Tensor:
         """x (B, T_q, E) -> (B, T_q, E).
@@ -362,7 +353,9 @@ class MultiHeadLatentAttention(nn.Module):
         Args:
             mask: a qkv mask or a bool (T_q, T_k) / (B, T_q, T_k) / (B, H, T_q, T_k)
                 tensor, True = may attend; and-ed with causal() for a causal module.
-            cache: a :class:`LatentCache` (:meth:`new_cache`): x holds the new tokens only.
+            cache: a :class:`LatentCache` (:meth:`new_cache`), or a batch of a
+                :class:`qkv.nn.PagedLatentCache` (sequences at their own positions): x
+                holds the new tokens only.
             form: "expanded" or "absorbed"; None: :meth:`choose` picks.
         """
         check_input("x", x, self.d_model, self.kv_a_proj.weight)
@@ -411,7 +404,7 @@ class MultiHeadLatentAttention(nn.Module):
         x: torch.Tensor,
         *,
         mask: MaskLike = None,
-        cache: LatentCache | None = None,
+        cache: LatentCache | PagedLatentBatch | None = None,
         form: str | None = None,
     ) -> Dispatch:
         """What a call of :meth:`forward` would run, without running it (nor touching the
@@ -419,6 +412,13 @@ class MultiHeadLatentAttention(nn.Module):
         reason."""
         T_q = x.shape[1]
         chosen, why = self.choose(T_q, cache) if form is None else (form, "asked for")
+        if chosen == "absorbed" and cache is not None and cache.reads_in_place(T_q, mask, 0.0):
+            return Dispatch(
+                "paged",
+                f"absorbed form ({why}); the cache's rows read where they lie by the native "
+                "paged decode kernel (qkv.paged_attention), one key/value head",
+                path="paged",
+            )
         with torch.no_grad():
             start = 0 if cache is None else cache.positions(T_q)
             q_nope, q_rope, rows = self._project(x, start)
