@@ -85,3 +85,41 @@ def test_explain_errors():
         qkv.explain(X[None])
     with pytest.raises(ValueError, match="tokens must have one label per row of x: T=6; got 2"):
         qkv.explain(X, tokens=["a", "b"])
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "mla", "window", "sinks", "sparse"])
+def test_every_variant_trace_matches_the_float64_oracle(variant, capsys):
+    """``qkv explain --variant``: the weights and context the trace prints are those the
+    float64 oracle computes from the trace's own queries, keys and values (query heads
+    sharing key/value heads expanded; the sink's logit 1 in every row; the window's and the
+    indexer's masks as the trace shows them)."""
+    import numpy as np
+
+    from qkv import numpy as qnp
+    from qkv.cli.main import main
+
+    assert main(["explain", "--variant", variant, "--json", "--no-png"]) == 0
+    trace = json.loads(capsys.readouterr().out)
+    steps = {k: np.array(v, dtype=np.float64) for k, v in trace["steps"].items()}
+    q, k, v = steps["queries"], steps["keys"], steps["values"]
+    H, H_kv = q.shape[0], k.shape[0]
+    assert H_kv == {"gqa": 2, "mqa": 1, "mla": 1}.get(variant, H)
+    mask = steps["mask"].astype(bool)
+    T = q.shape[1]
+    assert not (mask & ~np.tri(T, dtype=bool)).any()  # causal, whatever else
+    if variant == "window":
+        assert mask.sum(-1).max() == 2
+    if variant == "sparse":
+        assert mask.sum(-1).max() <= 2
+    want = qnp.attention(
+        q[None],
+        np.repeat(k, H // H_kv, 0)[None],
+        np.repeat(v, H // H_kv, 0)[None],
+        mask=mask,
+        scale=trace["scale"],
+        sinks=np.full(H, 1.0) if variant == "sinks" else None,
+        return_weights=True,
+    )
+    np.testing.assert_allclose(steps["context"], want[0][0], atol=1e-5)
+    np.testing.assert_allclose(steps["weights"], want[1][0], atol=1e-5)
+    assert variant in trace["title"] and "untrained" in trace["title"]

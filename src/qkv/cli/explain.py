@@ -15,6 +15,7 @@ from .. import masks
 from ..learn import tutorial
 from ..learn.explain import explain
 from ..nn.mha import MultiHeadAttention
+from ..nn.mla import MultiHeadLatentAttention
 from ..nn.modules import SelfAttention
 
 
@@ -71,6 +72,8 @@ def run_explain(args: argparse.Namespace) -> None:
         raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
     if args.checkpoint is not None:
         return _show(_trained_trace(args), args)
+    if args.variant is not None:
+        return _show(_variant_trace(args), args)
     if args.simplified:
         unused = [
             f
@@ -111,6 +114,54 @@ def run_explain(args: argparse.Namespace) -> None:
             + f"), seed {args.seed}: random weights, untrained"
         )
     _show(explain(x, tokens=tokens, module=module, mask=mask, title=title), args)
+
+
+#: What each --variant is, for the title.
+VARIANTS = {
+    "gqa": "grouped-query attention: 4 query heads share 2 key/value heads",
+    "mqa": "multi-query attention: 4 query heads share 1 key/value head",
+    "mla": "multi-head latent attention, absorbed: 2 heads over one latent row per token",
+    "window": "a sliding window: each token sees itself and the 1 token before it",
+    "sinks": "attention sinks: each head's softmax holds a key with no value (logit 1)",
+    "sparse": "token-sparse attention: each token attends to the 2 earlier keys an indexer picks",
+}
+
+
+def _variant_trace(args: argparse.Namespace) -> Any:
+    """One of 2026's kinds of attention (``--variant``) on the sentence, causal, random
+    weights: the module and mask it takes, traced step by step."""
+    if args.simplified or args.heads is not None or args.d_out is not None:
+        raise ValueError(
+            "--variant builds its own module: --simplified, --heads and --d-out do not apply"
+        )
+    args.seed = 789 if args.seed is None else args.seed
+    tokens, x = _sequence(args)
+    torch.manual_seed(args.seed)
+    E, name = x.shape[1], args.variant
+    module: Any
+    mask: Any = None
+    if name in ("gqa", "mqa"):
+        module = MultiHeadAttention(E, 8, 4, num_kv_heads=2 if name == "gqa" else 1, causal=True)
+    elif name == "mla":
+        module = MultiHeadLatentAttention(
+            E, 2, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2
+        )
+    else:
+        module = MultiHeadAttention(E, 4, 2, causal=True, sinks=name == "sinks")
+        if name == "sinks":
+            with torch.no_grad():
+                assert module.sinks is not None
+                module.sinks.fill_(1.0)  # (a learned sink starts at 0; 1 shows its share)
+        elif name == "window":
+            mask = masks.sliding_window(2)
+        else:  # the indexer: the 2 earlier keys (itself included) with the largest x · x
+            T = x.shape[0]
+            picks = (x @ x.T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -1e9)
+            top = picks.topk(min(2, T), dim=-1).indices
+            top = top.masked_fill(top > torch.arange(T)[:, None], -1)  # rows with fewer keys
+            mask = masks.key_indices(top[None])
+    title = f"--variant {name}: {VARIANTS[name]}; seed {args.seed}: random weights, untrained"
+    return explain(x, tokens=tokens, module=module, mask=mask, title=title)
 
 
 def _trained_trace(args: argparse.Namespace) -> Any:

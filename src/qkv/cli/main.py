@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
         default="the cat sat. the cat sat.",
         help="with --checkpoint: the text whose bytes the layer attends over",
     )
+    ex.add_argument(
+        "--variant",
+        choices=["gqa", "mqa", "mla", "window", "sinks", "sparse"],
+        help="the attention of 2026's models on the same sentence: grouped-query, "
+        "multi-query, multi-head latent, a sliding window, sinks, token-sparse "
+        "(docs/variants.md)",
+    )
     ex.add_argument("--no-png", action="store_true", help="do not draw the heatmap")
     ex.add_argument("--precision", type=int, default=4, help="decimals in the tables (4)")
 

@@ -31,8 +31,8 @@ class Trace:
     tokens: list[str]
     inputs: torch.Tensor  # (T, E)
     queries: torch.Tensor  # (H, T_q, d)
-    keys: torch.Tensor  # (H, T_k, d)
-    values: torch.Tensor  # (H, T_k, d_v)
+    keys: torch.Tensor  # (H_kv, T_k, d): H_kv < H where query heads share key heads
+    values: torch.Tensor  # (H_kv, T_k, d_v)
     scores: torch.Tensor  # (H, T_q, T_k): Q Kᵀ
     scale: float
     scaled_scores: torch.Tensor  # (H, T_q, T_k): Q Kᵀ · scale
@@ -166,8 +166,11 @@ def explain(
         x: (T, E), one sequence of embeddings.
         tokens: a label per row of x (default "0", "1", …).
         module: a qkv module with ``project``/``merge`` (SelfAttention, CausalAttention,
-            MultiHeadAttention, tutorial.SelfAttention_v1); None traces the simplified,
-            weightless attention of seed 004 (Q = K = V = x, no scaling).
+            MultiHeadAttention — GQA and MQA included, its keys and values then traced
+            per key/value head —, MultiHeadLatentAttention in its absorbed form,
+            tutorial.SelfAttention_v1); None traces the simplified, weightless attention
+            of the first stage (Q = K = V = x, no scaling). A module may name its steps
+            (``trace_notes``) and its scale (``scale``).
         mask: a qkv mask or a bool (T, T) tensor; a causal module adds its own.
         score_mod: a :mod:`qkv.scores` modification; the trace shows the modified scores
             as a step of their own.
@@ -198,12 +201,18 @@ def explain(
             merge = lambda context: context[0, 0]  # noqa: E731
         else:
             m: Any = module  # a qkv module: project, merge, maybe attention_mask
-            q, k, v = m.project(x)  # (1, H, T, d) each
-            scale = 1.0 / math.sqrt(q.shape[-1])
+            q, k, v = m.project(x)  # (1, H, T, d) and (1, H_kv, T, ·)
+            scale = getattr(module, "scale", None) or 1.0 / math.sqrt(q.shape[-1])
             if hasattr(module, "attention_mask"):
                 mask = m.attention_mask(mask)
             if hasattr(module, "out_proj"):
                 notes["output"] = "heads concatenated, then out_proj"
+            H, H_kv = q.shape[1], k.shape[1]
+            if H_kv != H:
+                shared = f"{H_kv} key/value head{'s' if H_kv > 1 else ''}"
+                notes["keys"] = f"K = x · W_key: {shared}, each shared by {H // H_kv} query heads"
+                notes["values"] = f"V = x · W_value: {shared}, shared as the keys are"
+            notes |= getattr(module, "trace_notes", {})
             merge = lambda context: m.merge(context, like=x)  # noqa: E731
         sinks = getattr(module, "sinks", None)  # MultiHeadAttention(sinks=True)
         if sinks is not None:
@@ -221,8 +230,9 @@ def explain(
             score_mod=score_mod,
             sinks=sinks,
         )
-        scores = q @ k.transpose(-2, -1)  # (1, H, T, T)
         H = q.shape[1]
+        shared_k = k.repeat_interleave(H // k.shape[1], dim=1)  # each query head's keys
+        scores = q @ shared_k.transpose(-2, -1)  # (1, H, T, T)
         modified = None
         if score_mod is not None:
             mod = as_score_mod(score_mod)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -317,6 +317,36 @@ class MultiHeadLatentAttention(nn.Module):
             [self.kv_a_norm(latent)[:, None], self.rope(k_rope[:, None], positions)], dim=-1
         )
         return q_nope, self.rope(q_rope, positions), rows
+
+    #: What each step of :func:`qkv.explain` holds for this module (its absorbed form).
+    trace_notes: ClassVar[dict[str, str]] = {
+        "queries": "q_nope · W_UK[h] beside the rotated q_rope: each head's query in the "
+        "latent space",
+        "keys": "each token's row: its latent c (normed), then its rotary key — one row "
+        "for every head",
+        "values": "the latent c itself (the rows' first kv_lora_rank columns): W_UV comes after",
+        "output": "each head's context · W_UV[h]ᵀ, heads concatenated, then o_proj",
+    }
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The absorbed form's attention inputs for x (B, T, E) or (T, E), positions from 0:
+        queries (B, H, T, r + rope), keys — the rows — (B, 1, T, r + rope) and values (B, 1,
+        T, r), a view of the keys (:func:`qkv.explain` traces them)."""
+        x3 = x if x.ndim == 3 else x[None]
+        q_nope, q_rope, rows = self._project(x3, 0)
+        return self._absorbed_query(q_nope, q_rope), rows, rows[..., : self.kv_lora_rank]
+
+    def merge(self, context: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The absorbed form's context (B, H, T, r) as the module's output (B, T, E): W_UV per
+        head, then o_proj; (T, E) for a (T, E) ``like``."""
+        out = torch.einsum("bhtr,hvr->bhtv", context, self._up()[1])
+        B, H, T, v = out.shape
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, H * v))
+        return out if like.ndim == 3 else out[0]
+
+    def attention_mask(self, mask: MaskLike = None) -> MaskLike:
+        """The mask this module attends with: the caller's, and-ed with causal() if causal."""
+        return with_causal(mask, self.causal)
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, nope, r) and W_UV (H, v, r): kv_b_proj's weight per head."""
