@@ -158,3 +158,20 @@ def test_the_head_shape_and_cache_benchmarks_run(script, args, lines):
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if "×" in line]
     assert len(rows) >= lines, done.stdout
+
+
+def test_the_streaming_paper_script_runs(tmp_path):
+    """benchmarks/streaming_paper.py at a tiny size (two models of 4 steps, a stream of 300
+    bytes): its two tables and the plot (the figures are docs/streaming.md's, not asserted)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "streaming_paper.py"
+    plot = tmp_path / "s.png"
+    args = ["--out", str(tmp_path / "runs"), "--steps", "4", "--stream", "300", "--plot", str(plot)]
+    done = subprocess.run(
+        [sys.executable, str(path), *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("| (") == 5 and "| 4 |" in done.stdout and plot.exists()

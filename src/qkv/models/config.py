@@ -27,6 +27,8 @@ class GPTConfig:
             wide, and a cache of kv_lora_rank + that half per token.
         kv_lora_rank: the latent width of "mla"; None: 4 · n_embd / n_head (DeepSeek V3's
             512 for its heads of 128).
+        attention_sinks: each head learns a sink logit, a key with no value in every row's
+            softmax (gpt-oss; docs/streaming.md).
         gelu: "tanh" (GPT-2's approximation) or "erf" (exact).
         layer_norm: LayerNorm before each branch and at the end; False for none (the
             attention-only models of interpretability studies have none).
@@ -59,6 +61,7 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
     rope_base: float = 10000.0
     kv_lora_rank: int | None = None
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -100,6 +103,13 @@ class GPTConfig:
                 "one latent) and a head width n_embd / n_head divisible by 4 (its rotary key "
                 f"is half a head, an even width); got n_kv_head={self.n_kv_head}, head width "
                 f"{self.n_embd // self.n_head}"
+            )
+        if not isinstance(self.attention_sinks, bool) or (
+            self.attention_sinks and self.attention == "mla"
+        ):
+            raise ValueError(
+                "GPTConfig.attention_sinks is a bool, for softmax or uniform attention; got "
+                f"{self.attention_sinks!r} with attention={self.attention!r}"
             )
         if self.kv_lora_rank is not None and (
             isinstance(self.kv_lora_rank, bool)

@@ -28,6 +28,7 @@ from ..nn.mha import MultiHeadAttention
 from ..nn.mla import LatentCache, MultiHeadLatentAttention
 from ..nn.paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
+from ..nn.streaming import StreamingCache
 from .batching import Batcher
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
@@ -107,6 +108,7 @@ class Block(nn.Module):
                 dropout=config.dropout,
                 qkv_bias=True,
                 rope=rope,
+                sinks=config.attention_sinks,
             )
         self.drop = nn.Dropout(config.dropout)
         self.ln_2: nn.Module | None = None
@@ -244,8 +246,8 @@ class GPT(nn.Module):
                 raise ValueError(f"a packed prefill takes idx (1, total); got {tuple(idx.shape)}")
             rows = first.positions(T).to(idx.device)  # (1, total)
             start, T = 0, first.longest
-        else:
-            start = 0 if first is None else first.length
+        else:  # where the cache puts the new tokens (a streaming cache: their slots)
+            start = 0 if first is None else int(first.positions(T))
         end = start + T if layout is None else layout.T
         if end > self.config.block_size:
             raise ValueError(
@@ -274,6 +276,35 @@ class GPT(nn.Module):
         ``torch.float8_e4m3fn`` quantizes them (None: the model's dtype)."""
         size = self.config.block_size
         return [b.attn.new_cache(batch, size, kv_dtype) for b in self.layers]  # type: ignore[return-value]
+
+    def new_streaming_caches(self, batch: int, window: int, sinks: int = 4) -> list[StreamingCache]:
+        """One :class:`qkv.nn.StreamingCache` per layer — the first ``sinks`` tokens and the
+        last ``window`` — to read a stream longer than the context token by token, at the
+        positions the attention-sink paper assigns (slots in the cache; docs/streaming.md)."""
+        if sinks + window > self.config.block_size:
+            raise ValueError(
+                f"sinks + window must fit the context window block_size="
+                f"{self.config.block_size}; got {sinks} + {window}"
+            )
+        w = self.lm_head.weight
+        caches = []
+        for block in self.layers:
+            attn = block.attn
+            if not isinstance(attn, MultiHeadAttention):
+                raise ValueError("streaming caches hold multi-head attention's keys and values")
+            caches.append(
+                StreamingCache(
+                    batch,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                    window=window,
+                    sinks=sinks,
+                    rope=attn.rope,
+                    dtype=w.dtype,
+                    device=w.device,
+                )
+            )
+        return caches
 
     def new_paged_caches(
         self, num_pages: int, page_size: int = 16, kv_dtype: torch.dtype | None = None

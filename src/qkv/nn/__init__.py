@@ -8,6 +8,7 @@ from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper,
 from .paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from .paged_latent import PagedLatentBatch, PagedLatentCache
 from .rope import RoPE
+from .streaming import StreamingCache
 
 __all__ = [
     "Cache",
@@ -26,4 +27,5 @@ __all__ = [
     "PagedLatentCache",
     "RoPE",
     "SelfAttention",
+    "StreamingCache",
 ]
