@@ -318,3 +318,17 @@ def test_a_ragged_paged_latent_batch_keeps_each_sequence_to_its_own_rows():
     bad[0, 0, 0, 3] = float("inf")
     with pytest.raises(ValueError, match=f"latent row of sequence {s} at position 0"):
         quantized.batch([s]).store(bad)
+
+
+def test_a_latent_attention_gpt_trains_through_qkv_train_and_its_heads_score(tmp_path):
+    """The training loop's evaluation scores every head, copying included: for latent
+    attention each head's value path is W_UV[h] after the latent's norm (its gain)."""
+    from qkv.heads import copying_scores
+    from qkv.models import GPTConfig
+    from qkv.training import load_checkpoint, train
+
+    config = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32, attention="mla")
+    train(tmp_path / "run", preset="tiny", model_config=config, steps=3, progress=False)
+    model = load_checkpoint(tmp_path / "run")
+    scores = copying_scores(model)
+    assert scores.shape == (2, 2) and torch.isfinite(scores).all()

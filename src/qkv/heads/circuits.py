@@ -184,6 +184,18 @@ def _norm_map(norm: Any, width: int) -> torch.Tensor:
     return gain
 
 
+def _latent_ov(attn: Any, norm_in: torch.Tensor) -> tuple[list, list]:
+    """Multi-head latent attention's heads as W_V (v, C) and W_O (C, v) each: the value of
+    head h is W_UV[h] · (the latent's RMS norm, its gain alone, as for the block norms) ·
+    the latent projection · the layer's norm."""
+    r, H, v = attn.kv_lora_rank, attn.num_heads, attn.v_head_dim
+    down = attn.kv_a_proj.weight.double()[:r] @ norm_in  # (r, C)
+    latent = torch.diag(attn.kv_a_norm.weight.double()) @ down
+    w_uv = attn.kv_b_proj.weight.double().view(H, attn.nope + v, r)[:, attn.nope :]  # (H, v, r)
+    w_o = attn.o_proj.weight.double()  # (C, H · v)
+    return [w_uv[h] @ latent for h in range(H)], [w_o[:, h * v : (h + 1) * v] for h in range(H)]
+
+
 def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list, list]]]:
     """(W_E (V, C), W_U (V, C) after the final norm, per layer (each head's W_V (D, C) after
     the layer's norm, each head's W_O (C, D))), float64."""
@@ -193,6 +205,9 @@ def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list
         layers = []
         for block in blocks:
             attn = block.attn
+            if hasattr(attn, "kv_b_proj"):  # latent attention: each head's value from c
+                layers.append(_latent_ov(attn, _norm_map(block.ln_1, C)))
+                continue
             if not hasattr(attn, "W_value"):
                 raise ValueError(f"{type(attn).__name__} has no value projection to score")
             w_v = attn.W_value.weight.double() @ _norm_map(block.ln_1, C)

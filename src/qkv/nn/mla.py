@@ -40,6 +40,17 @@ from .rope import RoPE
 FORMS = ("expanded", "absorbed")
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMS norm computed in float32 at least and returned in the input's dtype, as
+    DeepSeek's is (and without torch's warning when autocast hands it bfloat16 beside
+    float32 weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return super().forward(x.float()).to(x.dtype)
+        return super().forward(x)
+
+
 class LatentCache:
     """The cache of a :class:`MultiHeadLatentAttention` layer: one row per token of its
     latent (``kv_lora_rank`` values) followed by its rotary key (``rope_dim`` values),
@@ -274,11 +285,11 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.q_proj = nn.Sequential(
                 nn.Linear(d_model, q_lora_rank, bias=bias),
-                nn.RMSNorm(q_lora_rank, eps=norm_eps),
+                RMSNorm(q_lora_rank, eps=norm_eps),
                 nn.Linear(q_lora_rank, H * qk, bias=False),
             )
         self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * v_head_dim, d_model, bias=bias)
         self.rope = rope
