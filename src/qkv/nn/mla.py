@@ -34,7 +34,7 @@ from ..functional import MaskLike, attention, dispatch
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from .cache import check_sizes, with_causal
 from .modules import check_input
-from .paged_latent import PagedLatentBatch, attend_in_place, check_values_view
+from .paged_latent import PagedLatentBatch, attend_in_place, check_rows, check_values_view
 from .rope import RoPE
 
 FORMS = ("expanded", "absorbed")
@@ -124,17 +124,7 @@ class LatentCache:
         """Store rows (B, 1, T, r + rope) after the cached ones (quantized, in a quantized
         cache), returning nothing: :meth:`append` without the read."""
         B, _, max_len, width = self.rows.shape
-        if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != (B, 1, width):
-            raise ValueError(
-                f"rows must have shape (B, 1, T, r + rope) with B={B}, r + rope={width}; "
-                f"got {tuple(rows.shape)}"
-            )
-        like = self._like
-        if rows.dtype != like.dtype or rows.device != like.device:
-            raise TypeError(
-                f"rows are {rows.dtype} on {rows.device} but the cache holds "
-                f"{like.dtype} on {like.device}"
-            )
+        check_rows(rows, B, width, self._like, "the cache")
         T = rows.shape[2]
         if self.length + T > max_len:
             raise ValueError(

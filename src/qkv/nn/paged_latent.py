@@ -24,6 +24,21 @@ from .cache import check_sizes, with_causal
 from .paged import _ragged_mask, _raw
 
 
+def check_rows(rows: torch.Tensor, B: int, width: int, like: torch.Tensor, holder: str) -> None:
+    """Latent rows (B, 1, T, w) of ``like``'s dtype and device, or a ValueError/TypeError
+    saying which (``holder``: the cache or the pool, in the message)."""
+    if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != (B, 1, width):
+        raise ValueError(
+            f"rows must have shape (B, 1, T, r + rope) with B={B}, r + rope={width}; got "
+            f"{tuple(rows.shape)}"
+        )
+    if rows.dtype != like.dtype or rows.device != like.device:
+        raise TypeError(
+            f"rows are {rows.dtype} on {rows.device} but {holder} holds "
+            f"{like.dtype} on {like.device}"
+        )
+
+
 def check_values_view(k: torch.Tensor, v: torch.Tensor, r: int, who: str) -> None:
     """Raise unless v is k's first r columns, a view: a latent cache stores the rows once,
     the values being their latent part."""
@@ -200,17 +215,7 @@ class PagedLatentBatch:
     def store(self, rows: torch.Tensor) -> None:
         """Append rows (B, 1, T, w) to the sequences."""
         pool, B = self.pool, len(self.seqs)
-        width = pool.rows.shape[3]
-        if rows.ndim != 4 or (rows.shape[0], rows.shape[1], rows.shape[3]) != (B, 1, width):
-            raise ValueError(
-                f"rows must have shape (B, 1, T, w) with B={B} sequences, w={width}; got "
-                f"{tuple(rows.shape)}"
-            )
-        if rows.dtype != pool._like.dtype or rows.device != pool._like.device:
-            raise TypeError(
-                f"rows are {rows.dtype} on {rows.device} but the pool holds "
-                f"{pool._like.dtype} on {pool._like.device}"
-            )
+        check_rows(rows, B, pool.rows.shape[3], pool._like, "the pool")
         if pool.scales is not None:
             held = self.row_lengths
             check_no_grad(rows)
