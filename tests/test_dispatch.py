@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import qkv
 from qkv import masks
@@ -245,7 +246,7 @@ def _ran(monkeypatch, call):
                 if native is None
                 else "tiled-native"
                 if native == c.q.dtype
-                else "tiled-native-upcast"
+                else "tiled-native-widen"
             )
             or fused(c, native=native)
         ),
@@ -332,12 +333,54 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
             assert w.path == "tiled-native"
         else:
             # bfloat16 then runs as float32 does: natively on float32 copies, or torch's
-            want = "tiled-native-upcast" if verdict.float32 else "tiled-flash"
+            want = "tiled-native-widen" if verdict.float32 else "tiled-flash"
             assert d.rule != "native bfloat16" and w.path == want
             assert _ran(monkeypatch, lambda: qkv.attention(qb, kb, vb, mask=window)) == want
     tune(native_probe=False)  # pinned: the CPU flag alone, whatever was measured
     d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
     assert (d.path, d.rule) == ("tiled-native", "native bfloat16") and "pinned" in d.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_a_gradient_runs_sdpa_on_float32_copies_where_measured_faster(
+    dtype, monkeypatch, tune
+):
+    """Where the machine's profile found torch's half-precision backward slower than on
+    float32 copies (an AVX2-only CPU: 5.7× slower causal at T = 4096), a half-precision
+    call to torch's fused kernel that needs a gradient runs on float32 copies: the output
+    and gradients in the inputs' dtype, equal to float32's rounded. Without a gradient, or
+    where the profile found no slowdown, it runs in its own dtype; float32 is untouched."""
+    from qkv.kernels.tiled import native, profile
+
+    tune(native_probe=True)
+    slow = native.Probe(1.0, 1.0, 1.0, 50.0, 50.0, 10.0)
+    monkeypatch.setattr(profile, "probe", lambda: slow)
+    q, k, v = (x.requires_grad_() for x in make_qkv(2, 4, 2, 40, 40, 32, 32, dtype=dtype))
+    causal = masks.causal()
+    d = qkv.dispatch(q, k, v, mask=causal)
+    assert (d.backend, d.path, d.rule) == ("sdpa", "sdpa-float32", "causal square")
+    assert "float32 copies" in d.reason
+    decode = qkv.dispatch(q[:, :, -1:], k, v, mask=causal, q_offset=39)  # no fast path
+    assert decode.path == "sdpa-float32"
+    out = qkv.attention(q, k, v, mask=causal)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    x32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    out32 = F.scaled_dot_product_attention(*x32, is_causal=True, enable_gqa=True)
+    want = torch.autograd.grad(out32, x32, g.float())
+    assert out.dtype == dtype and torch.equal(out, out32.to(dtype))
+    for a, b in zip(got, want):
+        assert a.dtype == dtype and torch.equal(a, b.to(dtype))
+    with torch.no_grad():
+        assert qkv.dispatch(q, k, v, mask=causal).path == "sdpa"
+    assert qkv.dispatch(q.detach(), k.detach(), v.detach(), mask=causal).path == "sdpa"
+    f32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    assert qkv.dispatch(*f32, mask=causal).path == "sdpa"
+    monkeypatch.setattr(profile, "probe", lambda: native.Probe(1.0, 1.0, 1.0, 9.0, 9.0, 10.0))
+    assert qkv.dispatch(q, k, v, mask=causal).path == "sdpa"
+    tune(native_probe=False)  # pinned: never measured, never copied
+    monkeypatch.setattr(profile, "probe", lambda: slow)
+    assert qkv.dispatch(q, k, v, mask=causal).path == "sdpa"
 
 
 def test_every_rule_is_named_once_and_has_a_known_mode():

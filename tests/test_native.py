@@ -471,7 +471,9 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
     g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).to(dtype)
     seen = []
     real = native.backward_many
-    monkeypatch.setattr(native, "backward_many", lambda *a: seen.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(
+        native, "backward_many", lambda *a, **kw: seen.append(len(a[0])) or real(*a, **kw)
+    )
     got = grads(q, k, v, g, mask, backend="tiled")
     assert seen == [seen[0]], "the backward did not run natively, in one call"
     want = grads(q.double(), k.double(), v.double(), g.double(), mask, backend="reference")
@@ -611,7 +613,9 @@ def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, mo
     monkeypatch.setattr(
         native,
         "backward_many",
-        lambda jobs, *a: masked.extend((j.bias, j.bounds) for j in jobs) or real_bwd(jobs, *a),
+        lambda jobs, *a, **kw: (
+            masked.extend((j.bias, j.bounds) for j in jobs) or real_bwd(jobs, *a, **kw)
+        ),
     )
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=torch.float32, seed=14)
     grads(q, k, v, torch.ones(2, 4, T_q, 32), mask, backend="tiled")
@@ -664,9 +668,10 @@ def test_where_it_does_not_run_torchs_kernel_answers(case, monkeypatch, tune):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
-def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch, tune):
+def test_half_precision_runs_natively_widened(dtype, name, monkeypatch, tune):
     """float16 (which this kernel does not compute in), and bfloat16 where its own native
-    path is off: the native kernel in float32 on upcast copies, forward and backward, within
+    path is off: the native kernel in float32, widening the inputs as it loads them, forward
+    and backward, within
     the output's own rounding; the gradients within two units of their rounding of float32's
     on the same inputs (the half-precision pass's Delta reads the rounded out)."""
     if dtype == torch.bfloat16:
@@ -675,7 +680,7 @@ def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch
         tune(native_probe=True)
     q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=21)
     mask = mask_zoo(2, 75, 61)[name]
-    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native-upcast"
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native-widen"
     seen = calls(monkeypatch)
     g = torch.randn(2, 4, 61, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = qkv.attention(q, k, v, mask=mask, backend="tiled")
@@ -688,6 +693,95 @@ def test_half_precision_runs_natively_on_float32_copies(dtype, name, monkeypatch
         assert a.dtype == dtype
         atol = rounding_tolerance(b.numpy(), dtype, 2.0)
         np.testing.assert_allclose(a.double().numpy(), b.double().numpy(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("isa", ["", "avx2"])
+@pytest.mark.parametrize(
+    "B,H_kv,G,R,T_k,k0,k1,D,D_v",
+    [
+        (2, 2, 2, 19, 100, 3, 91, 64, 64),  # GQA rows, a call starting inside a 32-key block
+        (1, 1, 2, 11, 150, 5, 141, 192, 128),
+        (1, 1, 2, 11, 150, 5, 141, 80, 48),
+        (1, 2, 1, 37, 53, 0, 53, 17, 33),  # off every vector, odd (bfloat16's own step: even)
+    ],
+)
+@pytest.mark.parametrize("bias_kind", ["none", "per_head", "bounds_per_batch"])
+@pytest.mark.parametrize("mod", ["", "alibi+softcap"])
+def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
+    B, H_kv, G, R, T_k, k0, k1, D, D_v, bias_kind, mod, isa, source
+):
+    """The float32 step on bfloat16 or float16 inputs reads them as they are and widens each
+    value as it loads it (exact): its forward and backward equal, bit for bit, the float32
+    step on float32 copies of the same values — which the tests above hold to the float64
+    oracle — on both steps, at any head dims, with masks and modifications."""
+    if isa and isa not in native.isas():
+        pytest.skip(f"this CPU cannot run the {isa} step")
+    g = torch.Generator().manual_seed(R + D)
+    q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(source)
+    do5 = torch.randn(B, H_kv, G, R, D_v, generator=g).to(source)
+    k = torch.randn(B, H_kv, T_k, D, generator=g).to(source)
+    v = torch.randn(B, H_kv, T_k, D_v, generator=g).to(source)
+    N, scale = k1 - k0, 1 / math.sqrt(D)
+    kw, _ = kernel_mod(mod, H_kv * G, g)
+    bias = bounds = None
+    if bias_kind != "none":
+        bias, bounds, _ = random_mask(bias_kind, B, H_kv, G, R, N, g)
+    runs = []
+    with native.use_isa(isa):
+        for x in ((q5, do5, k, v), tuple(t.float() for t in (q5, do5, k, v))):
+            packed = native.pack(x[2], x[3], torch.float32)
+            assert packed.v.data_ptr() == x[3].data_ptr()  # V read in place, in its dtype
+            out, lse = native.attend(
+                x[0], packed, k0, k1, bias, scale, bounds=bounds, qpos=k0 + 5, **kw
+            )
+            delta = (out * x[1].float()).sum(-1)
+            dq = torch.zeros(B, H_kv, G, R, D)
+            dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D_v)
+            native.backward(
+                x[0],
+                x[1],
+                x[2],
+                x[3],
+                k0,
+                k1,
+                bias,
+                lse,
+                delta,
+                scale,
+                dq,
+                dk,
+                dv,
+                bounds,
+                qpos=k0 + 5,
+                dtype=torch.float32,
+                **kw,
+            )
+            runs.append((out, lse, dq, dk, dv))
+    for widened, copied in zip(*runs):
+        assert torch.equal(widened, copied)
+
+
+def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
+    """qkv.attention on float16 inputs (bfloat16 too where its own step is off): the
+    float32 step receives the half-precision tensors, not float32 copies, forward and
+    backward."""
+    tune(native=True, native_probe=False)
+    seen = []
+    real_pack, real_backward = native.pack, native.backward_many
+    monkeypatch.setattr(
+        native, "pack", lambda k, v, dtype=None: seen.append(k.dtype) or real_pack(k, v, dtype)
+    )
+    monkeypatch.setattr(
+        native,
+        "backward_many",
+        lambda jobs, k, *a, **kw: seen.append(k.dtype) or real_backward(jobs, k, *a, **kw),
+    )
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 32, 32, dtype=torch.float16, seed=3)
+    mask = qkv.masks.sliding_window(16)
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native-widen"
+    grads(q, k, v, torch.ones(1, 2, 70, 32, dtype=torch.float16), mask, backend="tiled")
+    assert seen and set(seen) == {torch.float16}
 
 
 def test_float32_reads_values_in_place_at_any_row_stride():
@@ -804,7 +898,7 @@ def test_the_boundary_to_c_is_named_fields(monkeypatch):
     with pytest.raises(TypeError, match="missing required argument 'k'"):
         run(renamed)
     extra = {**fields, "keys": fields["k"]}
-    with pytest.raises(TypeError, match="at most 13 keyword arguments"):
+    with pytest.raises(TypeError, match="at most 14 keyword arguments"):
         run(extra)
     with pytest.raises(TypeError):
         real([tuple(fields.values())], 1)  # the old positional form

@@ -41,7 +41,7 @@ def counting(monkeypatch, *probes):
 
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
-    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 2.0))
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
     again, where = profile.load()
@@ -58,6 +58,30 @@ def test_a_remeasurement_near_the_threshold_keeps_the_stored_choice(cache, monke
     assert kept.native32_ms == 2.3 and kept.float32  # 1.15×: within the margin, kept
     counting(monkeypatch, native.Probe(1.0, 2.0, 3.0))
     assert not profile.load(remeasure=True)[0].float32  # 1.5×: past it, changed
+
+
+@needs_native
+def test_the_half_precision_choice_keeps_its_stored_value_near_the_threshold(cache, monkeypatch):
+    """Whether torch's half-precision backward runs on float32 copies: measured, stored,
+    kept on a re-measurement within the margin, changed past it."""
+    slow, near, fast = (native.Probe(1.0, 2.0, 1.5, ms, ms, 10.0) for ms in (30.0, 10.5, 5.0))
+    counting(monkeypatch, slow, near, fast)
+    found = profile.load()[0]
+    assert found.widen_bfloat16 and found.widens(torch.float16)
+    assert profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 1.05×: kept
+    assert not profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 0.5×: changed
+
+
+@needs_native
+def test_a_profile_of_an_older_format_is_measured_again_silently(cache, monkeypatch):
+    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"format": profile.FORMAT - 1, "machines": {}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, where = profile.load()
+    assert where.startswith("measured and stored") and len(calls) == 1
+    assert json.loads(cache.read_text())["format"] == profile.FORMAT
 
 
 @needs_native

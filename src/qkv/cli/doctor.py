@@ -29,10 +29,14 @@ def run_doctor(args: argparse.Namespace) -> int:
     if not native.available(torch.float32):
         print("native tiled kernel: not built or not runnable here (PyTorch paths run)")
     else:
-        bf16 = "native" if native.available(torch.bfloat16) else "no AVX512-BF16: float32 copies"
+        bf16 = (
+            "bfloat16 dot products"
+            if native.available(torch.bfloat16)
+            else "widened to float32 as loaded (no bfloat16 dot product here)"
+        )
         print(
             f"native tiled kernel: float32 on {native.isa(torch.float32)} "
-            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}"
+            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}; float16: widened"
         )
     print(f"native paged decode kernel: {'built' if paged.available() else 'not built'}")
     if native.available(torch.float32):
@@ -48,6 +52,18 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"  float32 runs {'natively' if found.float32 else 'through torch'}; bfloat16 "
             f"{'natively' if found.faster else 'as float32 does'}"
         )
+        print("  torch's fused kernel, causal over 512 queries, ms (bfloat16 / float16 / copies):")
+        widened = []
+        for backward, what in ((False, "forward"), (True, "forward + backward")):
+            fwd = "" if backward else "_fwd"
+            ms = [getattr(found, f"sdpa_{n}{fwd}_ms") for n in ("bfloat16", "float16", "widened")]
+            print(f"    {what}: {' / '.join(f'{t:.2f}' for t in ms)}")
+            widened += [
+                f"{n} {'with a gradient' if backward else 'forward'}"
+                for n in ("bfloat16", "float16")
+                if found.widens(getattr(torch, n), backward)
+            ]
+        print(f"  on float32 copies through torch's kernel: {', '.join(widened) or 'none'}")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 8, 4096, 64, generator=g)
     kinds = {
@@ -56,10 +72,12 @@ def run_doctor(args: argparse.Namespace) -> int:
         "sliding_window(256)": masks.sliding_window(256),
         "document (8 docs)": masks.document(torch.arange(4096) // 512),
     }
-    print("which code runs (B=1, H=8, T=4096, D=64):")
-    for dtype in (torch.float32, torch.bfloat16):
+    print("which code runs (B=1, H=8, T=4096, D=64), forward / with a gradient:")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         xd = x.to(dtype)
+        xg = xd.clone().requires_grad_()
         for name, mask in kinds.items():
-            d = dispatch(xd, xd, xd, mask=mask)
-            print(f"  {str(dtype).removeprefix('torch.'):8} {name:20} {d.path:20} ({d.rule})")
+            d, t = dispatch(xd, xd, xd, mask=mask), dispatch(xg, xg, xg, mask=mask)
+            both = d.path if t.path == d.path else f"{d.path} / {t.path}"
+            print(f"  {str(dtype).removeprefix('torch.'):8} {name:20} {both:31} ({d.rule})")
     return 0

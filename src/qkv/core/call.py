@@ -183,7 +183,7 @@ class Dispatch:
     #: tensors, ints) for the ``qkv::tiled_attention`` op (see ``qkv.core.compiled``).
     compiled: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
     #: The code that runs: "reference", "sdpa", "flex", "tiled-loop", "tiled-flash",
-    #: "tiled-native", "tiled-native-upcast" or "tiled-op" (:data:`qkv.kernels.PATHS`); the
+    #: "tiled-native", "tiled-native-widen" or "tiled-op" (:data:`qkv.kernels.PATHS`); the
     #: backend's name if not given.
     path: str = field(default="", compare=False)
     #: The rule of :data:`RULES` that decided ("requested" for an explicit backend).
@@ -283,6 +283,12 @@ def plain(query: Any, key: Any, value: Any, mask: Any, scale: Any, tuning: Tunin
     ):
         return None
     if dtype is torch.bfloat16 and T_q * T_k >= tuning.native_scores:  # rule "native bfloat16"
+        return None
+    if dtype is torch.float16 or (
+        dtype is torch.bfloat16
+        and (query.requires_grad or key.requires_grad or value.requires_grad)
+        and torch.is_grad_enabled()
+    ):  # the rules decide whether torch's kernel runs it on float32 copies (rules._widened)
         return None
     return fast_scale(scale, D)
 

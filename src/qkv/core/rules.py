@@ -124,7 +124,7 @@ def tiled_path(a: Call) -> tuple[str, str]:
             and native.supports(a.q, a.k, a.v, torch.float32)
             and _native_wins(a, torch.float32)
         ):
-            return "tiled-native-upcast", (
+            return "tiled-native-widen", (
                 f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
                 f"float32 copies{capped}"
             )
@@ -154,7 +154,28 @@ def _sdpa(a: Call, why: str, rule: str, mode: str | None = None) -> Dispatch:
     drawn = " (dropout drawn from torch's global generator)" if a.dropout_p > 0 else ""
     prefix = "compiling: " if a.tracing else ""
     mode = sdpa_mode(a) if mode is None else mode
-    return Dispatch("sdpa", f"{prefix}{why}{drawn}", sdpa_mask=mode, rule=rule)
+    path = "sdpa"
+    if _widened(a):
+        path = "sdpa-float32"
+        drawn += (
+            f"; on float32 copies: torch's kernel ran {str(a.q.dtype).removeprefix('torch.')} "
+            "slower than float32 on this CPU (measured once)"
+        )
+    return Dispatch("sdpa", f"{prefix}{why}{drawn}", sdpa_mask=mode, rule=rule, path=path)
+
+
+def _widened(a: Call) -> bool:
+    """Whether torch's fused kernel should run this half-precision call on float32 copies:
+    on the CPU, where the machine's profile found torch's kernel slower in its dtype than on
+    copies — forward and backward for a call that needs a gradient, the forward for one that
+    does not (:meth:`qkv.kernels.tiled.native.Probe.widens`; not while the probe is off, nor
+    while tracing)."""
+    if a.q.dtype not in (torch.bfloat16, torch.float16) or a.q.device.type != "cpu":
+        return False
+    if a.tracing or not a.tuning.native_probe:
+        return False
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (a.q, a.k, a.v))
+    return profile.probe().widens(a.q.dtype, backward=grad)
 
 
 def _reference(a: Call, why: str, rule: str) -> Dispatch:

@@ -27,11 +27,12 @@ from ..tuning import Tuning
 PATHS = (
     "reference",
     "sdpa",
+    "sdpa-float32",
     "flex",
     "tiled-loop",
     "tiled-flash",
     "tiled-native",
-    "tiled-native-upcast",
+    "tiled-native-widen",
     "tiled-op",
 )
 

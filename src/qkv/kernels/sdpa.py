@@ -52,15 +52,22 @@ def sdpa(
 
 def run(call: Lowered) -> Result:
     """The contract's entry: the call's float mask if it has one, else its bool mask or
-    ``is_causal``; with sinks, :func:`with_sink_key`."""
+    ``is_causal``; with sinks, :func:`with_sink_key`. On path "sdpa-float32", half-precision
+    inputs run on float32 copies and the output is rounded back (the gradients flow back
+    through the copies in the inputs' dtypes): where the CPU has no bfloat16 dot product,
+    torch's half-precision backward runs several times slower than float32's."""
     q, k, v = call.q, call.k, call.v
     mask = call.bias if call.bias is not None else call.dense
     is_causal = call.is_causal
     if call.sinks is not None:
         k, v, mask = with_sink_key(call)
         is_causal = False
+    dtype = q.dtype
+    if call.path == "sdpa-float32":
+        q, k, v = (x.float() for x in (q, k, v))
+        mask = mask.float() if mask is not None and mask.is_floating_point() else mask
     out = sdpa(q, k, v, mask=mask, is_causal=is_causal, scale=call.scale, dropout_p=call.dropout_p)
-    return Result(out)
+    return Result(out.to(dtype))
 
 
 def with_sink_key(call: Lowered) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

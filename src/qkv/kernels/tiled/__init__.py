@@ -31,13 +31,13 @@ def forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
     return loop_forward(call)
 
 
-FUSED = ("tiled-flash", "tiled-native", "tiled-native-upcast")
+FUSED = ("tiled-flash", "tiled-native", "tiled-native-widen")
 
 
 def _native_dtype(call: Lowered) -> torch.dtype | None:
     """The dtype the native kernel computes the call in — the inputs' ("tiled-native") or
-    float32 on upcast copies ("tiled-native-upcast") — or None: torch's flash kernel."""
-    return {"tiled-native": call.q.dtype, "tiled-native-upcast": torch.float32}.get(call.path)
+    float32 on upcast copies ("tiled-native-widen") — or None: torch's flash kernel."""
+    return {"tiled-native": call.q.dtype, "tiled-native-widen": torch.float32}.get(call.path)
 
 
 def backward(

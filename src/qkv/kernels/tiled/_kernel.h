@@ -21,6 +21,10 @@
    on AVX-512 (with AVX512-BF16) alone. */
 enum { ISA_NONE = 0, ISA_AVX2 = 256, ISA_AVX512 = 512 };
 
+/* What a call's Q, K, V and dO hold. float32 steps read bfloat16 and float16 inputs as they
+   are and widen them to float32 as they load them (no float32 copies). */
+enum { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2 };
+
 typedef uint16_t bf16;
 typedef uint16_t lanemask; /* one bit per lane of 16 float32 */
 
@@ -50,7 +54,8 @@ typedef struct {
     const float *slopes; /* ALiBi, or NULL: + slopes[h] · (kv_idx - q_idx), h = h_kv · G + g */
     int64_t qpos;        /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
-    int f32;             /* Q, K, V float32 (else bfloat16) */
+    int f32;             /* computed in float32 (else bfloat16 dot products) */
+    int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
     int isa;             /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
@@ -66,6 +71,7 @@ typedef struct {
     void *dst;
     int values;
     int64_t D;
+    int src; /* what x holds (SRC_*) */
 } Pack;
 
 /* A head dim rounded up to 32: the row length of the step's own buffers of rows (Q, dO,
@@ -89,15 +95,41 @@ typedef struct {
     int64_t blocks; /* key blocks per head */
 } BJob;
 
-/* Keys n0..n0+31 of head (b, h) packed at dst. */
+/* float16 bits as float32 (every value exact: subnormals, inf and NaN included). */
+static inline float half_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0x1f) u = sign | 0x7f800000u | m << 13;
+    else if (e) u = sign | (e + 112) << 23 | m << 13;
+    else { /* zero or subnormal: m · 2^-24 */ float f = (float)m * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Element i of x (SRC_*) as float32. */
+static inline float widened(const void *x, int64_t i, int src) {
+    if (src == SRC_F32) return ((const float *)x)[i];
+    uint16_t h = ((const uint16_t *)x)[i];
+    if (src == SRC_F16) return half_bits(h);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Keys n0..n0+31 of head (b, h) packed at dst: in float32's layout (f32; any source,
+   widened) or bfloat16's. */
 static inline void pack32(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D,
                           int f32, void *dst) {
+    size_t unit = p->src == SRC_F32 ? 4 : 2;
     for (int64_t kk = 0; kk < 32; kk++) {
         int64_t n = n0 + kk, at = b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
         if (f32) {
-            const float *xr = (const float *)p->x + at;
+            const void *xr = (const char *)p->x + at * unit;
             float *kb = dst; /* (D, 32) */
-            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? xr[d] : 0.0f;
+            for (int64_t d = 0; d < D; d++) kb[d * 32 + kk] = n < T ? widened(xr, d, p->src) : 0.0f;
         } else if (!p->values) {
             const bf16 *xr = (const bf16 *)p->x + at;
             uint32_t *kb = dst; /* (D/2, 32) pairs */
@@ -114,9 +146,15 @@ static inline void pack32(const Pack *p, int64_t b, int64_t h, int64_t n0, int64
     }
 }
 
-/* The element `at` elements past `base` in the call's dtype. */
+/* The element `at` elements past `base` in the dtype the call computes in (its packed
+   buffers and row buffers). */
 static inline const void *elem(const Job *j, const void *base, int64_t at) {
     return (const char *)base + at * (j->f32 ? 4 : 2);
+}
+
+/* The element `at` elements past `base` in what the call's inputs hold. */
+static inline const void *raw(const Job *j, const void *base, int64_t at) {
+    return (const char *)base + at * (j->src == SRC_F32 ? 4 : 2);
 }
 
 /* The lanes of the 16 keys from n that lie in [first, last). */
@@ -138,19 +176,6 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
     int64_t lo = bd[0] + j->lead - n0, hi = bd[1] + j->lead - n0;
     if (lo > *f) *f = lo;
     if (hi < *l) *l = hi;
-}
-
-/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R; `dim` wide) into
-   MR rows of dst, pad32(dim) apart, zero past `rows` and past `dim`. */
-static inline void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t dim, int64_t b,
-                             int64_t h, int64_t r0, int rows, void *dst) {
-    size_t unit = j->f32 ? 4 : 2, size = (size_t)dim * unit, row = (size_t)pad32(dim) * unit;
-    for (int i = 0; i < MR; i++) {
-        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-        char *to = (char *)dst + i * row;
-        memset(to, 0, row);
-        if (i < rows) memcpy(to, elem(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]), size);
-    }
 }
 
 /* The step, per instruction set (_step.h): a forward work item (ROWS query rows of one

@@ -171,13 +171,33 @@ static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t
         pack_block(&packs[it / blocks], it % blocks, H, T, Nt, f32);
 }
 
+/* What a call's inputs hold, named by torch's dtype ("float32", "bfloat16", "float16"), into
+   *src; 0 with a Python error set if it is none of them, or if bfloat16's dot products (not
+   f32) are asked of other inputs. */
+static int source_of(const char *name, int f32, const char *what, int *src) {
+    *src = !strcmp(name, "float32")    ? SRC_F32
+           : !strcmp(name, "bfloat16") ? SRC_BF16
+           : !strcmp(name, "float16")  ? SRC_F16
+                                       : -1;
+    if (*src < 0 || (!f32 && *src != SRC_BF16)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: source \"float32\", \"bfloat16\" or \"float16\" (float32 steps "
+                     "widen half precision; bfloat16 steps take bfloat16), not \"%s\"",
+                     what, name);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *list;
     long long B, H, T, Nt;
-    int threads, f32;
-    static char *names[] = {"packs", "sizes", "threads", "float32", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLL)ip", names, &PyList_Type, &list, &B,
-                                     &H, &T, &Nt, &threads, &f32))
+    int threads, f32, src;
+    const char *source;
+    static char *names[] = {"packs", "sizes", "threads", "float32", "source", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!(LLLL)ips", names, &PyList_Type, &list, &B,
+                                     &H, &T, &Nt, &threads, &f32, &source) ||
+        !source_of(source, f32, "pack", &src))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(list);
     if (Nt % 32 != 0 || Nt < T || threads < 1 || n > 8) {
@@ -198,27 +218,28 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
             PyErr_SetString(PyExc_ValueError, "pack: D from 1 to 576, even in bfloat16");
             return NULL;
         }
-        packs[i] =
-            (Pack){(const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values, D};
+        packs[i] = (Pack){
+            (const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values, D, src};
     }
     Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, Nt, threads, f32);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-/* Whether the n values at x (float32, else bfloat16) are all finite (no exponent all ones):
-   one thread, no parallel region, so that on a busy machine no descheduled thread holds the
-   check up; chunk by chunk, stopping at the first chunk that holds NaN or inf. */
-static int all_finite(const void *x, int64_t n, int f32) {
+/* Whether the n values at x (SRC_*) are all finite (no exponent all ones): one thread, no
+   parallel region, so that on a busy machine no descheduled thread holds the check up;
+   chunk by chunk, stopping at the first chunk that holds NaN or inf. */
+static int all_finite(const void *x, int64_t n, int src) {
+    const uint16_t ones = src == SRC_F16 ? 0x7c00u : 0x7f80u; /* a half's exponent bits */
     const int64_t chunk = 1 << 14;
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {
         int64_t i1 = n - i0 < chunk ? n : i0 + chunk;
         unsigned bad = 0;
-        if (f32) {
+        if (src == SRC_F32) {
             const uint32_t *u = (const uint32_t *)x;
             for (int64_t i = i0; i < i1; i++) bad |= (u[i] & 0x7f800000u) == 0x7f800000u;
         } else {
             const uint16_t *u = (const uint16_t *)x;
-            for (int64_t i = i0; i < i1; i++) bad |= (u[i] & 0x7f80u) == 0x7f80u;
+            for (int64_t i = i0; i < i1; i++) bad |= (u[i] & ones) == ones;
         }
         if (bad) return 0;
     }
@@ -228,17 +249,21 @@ static int all_finite(const void *x, int64_t n, int f32) {
 static PyObject *finite_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     unsigned long long x;
     long long n;
-    int f32, found;
-    static char *names[] = {"x", "n", "float32", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$KLp", names, &x, &n, &f32)) return NULL;
-    Py_BEGIN_ALLOW_THREADS found = all_finite((const void *)(uintptr_t)x, n, f32);
+    int src, found;
+    const char *source;
+    static char *names[] = {"x", "n", "source", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$KLs", names, &x, &n, &source) ||
+        !source_of(source, 1, "finite", &src))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS found = all_finite((const void *)(uintptr_t)x, n, src);
     Py_END_ALLOW_THREADS return PyBool_FromLong(found);
 }
 
-/* The instruction set this CPU runs the step on in float32 (f32) or bfloat16: AVX-512
-   (F/BW/DQ/VL; bfloat16 needs AVX512-BF16 too), else, for float32, AVX2 + FMA; ISA_NONE if
-   neither. `pinned` (use_isa; QKV_NATIVE_ISA at import) takes float32 to AVX2 where the
-   CPU has both. */
+/* The instruction set this CPU runs the step on in float32 (f32; half-precision inputs
+   widened) or in bfloat16 dot products: AVX-512 (F/BW/DQ/VL; bfloat16 needs AVX512-BF16
+   too), else, for float32, AVX2 + FMA + F16C; ISA_NONE if neither. `pinned` (use_isa;
+   QKV_NATIVE_ISA at import) runs the CPU as an AVX2-only one would: float32 on AVX2, no
+   bfloat16 dot products. */
 static int pinned = ISA_NONE;
 
 static int cpu_isa(int f32) {
@@ -246,8 +271,11 @@ static int cpu_isa(int f32) {
     __builtin_cpu_init();
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (!f32) return avx512 && __builtin_cpu_supports("avx512bf16") ? ISA_AVX512 : ISA_NONE;
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (!f32)
+        return avx512 && __builtin_cpu_supports("avx512bf16") && pinned != ISA_AVX2 ? ISA_AVX512
+                                                                                    : ISA_NONE;
     if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
     return avx512 ? ISA_AVX512 : ISA_NONE;
 #else
@@ -335,18 +363,22 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
-    int parts, f32;
+    int parts, f32, src;
+    const char *source;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    static char *names[] = {"q",  "k",     "v",       "ranges", "out",     "lse",     "sizes",
-                            "Nt", "scale", "softcap", "alibi",  "p_parts", "float32", NULL};
-    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLLL)Ldd(KL)ip", names,
-                      &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
+    static char *names[] = {"q",     "k",       "v",       "ranges", "out",
+                            "lse",   "sizes",   "Nt",      "scale",  "softcap",
+                            "alibi", "p_parts", "float32", "source", NULL};
+    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLLL)Ldd(KL)ips",
+                      names, &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
                       &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2,
                       &ls3, &B, &H, &G, &R, &D, &Dv, &Nt, &scale, &cap, &slopes, &qpos, &parts,
-                      &f32))
+                      &f32, &source) ||
+        !source_of(source, f32, "attend", &src))
         return 0;
     if (!call_sizes(j, "attend", B, H, G, R, D, Dv, scale, cap, f32, threads)) return 0;
+    j->src = src;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
@@ -457,19 +489,22 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
-    int f32;
-    static char *names[] = {"q",    "dout",  "k",       "v",     "bias",    "bounds",
-                            "lse",  "delta", "dq",      "dk",    "dv",      "sizes",
-                            "keys", "scale", "softcap", "alibi", "float32", NULL};
+    int f32, src;
+    const char *source;
+    static char *names[] = {"q",       "dout",  "k",       "v",      "bias",  "bounds", "lse",
+                            "delta",   "dq",    "dk",      "dv",     "sizes", "keys",   "scale",
+                            "softcap", "alibi", "float32", "source", NULL};
     if (!parse_fields(args, "backward",
                       "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                      "(KLLL)(LLLLLL)(LLL)dd(KL)p",
+                      "(KLLL)(LLLLLL)(LLL)dd(KL)ps",
                       names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0], &dos[1], &dos[2],
                       &dos[3], &k, &kst[0], &kst[1], &kst[2], &v, &vst[0], &vst[1], &vst[2], &bias,
                       &bs[0], &bs[1], &bs[2], &bounds, &bnb, &lse, &ls[0], &ls[1], &ls[2], &ls[3],
                       &delta, &des[0], &des[1], &des[2], &des[3], &dq, &dqs[0], &dqs[1], &dqs[2],
                       &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B,
-                      &H, &G, &R, &D, &Dv, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32))
+                      &H, &G, &R, &D, &Dv, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32,
+                      &source) ||
+        !source_of(source, f32, "backward", &src))
         return 0;
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
@@ -481,15 +516,15 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
         PyErr_SetString(PyExc_ValueError, "backward: the call's keys must lie within K and V");
         return 0;
     }
-    j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N;
+    j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N, j->src = src;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     j->q = (const void *)(uintptr_t)q;
     j->vp = (const void *)(uintptr_t)k; /* float32 reads K's rows in place for dS K */
     j->bias = (const float *)(uintptr_t)bias;
     j->bounds = (const int32_t *)(uintptr_t)bounds, j->bnb = bnb;
     bj->dout = (const void *)(uintptr_t)dout;
-    bj->k = (Pack){(const void *)(uintptr_t)k, {kst[0], kst[1], kst[2]}, NULL, 0, D};
-    bj->v = (Pack){(const void *)(uintptr_t)v, {vst[0], vst[1], vst[2]}, NULL, 0, Dv};
+    bj->k = (Pack){(const void *)(uintptr_t)k, {kst[0], kst[1], kst[2]}, NULL, 0, D, src};
+    bj->v = (Pack){(const void *)(uintptr_t)v, {vst[0], vst[1], vst[2]}, NULL, 0, Dv, src};
     bj->kv = bj->k, bj->kv.values = 1;
     bj->T = T;
     bj->lse = (const float *)(uintptr_t)lse;
@@ -575,30 +610,35 @@ static PyMethodDef methods[] = {
      "isa(float32): the instruction set the kernel runs on in float32 or bfloat16 here: "
      "\"avx512\", \"avx2\", or \"\" (none)."},
     {"use_isa", use_isa, METH_VARARGS,
-     "use_isa(name): \"avx2\" runs float32 on the AVX2 step where the CPU has AVX-512 too "
-     "(to test and measure it); \"\" lets the CPU choose. Returns the setting before."},
+     "use_isa(name): \"avx2\" runs the kernel as on an AVX2-only CPU where this one has "
+     "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
+     "it); \"\" lets the CPU choose. Returns the setting before."},
     {"finite", (PyCFunction)(void (*)(void))finite_py, METH_VARARGS | METH_KEYWORDS,
-     "finite(*, x, n, float32): whether n contiguous float32 (else bfloat16) values at x "
-     "are all finite, in one thread."},
+     "finite(*, x, n, source): whether n contiguous values at x, of the dtype `source` "
+     "names (\"float32\", \"bfloat16\", \"float16\"), are all finite, in one thread."},
     {"backward_many", (PyCFunction)(void (*)(void))backward_many, METH_VARARGS | METH_KEYWORDS,
      "backward_many(*, calls, threads): every call (one B and H) in one parallel region, "
      "the gradients added in one fixed order. A call is a dict: q=(ptr, *4 strides), "
      "dout=(ptr, *4), k=(ptr, *3), v=(ptr, *3), bias=(ptr|0, *3), bounds=(ptr|0, *1), "
      "lse=(ptr, *4), delta=(ptr, *4), dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), "
      "sizes=(B, H, G, R, D, D_v), keys=(T, k0, N), scale, softcap, alibi=(slopes|0, qpos), "
-     "float32: its gradients added to dq (in key-block order), dk and dv; K (B, H, T, D) and "
-     "V (B, H, T, D_v) as they are."},
+     "float32, source: its gradients added to dq (in key-block order), dk and dv; K "
+     "(B, H, T, D) and V (B, H, T, D_v) as they are. float32: computed in float32 (else "
+     "bfloat16 dot products); source: what q, dout, k and v hold (\"float32\", "
+     "\"bfloat16\", \"float16\"; widened to float32 as they are loaded)."},
     {"pack", (PyCFunction)(void (*)(void))pack_py, METH_VARARGS | METH_KEYWORDS,
-     "pack(*, packs, sizes=(B, H, T, Nt), threads, float32): tensors into the kernel's "
-     "score layout (values 0) or bfloat16's value layout (1), in one parallel region; a "
-     "pack is a dict x=(ptr, *3 strides), dst, values, D (its head dim)."},
+     "pack(*, packs, sizes=(B, H, T, Nt), threads, float32, source): tensors holding "
+     "`source` into the kernel's score layout (values 0; float32's, widened, or "
+     "bfloat16's) or bfloat16's value layout (1), in one parallel region; a pack is a dict "
+     "x=(ptr, *3 strides), dst, values, D (its head dim)."},
     {"attend_many", (PyCFunction)(void (*)(void))attend_many, METH_VARARGS | METH_KEYWORDS,
      "attend_many(*, calls, threads): every call in one parallel region, their work items "
      "dealt from one counter. A call is a dict: q=(ptr, *4 strides), k=(kp, *2), "
      "v=(vp, *2), ranges=[dict k0, N, bias=(ptr|0, *3), bounds=(ptr|0, *1)], "
      "out=(ptr, *4), lse=(ptr, *4), sizes=(B, H, G, R, D, D_v), Nt, scale, softcap, "
-     "alibi=(slopes|0, qpos), p_parts, float32: the step over key ranges of the packed "
-     "buffers (one online softmax across them), into out and lse (float32)."},
+     "alibi=(slopes|0, qpos), p_parts, float32, source (as backward_many's): the step "
+     "over key ranges of the packed buffers (one online softmax across them), into out and "
+     "lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

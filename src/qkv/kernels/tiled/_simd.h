@@ -18,7 +18,8 @@
 #define DOT_ROWS 8 /* scores: rows × 32 keys of accumulators (16 zmm) */
 #define PV_ROWS 4  /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
 #define PV_COLS 4
-#define OUTER_KEYS 4 /* dK, dV: keys × 32 columns (8 zmm) */
+#define PV_ROWS_HALF 4 /* ... with V widened from half precision: its PV_COLS vectors held too */
+#define OUTER_KEYS 4   /* dK, dV: keys × 32 columns (8 zmm) */
 
 typedef __m512 vf;
 VI vf vzero(void) { return _mm512_setzero_ps(); }
@@ -43,15 +44,24 @@ VI lanemask vge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
 VI lanemask vne(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
 VI vf vexp(vf x) { return qkv_exp16(x); }
 VI vf viota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* 16 bfloat16 or float16 values from p, widened to float32. */
+VI vf vload_bf16(const uint16_t *p) {
+    __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+VI vf vload_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
 
 #elif QKV_ISA == 256
-#define TARGET __attribute__((target("avx2,fma")))
-#define VI static inline __attribute__((always_inline, target("avx2,fma")))
+#define TARGET __attribute__((target("avx2,fma,f16c")))
+#define VI static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 #define NAMED(x) x##_avx2
 #define DOT_ROWS 3 /* 3 rows × 32 keys: 12 ymm (the 8 rows as 3, 3, 2) */
-#define PV_ROWS 3  /* 3 rows × 32 columns: 12 ymm */
+#define PV_ROWS 3  /* 3 rows × 32 columns: 12 ymm (V read by the FMAs from memory) */
 #define PV_COLS 2
-#define OUTER_KEYS 2 /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
+#define PV_ROWS_HALF 2 /* ... V widened from half precision: 8 ymm, and 4 for V's values */
+#define OUTER_KEYS 2   /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
 
 typedef struct {
     __m256 lo, hi;
@@ -109,9 +119,34 @@ VI vf viota(void) {
     return (vf){_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
                 _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
 }
+VI __m256 bf16x8(const uint16_t *p) {
+    __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+}
+VI __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+/* 16 bfloat16 or float16 values from p, widened to float32. */
+VI vf vload_bf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
+VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
 #else
 #error "QKV_ISA: 512 or 256"
 #endif
+
+/* The 16 values from element i of p, which holds SRC (SRC_*), as float32: widened as they
+   are loaded where they are half precision. */
+VI vf vload_src(const void *p, int64_t i, const int SRC) {
+    if (SRC == SRC_F32) return vload((const float *)p + i);
+    if (SRC == SRC_BF16) return vload_bf16((const uint16_t *)p + i);
+    return vload_f16((const uint16_t *)p + i);
+}
+
+/* The lanes of m from element i of p as vload_src reads them, 0 in the others (not read). */
+VI vf vloadz_src(lanemask m, const void *p, int64_t i, const int SRC) {
+    if (SRC == SRC_F32) return vloadz(m, (const float *)p + i);
+    uint16_t part[16] = {0};
+    for (int e = 0; e < 16; e++)
+        if (m >> e & 1) part[e] = ((const uint16_t *)p)[i + e];
+    return SRC == SRC_BF16 ? vload_bf16(part) : vload_f16(part);
+}
 
 /* e^x for x <= 0 (scores minus their running max); exactly 0 below -87, so that a masked
    key (-inf) weighs nothing and a row with none allowed keeps a sum of 0. */

@@ -16,6 +16,28 @@
 #define QKV_BF16 0
 #endif
 
+/* Rows r0.. of head (b, h)'s G·R rows of x (strides xs over B, H, G, R; `dim` wide) into
+   MR rows of dst in the dtype the call computes in (half precision widened, 16 values at a
+   time), pad32(dim) apart, zero past `rows` and past `dim`. */
+TARGET static void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t dim, int64_t b,
+                             int64_t h, int64_t r0, int rows, void *dst) {
+    size_t unit = j->f32 ? 4 : 2, size = (size_t)dim * unit, row = (size_t)pad32(dim) * unit;
+    int widen = j->f32 && j->src != SRC_F32;
+    for (int i = 0; i < MR; i++) {
+        int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
+        char *to = (char *)dst + i * row;
+        if (i >= rows || !widen) memset(to, 0, row);
+        if (i >= rows) continue;
+        const void *from = raw(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]);
+        if (!widen) memcpy(to, from, size);
+        for (int64_t d = 0; widen && d < pad32(dim); d += 16) {
+            lanemask in = lanes(d, 0, dim); /* none past dim: zeros, nothing read */
+            vf y = in == 0xffff ? vload_src(from, d, j->src) : vloadz_src(in, from, d, j->src);
+            vstore((float *)to + d, y);
+        }
+    }
+}
+
 /* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 (qt's rows
    pad32(D) apart) and the 32 keys of the packed block kb (D, 32). (The sums stay in local
    registers until the end: a vector type may alias anything, so sums kept in *S would be
@@ -49,13 +71,14 @@ TARGET static void dots_f32(int64_t D, const float *qt, const float *kb, int64_t
 }
 
 /* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
-   vs[2] apart: V itself, never read past the call's last key nor past its `cols` columns;
-   O's rows pad32(cols) apart), for the NR rows from i0 and NV 16-column vectors from c0.
-   TAIL: the last vectors reach past `cols`, and V is read under a mask there. */
+   vs[2] apart: V itself, holding SRC, widened as it is loaded, never read past the call's
+   last key nor past its `cols` columns; O's rows pad32(cols) apart), for the NR rows from
+   i0 and NV 16-column vectors from c0. TAIL: the last vectors reach past `cols`, and V is
+   read under a mask there. */
 TARGET static inline __attribute__((always_inline)) void
-pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
+pv_block_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live,
              const float *P, int64_t ps, float *O, int64_t cols, int i0, const int NR, int64_t c0,
-             const int NV, const int TAIL) {
+             const int NV, const int TAIL, const int SRC) {
     int64_t os = pad32(cols);
     vf acc[PV_ROWS][PV_COLS];
     lanemask in[PV_COLS];
@@ -65,13 +88,21 @@ pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int 
     for (int64_t n32 = 0; n32 < last; n32 += 32) {
         if (!live[n32 / 32]) continue; /* P = 0 over the block */
         int64_t stop = last - n32 < 32 ? last - n32 : 32, step = j->vs[2];
-        const float *at = vp + (n0 + n32) * step + c0, *pr = P + i0 * ps + n32;
+        int64_t at = (n0 + n32) * step + c0;
+        const float *pr = P + i0 * ps + n32;
         for (int64_t n = 0; n < stop; n++, at += step) {
+            vf x[PV_COLS]; /* V's values, widened once for the NR rows (float32: read by each
+                              FMA from memory, which needs no register) */
+            for (int c = 0; SRC != SRC_F32 && c < NV; c++)
+                x[c] = TAIL ? vloadz_src(in[c], vp, at + 16 * c, SRC)
+                            : vload_src(vp, at + 16 * c, SRC);
             for (int i = 0; i < NR; i++) {
                 vf p = vset1(pr[i * ps + n]);
                 for (int c = 0; c < NV; c++) {
-                    vf x = TAIL ? vloadz(in[c], at + 16 * c) : vload(at + 16 * c);
-                    acc[i][c] = vfma(p, x, acc[i][c]);
+                    vf y = SRC != SRC_F32 ? x[c]
+                           : TAIL         ? vloadz(in[c], (const float *)vp + at + 16 * c)
+                                          : vload((const float *)vp + at + 16 * c);
+                    acc[i][c] = vfma(p, y, acc[i][c]);
                 }
             }
         }
@@ -83,27 +114,36 @@ pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int 
 /* The NR rows from i0 over every column: PV_COLS vectors at a time, then what is left
    (fewer vectors, the last one masked where `cols` ends inside it). */
 TARGET static inline __attribute__((always_inline)) void
-pv_rows(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
-        int64_t ps, float *O, int64_t cols, int i0, const int NR) {
+pv_rows(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live, const float *P,
+        int64_t ps, float *O, int64_t cols, int i0, const int NR, const int SRC) {
     int64_t c0 = 0;
     for (; c0 + 16 * PV_COLS <= cols; c0 += 16 * PV_COLS)
-        pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, PV_COLS, 0);
+        pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, PV_COLS, 0, SRC);
     int64_t left = (cols - c0 + 15) / 16; /* 0 .. PV_COLS vectors */
-    if (left == 1) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 1, 1);
-    else if (left == 2) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 2, 1);
+    if (left == 1) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 1, 1, SRC);
+    else if (left == 2) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 2, 1, SRC);
 #if PV_COLS > 2
-    else if (left == 3) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 3, 1);
-    else if (left == 4) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 4, 1);
+    else if (left == 3) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 3, 1, SRC);
+    else if (left == 4) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 4, 1, SRC);
 #endif
 }
 
-/* The MR rows, PV_ROWS at a time. */
-TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
-                          const float *P, int64_t ps, float *O, int64_t cols) {
+/* The MR rows, PV_ROWS at a time (PV_ROWS_HALF where V is widened), V holding SRC. */
+TARGET static inline __attribute__((always_inline)) void
+pv_src(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live, const float *P,
+       int64_t ps, float *O, int64_t cols, const int SRC) {
+    const int NR = SRC == SRC_F32 ? PV_ROWS : PV_ROWS_HALF;
     int i0 = 0;
-    for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS)
-        pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, PV_ROWS);
-    if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, MR % PV_ROWS);
+    for (; i0 + NR <= MR; i0 += NR) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, NR, SRC);
+    if (MR % NR) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, MR % NR, SRC);
+}
+
+/* float32 O[i] += P[i] · V, V as the call's inputs hold it (j->src). */
+TARGET static void pv_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live,
+                          const float *P, int64_t ps, float *O, int64_t cols) {
+    if (j->src == SRC_BF16) pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_BF16);
+    else if (j->src == SRC_F16) pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_F16);
+    else pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_F32);
 }
 
 /* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype, pad32(D) apart) and
@@ -219,7 +259,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
         memcpy(one.bs, seg->bs, sizeof one.bs);
         int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
         const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+        const void *vp = raw(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
         const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
         for (int64_t n0 = 0; n0 < Np; n0 += KT) {
             int64_t nk = Np - n0 < KT ? Np - n0 : KT;
@@ -330,7 +370,7 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
         pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, Dv, j->f32, vk + s * Dv * size);
         if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
     }
-    const void *kv = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+    const void *kv = raw(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
 #if QKV_BF16

@@ -13,20 +13,30 @@ import torch
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes the kernel computes in."""
 
+SOURCES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes its inputs may hold: float32 steps widen half precision as they load it."""
+
+
+def source(dtype: torch.dtype) -> str:
+    """The kernel's name for what its inputs hold ("float32", "bfloat16", "float16")."""
+    if dtype not in SOURCES:
+        raise ValueError(f"native: inputs float32, bfloat16 or float16, not {dtype}")
+    return str(dtype).removeprefix("torch.")
+
 
 def check_keys(k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise unless K and V are what the kernel reads in place: one batch, head count and
-    length (their head dims may differ), one dtype it computes in, the head dim contiguous."""
+    length (their head dims may differ), one dtype it reads, the head dim contiguous."""
     if (
         k.stride(-1) != 1
         or v.stride(-1) != 1
         or v.shape[:3] != k.shape[:3]
         or k.dtype != v.dtype
-        or k.dtype not in DTYPES
+        or k.dtype not in SOURCES
     ):
         raise ValueError(
-            "native: K and V of one batch, head count, length and dtype (float32 or bfloat16), "
-            "each with its head dim contiguous"
+            "native: K and V of one batch, head count, length and dtype (float32, bfloat16 or "
+            "float16), each with its head dim contiguous"
         )
 
 

@@ -56,7 +56,7 @@ def fused_forward(
     call: Lowered, *, native: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as fused calls. With ``native`` (a dtype: the inputs', or float32
-    for copies of half-precision inputs; the dispatch has checked
+    for half-precision inputs, widened as the kernel loads them; the dispatch has checked
     :func:`qkv.kernels.tiled.native.supports`): one call of qkv's native kernel for the
     whole pass, each query block one job over its key ranges (:func:`_native_ranges`), one
     online softmax across them. Else the calls of :func:`calls`, one by one through torch's
@@ -67,7 +67,7 @@ def fused_forward(
     reads each key/value head once). out in the accumulation dtype, as lse."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     mod = _native_mod(call, native)
-    if native != q.dtype:
+    if native is None:
         q, k, v = _working(q, k, v)
     acc = accumulation_dtype(q.dtype)
     B, H, T_q, D = q.shape
@@ -80,7 +80,7 @@ def fused_forward(
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     if native is not None:
         jobs = native_jobs(plan, q5, out, lse, mask_tile, cache, call.q_offset)
-        _native.attend_many(jobs, _native.pack(k, v), scale, call.tuning.p_parts, **mod)
+        _native.attend_many(jobs, _native.pack(k, v, native), scale, call.tuning.p_parts, **mod)
         return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
@@ -230,7 +230,7 @@ def fused_backward(
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     mod = _native_mod(call, native)
     dtypes = q.dtype, k.dtype, v.dtype
-    if native != q.dtype:
+    if native is None:
         q, k, v = _working(q, k, v)
     natively = native is not None
     acc = accumulation_dtype(q.dtype)
@@ -289,7 +289,7 @@ def fused_backward(
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
     if natively:
-        _native.backward_many(jobs, k, v, scale, **mod)
+        _native.backward_many(jobs, k, v, scale, **mod, dtype=native)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

@@ -2,9 +2,10 @@
 of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
 no AVX-512) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
 accumulated in float32, P and dS entering their matmul as bfloat16 hi + lo parts, about 16
-bits); the softmax state in float32 either way. docs/kernels.md#the-native-kernel gives its
-measurements; where it is not built or the CPU lacks the instructions, the fused calls run
-torch's flash kernel in float32 instead.
+bits); the softmax state in float32 either way. The float32 step also takes bfloat16 and
+float16 inputs as they are, widening them as it loads them (no float32 copies).
+docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the CPU
+lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim
 of Q and K · D_v of V.
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ..reference import all_finite
-from .args import DTYPES, alibi_at, bias_at, bounds_at, check_call, check_keys
+from .args import DTYPES, SOURCES, alibi_at, bias_at, bounds_at, check_call, check_keys, source
 from .torch_ops import FLASH
 
 try:
@@ -33,10 +34,9 @@ except ImportError:  # not built (no C compiler at install): torch's flash kerne
     _native = None
 
 
-@functools.cache
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
-    AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16), asked once, when first needed."""
+    AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16, not while :func:`use_isa` pins AVX2)."""
     f32 = dtype == torch.float32
     _pin_from_environment()
     return dtype in DTYPES and _native is not None and bool(_native.available(f32))
@@ -54,8 +54,8 @@ def isa(dtype: torch.dtype = torch.float32) -> str:
 def isas() -> tuple[str, ...]:
     """The instruction sets this CPU can run the float32 step on, of the two it is compiled
     for: both on a CPU with AVX-512 (where AVX2 runs only when pinned, :func:`use_isa`),
-    "avx2" alone on one with AVX2 + FMA only, or none. (bfloat16 runs on AVX-512 with
-    AVX512-BF16 alone.)"""
+    "avx2" alone on one with AVX2 + FMA + F16C only, or none. (bfloat16 dot products run on
+    AVX-512 with AVX512-BF16 alone.)"""
     if not available(torch.float32):
         return ()
     found = []
@@ -67,11 +67,11 @@ def isas() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
-    """Within the block, float32 runs on the AVX2 step (``name`` "avx2") even where the CPU
-    has AVX-512, or on the CPU's choice (""): to test and measure the AVX2 step on any
+    """Within the block, the kernel runs as on an AVX2-only CPU (``name`` "avx2": float32 on
+    the AVX2 step, half precision widened to it, no bfloat16 dot products) even where the
+    CPU has AVX-512, or on the CPU's choice (""): to test and measure the AVX2 step on any
     machine. Process-wide (every thread's calls), as ``QKV_NATIVE_ISA=avx2`` in the
-    environment is from import. The probe (:func:`probe`) is made once per process, with
-    the step in use then."""
+    environment is from import. The machine's profile keys its measurements by the pin."""
     if _native is None:
         raise RuntimeError("use_isa: the native kernel is not built")
     before = _native.use_isa(name)
@@ -100,19 +100,55 @@ def _pin_from_environment() -> None:
         raise ValueError(f"QKV_NATIVE_ISA={name!r} names an instruction set this CPU lacks")
 
 
+#: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
+#: on copies: a margin, as copies cost memory and within it the two are noise apart
+WIDEN_AT = 1.1
+
+
 class Probe(NamedTuple):
-    """One measurement, made once per process, of one call — 4 heads, 256 queries over
-    1,024 keys, D = 64 — three ways, medians of 7 interleaved runs each: the native kernel
-    in bfloat16 (``native_ms``), torch's flash kernel in float32 (``float32_ms``: what
-    float32 runs without the native kernel, and bfloat16 on float32 upcasts), and the
-    native kernel in float32 (``native32_ms``; nan where this CPU cannot run it)."""
+    """One measurement, made once per machine (:mod:`.profile`), medians of 7 interleaved
+    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — three ways: the
+    native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
+    (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
+    float32 (``native32_ms``; nan where this CPU cannot run it). And torch's fused kernel
+    (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
+    causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
+    inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
+    several times slower than float32's; without AVX512-FP16, float16's forward too."""
 
     native_ms: float
     float32_ms: float
     native32_ms: float = float("nan")
+    sdpa_bfloat16_ms: float = float("nan")
+    sdpa_float16_ms: float = float("nan")
+    sdpa_widened_ms: float = float("nan")
+    sdpa_bfloat16_fwd_ms: float = float("nan")
+    sdpa_float16_fwd_ms: float = float("nan")
+    sdpa_widened_fwd_ms: float = float("nan")
     #: the choices as a stored profile made them (:mod:`.profile`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
+    widen_bfloat16: bool | None = None
+    widen_float16: bool | None = None
+    widen_bfloat16_fwd: bool | None = None
+    widen_float16_fwd: bool | None = None
+
+    def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
+        """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
+        copies, forward and backward or forward alone (nan: not measured)."""
+        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
+        half = getattr(self, f"sdpa_{name}{fwd}_ms", math.nan)
+        return float(half / getattr(self, f"sdpa_widened{fwd}_ms"))
+
+    def widens(self, dtype: torch.dtype, backward: bool = True) -> bool:
+        """Whether torch's fused kernel should take half-precision calls on float32 copies
+        here — those that need a gradient (``backward``), or the others: it took over
+        :data:`WIDEN_AT` × its time on copies in ``dtype`` (not measured: no)."""
+        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
+        stored = getattr(self, f"widen_{name}{fwd}", None)
+        if stored is not None:
+            return bool(stored)
+        return self.sdpa_ratio(dtype, backward) > WIDEN_AT
 
     @property
     def float32(self) -> bool:
@@ -134,16 +170,25 @@ class Probe(NamedTuple):
 
 
 def measure() -> Probe:
-    """Measure whether this CPU runs the native kernel faster than torch's flash kernel
-    (see :class:`Probe`). The dispatch reads it from the machine's profile
-    (:func:`qkv.kernels.tiled.profile.probe`), measured once per machine: on one Intel Xeon
-    with AVX512-BF16 but no AMX the native bfloat16 path ran slower than float32, on the AMD
-    EPYC of this project's sessions faster — the instruction-set flag alone does not say
-    which wins."""
+    """Measure whether this CPU runs the native kernel faster than torch's flash kernel,
+    and torch's half-precision backward slower than float32's (see :class:`Probe`). The
+    dispatch reads it from the machine's profile (:func:`qkv.kernels.tiled.profile.probe`),
+    measured once per machine: on one Intel Xeon with AVX512-BF16 but no AMX the native
+    bfloat16 path ran slower than float32, on the AMD EPYC of this project's sessions
+    faster — the instruction-set flag alone does not say which wins."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
     calls: dict[str, Callable[[], object]] = {
-        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125)
+        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125),
+        **{
+            f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
+            for name, dtype, widen in (
+                ("bfloat16", torch.bfloat16, False),
+                ("float16", torch.float16, False),
+                ("widened", torch.bfloat16, True),
+            )
+            for backward in (True, False)
+        },
     }
     for name, dtype in (("native", torch.bfloat16), ("native32", torch.float32)):
         if available(dtype):
@@ -158,24 +203,49 @@ def measure() -> Probe:
                 runs[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
     return Probe(
-        median.get("native", math.nan), median["float32"], median.get("native32", math.nan)
+        median.get("native", math.nan),
+        median["float32"],
+        median.get("native32", math.nan),
+        sdpa_bfloat16_ms=median["sdpa_bfloat16"],
+        sdpa_float16_ms=median["sdpa_float16"],
+        sdpa_widened_ms=median["sdpa_widened"],
+        sdpa_bfloat16_fwd_ms=median["sdpa_bfloat16_fwd"],
+        sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
+        sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
     )
+
+
+def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
+    """One forward (and ``backward``) of torch's fused kernel, causal over 512 queries (4
+    heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(1, 4, 512, 64, generator=g).to(dtype) for _ in range(3)]
+
+    def step() -> object:
+        with torch.set_grad_enabled(backward):
+            inputs = [t.requires_grad_(backward) for t in x]
+            q, k, v = (t.float() for t in inputs) if widen else inputs
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.autograd.grad(out.to(dtype).sum(), inputs) if backward else out
+
+    return step
 
 
 def supports(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
 ) -> bool:
     """Whether the native kernel can run the flash calls of this call in ``dtype`` — the
-    inputs' (the default), or float32 on copies of half-precision inputs: Q, K, V of one
+    inputs' (the default), or float32 on half-precision inputs (widened as the kernel loads
+    them): Q, K, V of one
     dtype on the CPU, the kernel built and this CPU able to run it, each with its head dim
     contiguous, head dims it takes (:func:`shapes_fit`), and finite Q and
     V (the dispatch has checked K) — the kernel's max would pass over a NaN score, and
     0 · inf in ·V would reach rows that mask the key out. Reads Q and V: the dispatch asks
     once per call."""
     dtype = q.dtype if dtype is None else dtype
-    upcast = dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)
+    widen = dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)
     return (
-        (dtype == q.dtype or upcast)
+        (dtype == q.dtype or widen)
         and shapes_fit(dtype, q.device, q.shape[-1], v.shape[-1])
         and q.dtype == k.dtype == v.dtype
         and all(x.stride(-1) == 1 for x in (q, k, v))
@@ -185,14 +255,14 @@ def supports(
 
 
 def finite(x: torch.Tensor) -> bool:
-    """Whether x holds no NaN/inf: for a contiguous float32 or bfloat16 tensor on the CPU, by
+    """Whether x holds no NaN/inf: for a contiguous float32 or half tensor on the CPU, by
     the native module in one thread — no parallel region for a descheduled thread to hold up
     on a busy machine, where a parallel reduction over Q, K and V stalled the whole dispatch
     (docs/benchmarks.md, "measurements behind code choices"); else by one reduction
     (:func:`qkv.kernels.reference.all_finite`)."""
-    if _native is None or x.dtype not in DTYPES or x.device.type != "cpu" or not x.is_contiguous():
+    if _native is None or x.dtype not in SOURCES or x.device.type != "cpu" or not x.is_contiguous():
         return all_finite(x)
-    return bool(_native.finite(x=x.data_ptr(), n=x.numel(), float32=x.dtype == torch.float32))
+    return bool(_native.finite(x=x.data_ptr(), n=x.numel(), source=source(x.dtype)))
 
 
 MAX_D = 576
@@ -218,7 +288,9 @@ class Packed(NamedTuple):
     the score loop takes together side by side, zero past the last key; Nt covers every key
     a call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the
     pairs the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D_v, 2);
-    float32: k (B, H_kv, Nt/32, D, 32), and v is V itself (its rows read in place)."""
+    float32: k (B, H_kv, Nt/32, D, 32) (half precision widened), and v is V itself, in the
+    inputs' dtype (its rows read in place). k's dtype is the one the kernel computes in, v's
+    what the inputs hold."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -227,36 +299,42 @@ class Packed(NamedTuple):
     @property
     def D_v(self) -> int:
         """V's head dim."""
-        return self.v.shape[-1] if self.v.dtype == torch.float32 else self.v.shape[-2]
+        return self.v.shape[-1] if self.k.dtype == torch.float32 else self.v.shape[-2]
 
     def values(self) -> tuple[int, int, int, int]:
         """v as the kernel takes it: its address, its strides over B and H, and from one
         key to the next (elements)."""
         v = self.v
-        row = v.stride(2) if v.dtype == torch.float32 else v.shape[3]
+        row = v.stride(2) if self.k.dtype == torch.float32 else v.shape[3]
         return v.data_ptr(), v.stride(0), v.stride(1), row
 
 
-def pack(k: torch.Tensor, v: torch.Tensor) -> Packed:
-    """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32 or bfloat16 with the head dim
-    contiguous, packed for :func:`attend`, in one parallel region."""
+def pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> Packed:
+    """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32, bfloat16 or float16 with the
+    head dim contiguous, packed for :func:`attend` computing in ``dtype`` (the inputs', the
+    default; float32 for half-precision inputs widened as they are loaded), in one
+    parallel region."""
     check_keys(k, v)
+    dtype = k.dtype if dtype is None else dtype
+    if dtype not in DTYPES or (dtype == torch.bfloat16 and k.dtype != dtype):
+        raise ValueError(f"native.pack: {k.dtype} keys cannot be computed in {dtype}")
     B, H_kv, T_k, D = k.shape
     D_v = v.shape[-1]
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
-    if k.dtype == torch.float32:  # V is read in place
+    if dtype == torch.float32:  # V is read in place
         kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
     else:
         kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
         vp = torch.empty(B, H_kv, Nt // 2, D_v, 2, dtype=torch.bfloat16)
     todo = [dict(x=(k.data_ptr(), *k.stride()[:3]), dst=kp.data_ptr(), values=False, D=D)]
-    if k.dtype != torch.float32:
+    if dtype != torch.float32:
         todo.append(dict(x=(v.data_ptr(), *v.stride()[:3]), dst=vp.data_ptr(), values=True, D=D_v))
     _native.pack(
         packs=todo,
         sizes=(B, H_kv, T_k, Nt),
         threads=torch.get_num_threads(),
-        float32=k.dtype == torch.float32,
+        float32=dtype == torch.float32,
+        source=source(k.dtype),
     )
     return Packed(kp, vp, Nt)
 
@@ -374,15 +452,16 @@ def attend_many(
                 alibi=alibi,
                 p_parts=p_parts,
                 float32=packed.k.dtype == torch.float32,
+                source=source(packed.v.dtype),
             )
         )
     _native.attend_many(calls=args, threads=torch.get_num_threads())
 
 
 def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
-    """(B, H_kv, D, dtype) of packed keys."""
+    """(B, H_kv, D, dtype) of packed keys, dtype what the inputs held."""
     B, H_kv, _, d = packed.k.shape[:4]
-    return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.k.dtype
+    return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.v.dtype
 
 
 def backward(
@@ -403,15 +482,17 @@ def backward(
     softcap: float = 0.0,
     slopes: torch.Tensor | None = None,
     qpos: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """One call's gradients, given the whole rows' lse and Delta = rowsum(dO ∘ O) (float32,
     (B, H_kv, G, R)), added in float32 to ``dq`` ((B, H_kv, G, R, D)) and to ``dk``, ``dv``
     for keys k0..k1-1 ((B, H_kv, k1 - k0, D) and (…, D_v)). q5 (B, H_kv, G, R, D) and do5
     (…, D_v), K (B, H_kv, T_k, D) and V (…, D_v) as they are (each work item packs its own
-    keys), all float32 or all bfloat16; bias, or bounds, as a :class:`Range`'s;
-    ``softcap``, ``slopes`` and ``qpos`` as :func:`attend`'s."""
+    keys), all float32, all bfloat16 or all float16 (half precision computed in float32,
+    widened as it is loaded, unless ``dtype`` is bfloat16); bias, or bounds, as a
+    :class:`Range`'s; ``softcap``, ``slopes`` and ``qpos`` as :func:`attend`'s."""
     job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds, qpos)
-    backward_many([job], k, v, scale, softcap, slopes)
+    backward_many([job], k, v, scale, softcap, slopes, dtype)
 
 
 class BackwardJob(NamedTuple):
@@ -438,6 +519,7 @@ def backward_many(
     scale: float,
     softcap: float = 0.0,
     slopes: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
     whose threads take the calls' work items (a key block of one head each) from one
@@ -445,8 +527,9 @@ def backward_many(
     call, block by block) by whichever thread holds the lock when the share before is in.
     Calls whose keys overlap never race, no thread waits for a slower one, and the bits do
     not depend on the threads. Each item packs its own keys of K and V (no packed copy of
-    them for the pass)."""
+    them for the pass). Computed in ``dtype`` as :func:`pack`'s."""
     check_keys(k, v)
+    dtype = k.dtype if dtype is None else dtype
     B_k, H_k, T_k, D_k = k.shape
     D_v = v.shape[-1]
     keys, args = (B_k, H_k, D_k, k.dtype), []
@@ -492,7 +575,8 @@ def backward_many(
                 scale=scale,
                 softcap=softcap,
                 alibi=alibi,
-                float32=k.dtype == torch.float32,
+                float32=dtype == torch.float32,
+                source=source(k.dtype),
             )
         )
     _native.backward_many(calls=args, threads=torch.get_num_threads())

@@ -34,7 +34,9 @@ from . import native
 #: relative margin a re-measurement must clear to change a stored choice
 MARGIN = 0.1
 FILE = "native-profile.json"
-FORMAT = 1
+#: the file's format: 2 holds the half-precision SDPA measurements too (a file of an
+#: older format is measured again, silently)
+FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -81,6 +83,9 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
     try:
         found = json.loads(path.read_text())
+        older = isinstance(found, dict) and isinstance(found.get("format"), int)
+        if older and 0 < found["format"] < FORMAT:  # written by an earlier qkv: not damaged
+            return {}
         if not (isinstance(found, dict) and found.get("format") == FORMAT):
             raise ValueError("not a qkv profile of this format")
         entries = found.get("machines", {})
@@ -104,7 +109,16 @@ def _decide(new: native.Probe, old: native.Probe | None) -> native.Probe:
         r16 = new.native_ms / base
         if old.faster != bf16 and abs(r16 - 0.9) < 0.9 * MARGIN:
             bf16 = old.faster
-    return new._replace(use_float32=float32, use_bfloat16=bf16)
+    widen = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for backward in (True, False):
+            name = f"widen_{str(dtype).removeprefix('torch.')}{'' if backward else '_fwd'}"
+            widen[name] = new.widens(dtype, backward)
+            ratio = new.sdpa_ratio(dtype, backward)
+            near = abs(ratio - native.WIDEN_AT) < native.WIDEN_AT * MARGIN
+            if old is not None and old.widens(dtype, backward) != widen[name] and near:
+                widen[name] = old.widens(dtype, backward)
+    return new._replace(use_float32=float32, use_bfloat16=bf16, **widen)
 
 
 def _probe(entry: Any) -> native.Probe | None:

@@ -1,0 +1,98 @@
+"""Half precision against float32 through ``backend="auto"``, on the CPU at hand.
+
+    python benchmarks/bench_half.py [--rounds 5] [--avx2]
+
+The headline workloads — a causal sliding window of 256 keys over T = 8,192 and 16,384
+tokens, and causal attention over T = 4,096 — with B = 1, H = 8, D = 64, forward and forward
++ backward, each in float32, bfloat16 and float16 through ``qkv.attention`` as ``auto``
+chooses. Each row gives the path ``qkv.dispatch`` names (forward / with a gradient), the
+median of ``--rounds`` interleaved runs and the half-precision time ÷ float32's in the same
+run: the target is ≤ 1.0 (half precision never slower than float32).
+
+``--avx2`` runs the CPU as an AVX2-only one would be: qkv's kernel pinned to its AVX2 step
+with no bfloat16 dot products (``QKV_NATIVE_ISA=avx2``), torch's kernels and oneDNN's
+limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) — set before
+torch is imported, so the script runs itself again with them. Name the CPU beside the
+figures (``lscpu``), and say "pinned AVX2" for these rows.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+AVX2 = {"QKV_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--avx2", action="store_true", help="run as an AVX2-only CPU would")
+    args = parser.parse_args()
+    if args.avx2 and any(os.environ.get(k) != v for k, v in AVX2.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2})
+    run(args.rounds)
+
+
+def run(rounds: int) -> None:
+    import torch
+
+    import qkv
+
+    workloads = {
+        "window(256) T=8192": (8192, qkv.masks.sliding_window(256)),
+        "window(256) T=16384": (16384, qkv.masks.sliding_window(256)),
+        "causal T=4096": (4096, qkv.masks.causal()),
+    }
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    pinned = " (pinned AVX2)" if os.environ.get("QKV_NATIVE_ISA") == "avx2" else ""
+    print(f"B = 1, H = 8, D = 64, threads {torch.get_num_threads()}{pinned}; ms, ÷ float32")
+    for label, (T, mask) in workloads.items():
+        for backward in (False, True):
+            calls, paths = {}, {}
+            for dtype in dtypes:
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (
+                    torch.randn(1, 8, T, 64, generator=g).to(dtype).requires_grad_(backward)
+                    for _ in range(3)
+                )
+                paths[dtype] = qkv.dispatch(q, k, v, mask=mask).path
+                calls[dtype] = step(q, k, v, mask, backward)
+            times: dict = {d: [] for d in dtypes}
+            for r in range(rounds + 1):
+                order = dtypes[r % 3 :] + dtypes[: r % 3]
+                for dtype in order:
+                    t0 = time.perf_counter()
+                    calls[dtype]()
+                    if r:
+                        times[dtype].append((time.perf_counter() - t0) * 1e3)
+            ms = {d: statistics.median(t) for d, t in times.items()}
+            kind = "fwd+bwd" if backward else "fwd"
+            for dtype in dtypes:
+                name = str(dtype).removeprefix("torch.")
+                ratio = ms[dtype] / ms[torch.float32]
+                print(
+                    f"{label:20} {kind:7} {name:8} {paths[dtype]:19} {ms[dtype]:9.1f} ms "
+                    f"{ratio:5.2f}×"
+                )
+
+
+def step(q, k, v, mask, backward):
+    """One forward (no gradient recorded), or forward and backward, through ``auto``."""
+    import torch
+
+    import qkv
+
+    def call():
+        if not backward:
+            with torch.no_grad():
+                return qkv.attention(q, k, v, mask=mask)
+        out = qkv.attention(q, k, v, mask=mask)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    return call
+
+
+if __name__ == "__main__":
+    main()
