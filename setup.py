@@ -1,37 +1,73 @@
-"""The native kernels, built at install with the system C compiler: the tiled step in float32
-and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set in _step512.c and
-_step256.c) and the decode step over a paged KV cache
+"""The native kernels, built at install with the system C compiler (gcc or clang): the tiled
+step in float32 and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set
+in _step512.c, _step256.c and _step128.c) and the decode step over a paged KV cache
 (src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
 runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md).
 QKV_BUILD_NATIVE=0 builds none of them (a pure-Python install, what CI tests as the
-fallback). Everything else is in pyproject.toml."""
+fallback). A compiler without OpenMP builds them single-threaded, with a warning
+(QKV_OPENMP=0 asks for that build).
+Everything else is in pyproject.toml."""
 
 import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
 
 from setuptools import Extension, setup
 
 NATIVE = os.environ.get("QKV_BUILD_NATIVE", "1") != "0"
 
+
+def openmp_flags() -> list[str]:
+    """["-fopenmp"] where the C compiler builds and links an OpenMP program, else [] (the
+    kernels then run their passes in one thread: docs/kernels.md#the-native-kernel)."""
+    if os.environ.get("QKV_OPENMP") == "0":  # asked for: a single-threaded build
+        return []
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "omp.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+        try:
+            done = subprocess.run(
+                [*cc.split(), "-fopenmp", src, "-o", os.path.join(tmp, "omp")],
+                capture_output=True,
+            )
+        except OSError:
+            return []
+    if done.returncode != 0:
+        print("qkv: no OpenMP with this C compiler: the native kernels run in one thread",
+              file=sys.stderr)  # fmt: skip
+        return []
+    return ["-fopenmp"]
+
+
+OPENMP = openmp_flags() if NATIVE else []
+
 setup(
     ext_modules=[
         Extension(
             "qkv.kernels.tiled._native",
-            [f"src/qkv/kernels/tiled/{name}.c" for name in ("_native", "_step512", "_step256")],
+            [
+                f"src/qkv/kernels/tiled/{name}.c"
+                for name in ("_native", "_step512", "_step256", "_step128")
+            ],
             depends=[
                 "src/qkv/kernels/_exp.h",
                 "src/qkv/kernels/_fields.h",
                 *(f"src/qkv/kernels/tiled/{h}.h" for h in ("_kernel", "_simd", "_bf16", "_step")),
             ],
-            extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=["-O3", *OPENMP],
+            extra_link_args=OPENMP,
             optional=True,
         ),
         Extension(
             "qkv.kernels._paged",
             ["src/qkv/kernels/_paged.c"],
             depends=["src/qkv/kernels/_exp.h", "src/qkv/kernels/_fields.h"],
-            extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=["-O3", *OPENMP],
+            extra_link_args=OPENMP,
             optional=True,
         ),
     ]

@@ -34,9 +34,11 @@ def run_doctor(args: argparse.Namespace) -> int:
             if native.available(torch.bfloat16)
             else "widened to float32 as loaded (no bfloat16 dot product here)"
         )
+        threads = "OpenMP threads" if native.openmp() else "one thread (built without OpenMP)"
         print(
             f"native tiled kernel: float32 on {native.isa(torch.float32)} "
-            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}; float16: widened"
+            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}; float16: widened; "
+            f"{threads}"
         )
     print(f"native paged decode kernel: {'built' if paged.available() else 'not built'}")
     if native.available(torch.float32):

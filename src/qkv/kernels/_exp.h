@@ -1,9 +1,10 @@
-/* e^x for 16 float32 lanes (AVX-512F) and for 8 (AVX2 + FMA), shared by qkv's native
-   kernels (_paged.c, tiled/_step.h): x = n·ln2 + r with ln2 in two parts (Cody-Waite, so r
-   stays exact for large |x|), e^r by its degree-7 Taylor polynomial (|r| <= ln2/2: error
-   under float32's rounding), scaled by 2^n. NaN stays NaN. */
+/* e^x for 16 float32 lanes (AVX-512F), for 8 (AVX2 + FMA) and for 4 (ARM64 NEON), shared
+   by qkv's native kernels (_paged.c, tiled/_step.h): x = n·ln2 + r with ln2 in two parts
+   (Cody-Waite, so r stays exact for large |x|), e^r by its degree-7 Taylor polynomial
+   (|r| <= ln2/2: error under float32's rounding), scaled by 2^n. NaN stays NaN. */
 #ifndef QKV_EXP_H
 #define QKV_EXP_H
+#if defined(__x86_64__)
 #include <immintrin.h>
 
 /* p = e^r for x = n·ln2 + r, in the intrinsics PRE_* of one width (_mm512 or _mm256). */
@@ -43,4 +44,25 @@ static inline __attribute__((always_inline, target("avx2,fma"))) __m256 qkv_exp8
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+
+/* As qkv_exp8: 2^n built in the exponent bits, inputs below -88 give 0. */
+static inline __attribute__((always_inline)) float32x4_t qkv_exp4(float32x4_t x) {
+    x = vmaxq_f32(vdupq_n_f32(-88.0f), x);
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(1.428606765330187045e-06f));
+    float32x4_t p = vdupq_n_f32(1.0f / 5040);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 720), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    int32x4_t two_n = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(two_n));
+}
+#endif
 #endif

@@ -30,7 +30,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
 #include "_fields.h"
 

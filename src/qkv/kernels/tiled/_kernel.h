@@ -1,7 +1,7 @@
 /* What the native step's translation units share (_native.c: the Python module and the
-   passes; _step512.c and _step256.c: the step for AVX-512 and for AVX2, from _step.h): the
-   sizes, a call's description, the layouts (_native.c's opening comment) and the scalar
-   helpers. */
+   passes; _step512.c, _step256.c and _step128.c: the step for AVX-512, AVX2 and ARM64 NEON,
+   from _step.h): the sizes, a call's description, the layouts (_native.c's opening comment)
+   and the scalar helpers. */
 #ifndef QKV_KERNEL_H
 #define QKV_KERNEL_H
 #include <stdint.h>
@@ -9,6 +9,11 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define QKV_ARM 1
+#endif
+#if defined(QKV_X86) || defined(QKV_ARM)
+#define QKV_STEP 1 /* a step is built for this CPU */
 #endif
 
 #define MR 8      /* query rows per register tile */
@@ -17,9 +22,9 @@
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
 #define KB 64     /* keys per backward work item */
 
-/* The vector instruction sets the step is compiled for; float32 runs on either, bfloat16
-   on AVX-512 (with AVX512-BF16) alone. */
-enum { ISA_NONE = 0, ISA_AVX2 = 256, ISA_AVX512 = 512 };
+/* The vector instruction sets the step is compiled for; float32 runs on any, bfloat16 dot
+   products on AVX-512 (with AVX512-BF16) alone. */
+enum { ISA_NONE = 0, ISA_NEON = 128, ISA_AVX2 = 256, ISA_AVX512 = 512 };
 
 /* What a call's Q, K, V and dO hold. float32 steps read bfloat16 and float16 inputs as they
    are and widen them to float32 as they load them (no float32 copies). */
@@ -56,7 +61,7 @@ typedef struct {
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
     int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
-    int isa;             /* the step that runs it: ISA_AVX512 or ISA_AVX2 (float32 only) */
+    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2 or ISA_NEON (float32) */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
@@ -189,6 +194,12 @@ void qkv_key_block_avx512(const BJob *bj, int64_t b, int64_t h, int64_t n0, floa
                           float *dV, void *scratch);
 void qkv_forward_item_avx2(const Job *j, int64_t it);
 void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                        float *dV, void *scratch);
+#pragma GCC visibility pop
+#elif defined(QKV_ARM)
+#pragma GCC visibility push(hidden)
+void qkv_forward_item_neon(const Job *j, int64_t it);
+void qkv_key_block_neon(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                         float *dV, void *scratch);
 #pragma GCC visibility pop
 #endif

@@ -46,22 +46,46 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
 
 #include "_kernel.h"
 #include "../_fields.h"
 
-#ifdef QKV_X86
+/* Threads: OpenMP where the compiler has it; without it the passes run in one thread (the
+   parallel regions below are then plain blocks, the lock a no-op). */
+#ifdef _OPENMP
+#include <omp.h>
+typedef omp_lock_t qkv_lock;
+#define LOCK_INIT(l) omp_init_lock(l)
+#define LOCK(l) omp_set_lock(l)
+#define UNLOCK(l) omp_unset_lock(l)
+#define LOCK_FREE(l) omp_destroy_lock(l)
+#else
+typedef int qkv_lock;
+#define LOCK_INIT(l) ((void)(l))
+#define LOCK(l) ((void)(l))
+#define UNLOCK(l) ((void)(l))
+#define LOCK_FREE(l) ((void)(l))
+#endif
+
+#ifdef QKV_STEP
 /* A forward work item or a backward one, by the call's instruction set. */
 static void forward_item(const Job *j, int64_t it) {
+#ifdef QKV_X86
     if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
     else qkv_forward_item_avx512(j, it);
+#else
+    qkv_forward_item_neon(j, it);
+#endif
 }
 
 static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                       float *dV, void *scratch) {
+#ifdef QKV_X86
     if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
     else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
+#else
+    qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
+#endif
 }
 #endif
 
@@ -71,7 +95,7 @@ static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *d
    and dV are its own; its share of dQ is added to dq in key-block order (commit), so dQ's
    bits do not depend on which thread ran which block, nor on how many threads ran. */
 
-#ifdef QKV_X86
+#ifdef QKV_STEP
 /* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,
    dk and dv. */
 static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
@@ -114,12 +138,12 @@ typedef struct {
     int64_t chain;      /* places in each (b, h)'s order: every call's key blocks */
     Share *pending;     /* (B·H) × chain; mem NULL until the share is in */
     int64_t *committed; /* per (b, h): the places added so far */
-    omp_lock_t lock;
+    qkv_lock lock;
     int64_t next, done;
 } Pass;
 
 static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
-    omp_set_lock(&ps->lock);
+    LOCK(&ps->lock);
     ps->pending[bh * ps->chain + place] = share;
     for (Share *s; ps->committed[bh] < ps->chain &&
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
@@ -131,7 +155,7 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
         s->mem = NULL;
         ps->committed[bh]++;
     }
-    omp_unset_lock(&ps->lock);
+    UNLOCK(&ps->lock);
 }
 
 static void backward_worker(Pass *ps) {
@@ -153,7 +177,7 @@ static void backward_worker(Pass *ps) {
     }
     free(scratch);
 }
-#endif /* QKV_X86 */
+#endif /* QKV_STEP */
 
 /* Packs block `it` of B·H·(Nt/32): 32 keys of one head. */
 static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t Nt, int f32) {
@@ -278,13 +302,15 @@ static int cpu_isa(int f32) {
                                                                                     : ISA_NONE;
     if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
     return avx512 ? ISA_AVX512 : ISA_NONE;
+#elif defined(QKV_ARM)
+    return f32 ? ISA_NEON : ISA_NONE; /* NEON: every ARM64 CPU; bfloat16 widened to it */
 #else
     return ISA_NONE;
 #endif
 }
 
 static const char *isa_name(int isa) {
-    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "";
+    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : isa == ISA_NEON ? "neon" : "";
 }
 
 static PyObject *available(PyObject *self, PyObject *args) {
@@ -297,6 +323,15 @@ static PyObject *isa_py(PyObject *self, PyObject *args) {
     int f32;
     if (!PyArg_ParseTuple(args, "p", &f32)) return NULL;
     return PyUnicode_FromString(isa_name(cpu_isa(f32)));
+}
+
+/* Whether the module was built with OpenMP (else every pass runs in one thread). */
+static PyObject *openmp(PyObject *self, PyObject *args) {
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 /* Pins float32 to AVX2 ("avx2") or lets the CPU choose (""); returns the pin before. */
@@ -399,7 +434,7 @@ static int parse_call(Job *j, PyObject *args, int threads) {
         segs[s].bounds = (const int32_t *)(uintptr_t)bounds, segs[s].bnb = bnb;
         segs[s].bs[0] = bs0, segs[s].bs[1] = bs1, segs[s].bs[2] = bs2;
     }
-#ifdef QKV_X86
+#ifdef QKV_STEP
     j->q = (const void *)(uintptr_t)q;
     j->kp = (const void *)(uintptr_t)kp;
     j->vp = (const void *)(uintptr_t)vp;
@@ -445,7 +480,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
         free(jobs), free(start);
         return NULL;
     }
-#ifdef QKV_X86
+#ifdef QKV_STEP
     int64_t next = 0, items = start[n];
     if (threads > items) threads = items > 0 ? (int)items : 1;
     Py_BEGIN_ALLOW_THREADS
@@ -581,14 +616,14 @@ static PyObject *run_backward(PyObject *list, int threads) {
         if (!ps.pending || !ps.committed) failed = PyErr_NoMemory();
     }
     if (!failed) {
-#ifdef QKV_X86
+#ifdef QKV_STEP
         int64_t items = ps.start[n];
         if (threads > items) threads = items > 0 ? (int)items : 1;
-        omp_init_lock(&ps.lock);
+        LOCK_INIT(&ps.lock);
         Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
             backward_worker(&ps);
-        Py_END_ALLOW_THREADS omp_destroy_lock(&ps.lock);
+        Py_END_ALLOW_THREADS LOCK_FREE(&ps.lock);
         for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
         if (ps.done != items) failed = PyErr_NoMemory(); /* an item found no memory */
 #endif
@@ -609,6 +644,8 @@ static PyMethodDef methods[] = {
     {"isa", isa_py, METH_VARARGS,
      "isa(float32): the instruction set the kernel runs on in float32 or bfloat16 here: "
      "\"avx512\", \"avx2\", or \"\" (none)."},
+    {"openmp", openmp, METH_NOARGS,
+     "openmp(): whether this build runs its passes on OpenMP threads (else in one thread)."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa(name): \"avx2\" runs the kernel as on an AVX2-only CPU where this one has "
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "

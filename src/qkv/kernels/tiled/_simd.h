@@ -1,12 +1,13 @@
 /* The vectors the native step is written in (_step.h), for the instruction set QKV_ISA its
    translation unit sets: vf, 16 float32 lanes, and lanemask, a bit per lane. With AVX-512
    (512) a vf is one zmm register and every operation one instruction; with AVX2 + FMA (256)
-   a vf is two ymm registers, a masked load is VMASKMOVPS and a masked move a blend. Also
-   the register blocking each allows: AVX-512 has 32 vector registers, AVX2 16, so the
-   AVX2 step keeps fewer rows, keys or columns in registers at once. */
+   a vf is two ymm registers, a masked load is VMASKMOVPS and a masked move a blend; with
+   ARM64 NEON (128) four q registers, a masked load lane by lane and a masked move a bit
+   select. Also the register blocking each allows: AVX-512 has 32 vector registers of 512
+   bits, AVX2 16 of 256 and NEON 32 of 128, so the AVX2 and NEON steps keep fewer rows, keys
+   or columns in registers at once. */
 #ifndef QKV_SIMD_H
 #define QKV_SIMD_H
-#include <immintrin.h>
 #include <math.h>
 #include "../_exp.h"
 
@@ -127,8 +128,84 @@ VI __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((con
 /* 16 bfloat16 or float16 values from p, widened to float32. */
 VI vf vload_bf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
 VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
+#elif QKV_ISA == 128
+#define TARGET
+#define VI static inline __attribute__((always_inline))
+#define NAMED(x) x##_neon
+#define DOT_ROWS 3 /* as AVX2's: the same register bytes (32 × 128 bits against 16 × 256) */
+#define PV_ROWS 3
+#define PV_COLS 2
+#define PV_ROWS_HALF 2
+#define OUTER_KEYS 2
+
+typedef struct {
+    float32x4_t q[4];
+} vf;
+#define EACH(expr)                                                                                 \
+    vf out_;                                                                                       \
+    for (int e_ = 0; e_ < 4; e_++) out_.q[e_] = (expr);                                            \
+    return out_
+VI vf vzero(void) { EACH(vdupq_n_f32(0.0f)); }
+VI vf vset1(float x) { EACH(vdupq_n_f32(x)); }
+VI vf vload(const float *p) { EACH(vld1q_f32(p + 4 * e_)); }
+VI void vstore(float *p, vf x) {
+    for (int e = 0; e < 4; e++) vst1q_f32(p + 4 * e, x.q[e]);
+}
+VI vf vadd(vf a, vf b) { EACH(vaddq_f32(a.q[e_], b.q[e_])); }
+VI vf vsub(vf a, vf b) { EACH(vsubq_f32(a.q[e_], b.q[e_])); }
+VI vf vmul(vf a, vf b) { EACH(vmulq_f32(a.q[e_], b.q[e_])); }
+VI vf vmax(vf a, vf b) { EACH(vmaxq_f32(a.q[e_], b.q[e_])); }
+VI vf vmin(vf a, vf b) { EACH(vminq_f32(a.q[e_], b.q[e_])); }
+VI vf vdiv(vf a, vf b) { EACH(vdivq_f32(a.q[e_], b.q[e_])); }
+VI vf vfma(vf a, vf b, vf c) { EACH(vfmaq_f32(c.q[e_], a.q[e_], b.q[e_])); } /* a · b + c */
+VI float vsum(vf x) {
+    return vaddvq_f32(vaddq_f32(vaddq_f32(x.q[0], x.q[1]), vaddq_f32(x.q[2], x.q[3])));
+}
+VI float vhmax(vf x) {
+    return vmaxvq_f32(vmaxq_f32(vmaxq_f32(x.q[0], x.q[1]), vmaxq_f32(x.q[2], x.q[3])));
+}
+/* The 4 lanes of m from bit `at` as a q-register mask; a mask's lanes as m's 4 bits. */
+VI uint32x4_t qmask(unsigned m, int at) {
+    const uint32x4_t bit = {1, 2, 4, 8};
+    return vtstq_u32(vdupq_n_u32(m >> at), bit);
+}
+VI lanemask qbits(uint32x4_t lanes, int at) {
+    const uint32x4_t bit = {1, 2, 4, 8};
+    return (lanemask)(vaddvq_u32(vandq_u32(lanes, bit)) << at);
+}
+VI vf vloadz(lanemask m, const float *p) {
+    float part[16] = {0};
+    for (int e = 0; e < 16; e++)
+        if (m >> e & 1) part[e] = p[e];
+    return vload(part);
+}
+VI vf vblend(lanemask m, vf off, vf on) { EACH(vbslq_f32(qmask(m, 4 * e_), on.q[e_], off.q[e_])); }
+VI lanemask vge(vf a, vf b) {
+    lanemask m = 0;
+    for (int e = 0; e < 4; e++) m |= qbits(vcgeq_f32(a.q[e], b.q[e]), 4 * e);
+    return m;
+}
+VI lanemask vne(vf a, vf b) { /* ordered: a < b or a > b */
+    lanemask m = 0;
+    for (int e = 0; e < 4; e++)
+        m |= qbits(vorrq_u32(vcltq_f32(a.q[e], b.q[e]), vcgtq_f32(a.q[e], b.q[e])), 4 * e);
+    return m;
+}
+VI vf vexp(vf x) { EACH(qkv_exp4(x.q[e_])); }
+VI vf viota(void) {
+    vf x;
+    for (int e = 0; e < 4; e++) x.q[e] = (float32x4_t){4 * e, 4 * e + 1, 4 * e + 2, 4 * e + 3};
+    return x;
+}
+/* 16 bfloat16 or float16 values from p, widened to float32. */
+VI vf vload_bf16(const uint16_t *p) {
+    EACH(vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p + 4 * e_), 16)));
+}
+VI vf vload_f16(const uint16_t *p) {
+    EACH(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * e_))));
+}
 #else
-#error "QKV_ISA: 512 or 256"
+#error "QKV_ISA: 512, 256 or 128"
 #endif
 
 /* The 16 values from element i of p, which holds SRC (SRC_*), as float32: widened as they

@@ -279,7 +279,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 vf mx = vset1(-INFINITY);
                 for (int64_t n = 0; n < nk; n += 16) {
                     if (!live[n / 32]) continue;
-                    vf t, x = modified(j, vload(s + n), slope, d + n, cap, inv, &t);
+                    vf t = vzero(), x = modified(j, vload(s + n), slope, d + n, cap, inv, &t);
                     x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     vstore(s + n, x);
                     mx = vmax(mx, x);
@@ -420,7 +420,7 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             for (int64_t n = 0; n < nk; n += 16) {
                 vf p = zero, ds = zero;
                 if (live[n / 32] && lse != -INFINITY) { /* a row with no key: P = 0 */
-                    vf t, x = modified(j, vload(&S[i][n]), slope, d + n, cap, inv, &t);
+                    vf t = vzero(), x = modified(j, vload(&S[i][n]), slope, d + n, cap, inv, &t);
                     vf chain = j->cap > 0.0f ? vmul(scale, vsub(one, vmul(t, t))) : scale;
                     x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
                     p = exp_neg(vsub(x, vset1(lse)));

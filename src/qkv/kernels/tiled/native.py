@@ -51,6 +51,12 @@ def isa(dtype: torch.dtype = torch.float32) -> str:
     return str(_native.isa(dtype == torch.float32))
 
 
+def openmp() -> bool:
+    """Whether the native kernel was built with OpenMP, its passes on torch's thread pool
+    (else, built by a compiler without it, in one thread); False where it is not built."""
+    return _native is not None and bool(_native.openmp())
+
+
 def isas() -> tuple[str, ...]:
     """The instruction sets this CPU can run the float32 step on, of the two it is compiled
     for: both on a CPU with AVX-512 (where AVX2 runs only when pinned, :func:`use_isa`),

@@ -1,0 +1,163 @@
+"""The native step on every CPU and compiler qkv builds for, checked by its own C-level tests
+(tests/c/test_step.c: the forward and backward of one call against float64 references,
+float32 and half-precision inputs, head dims on and off the vectors, masks and
+modifications), with no Python in between:
+
+- in the default run, for the steps of this machine's CPU (x86-64: AVX-512 and AVX2);
+- ``-m aarch64``: cross-compiled for ARM64 with Debian's aarch64 gcc and run under
+  qemu-user (the NEON step), and both extensions compiled for ARM64;
+- ``-m toolchains``: the extensions built with clang, and without OpenMP (single-threaded),
+  each imported and checked against the default build.
+
+Missing tools are installed with apt-get where this user may (root, or sudo without a
+password); else the test fails naming what to install. CI runs all three.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TILED = ROOT / "src/qkv/kernels/tiled"
+TEST = ROOT / "tests/c/test_step.c"
+CASES = 36  # per step: 3 sources × 4 head shapes × 3 variants
+
+
+def install(package: str) -> None:
+    """Debian's ``package`` installed with apt-get where this user may (root, or sudo
+    without a password); nothing where not."""
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if not shutil.which("apt-get") or (sudo and not shutil.which("sudo")):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    get = [*sudo, "apt-get", "install", "-y", "-q", package]
+    if subprocess.run(get, env=env, capture_output=True, timeout=900).returncode:
+        subprocess.run([*sudo, "apt-get", "update", "-q"], env=env, capture_output=True)
+        subprocess.run(get, env=env, capture_output=True, timeout=900)
+
+
+def tool(name: str, package: str) -> str:
+    """The path of ``name``, installing ``package`` first if it is missing."""
+    if not shutil.which(name):
+        install(package)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is missing and could not be installed: apt-get install {package}")
+    return found
+
+
+def run_c_test(cmd: list[str], steps: int) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{CASES * steps} of {CASES * steps} cases within tolerance" in done.stdout
+    return done.stdout
+
+
+def test_the_steps_of_this_cpu_match_float64(tmp_path):
+    if sys.platform != "linux" or os.uname().machine != "x86_64" or not shutil.which("cc"):
+        pytest.skip("built here for x86-64 Linux with the system C compiler")
+    exe = tmp_path / "test_step"
+    sources = [TEST, TILED / "_step512.c", TILED / "_step256.c"]
+    subprocess.run(["cc", "-O2", *map(str, sources), "-lm", "-o", str(exe)], check=True)
+    flags = Path("/proc/cpuinfo").read_text()
+    steps = ("avx512f" in flags) + ("avx2" in flags)
+    out = run_c_test([str(exe)], steps)
+    assert ("avx2 " in out) == ("avx2" in flags)
+
+
+@pytest.mark.aarch64
+def test_the_neon_step_matches_float64_under_qemu(tmp_path):
+    gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
+    qemu = tool("qemu-aarch64", "qemu-user")
+    exe = tmp_path / "test_step_arm64"
+    sources = [str(TEST), str(TILED / "_step128.c")]
+    subprocess.run([gcc, "-O2", "-static", *sources, "-lm", "-o", str(exe)], check=True)
+    out = run_c_test([qemu, str(exe)], 1)
+    assert "neon" in out
+
+
+@pytest.mark.aarch64
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "single-threaded"])
+def test_both_extensions_compile_for_arm64(openmp, tmp_path):
+    """The modules themselves (Python's headers are the same on both 64-bit targets),
+    compiled with every warning as an error, with and without OpenMP."""
+    gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
+    include = sysconfig.get_paths()["include"]
+    for source in (TILED / "_native.c", TILED / "_step128.c", ROOT / "src/qkv/kernels/_paged.c"):
+        cmd = [gcc, "-O2", "-Wall", "-Werror", "-fPIC", f"-I{include}", "-c", str(source)]
+        cmd += ["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"]
+        done = subprocess.run(
+            [*cmd, "-o", str(tmp_path / f"{source.stem}.o")], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+
+
+def build(tmp_path: Path, **env: str) -> Path:
+    """The extensions built in a copy of the sources with ``env``; the copy's src path."""
+    for name in ("src", "setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, tmp_path / name)
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace", "-q"],
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "src"
+
+
+CHECK = """
+import torch, qkv
+from qkv.kernels import paged
+from qkv.kernels.tiled import native
+assert native.available(torch.float32) and paged.available(), "not built"
+print(native.openmp())
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, 300, 48, generator=g).requires_grad_() for _ in range(3))
+mask = qkv.masks.sliding_window(40)
+assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native"
+out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+grads = torch.autograd.grad(out.sum(), (q, k, v))
+want = qkv.attention(*(x.double() for x in (q, k, v)), mask=mask, backend="reference")
+wg = torch.autograd.grad(want.sum(), (q, k, v))
+assert (out - want).abs().max() < 1e-5, (out - want).abs().max()
+assert all((a - b).abs().max() < 1e-4 for a, b in zip(grads, wg))
+"""
+
+
+@pytest.mark.toolchains
+@pytest.mark.parametrize(
+    "env,openmp",
+    [({"CC": "clang"}, True), ({"QKV_OPENMP": "0"}, False)],
+    ids=["clang", "without-openmp"],
+)
+def test_the_extensions_build_with_clang_and_without_openmp(env, openmp, tmp_path):
+    """Each build imports, runs a window forward and backward natively within float32's
+    rounding of the float64 reference, and says whether it has OpenMP threads."""
+    if env.get("CC") == "clang":
+        clang = tool("clang", "clang")
+        probe = tmp_path / "omp.c"
+        probe.write_text("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+        omp = [clang, "-fopenmp", str(probe), "-o", str(tmp_path / "omp")]
+        if subprocess.run(omp, capture_output=True).returncode:
+            install("libomp-dev")  # clang's OpenMP runtime
+        if subprocess.run(omp, capture_output=True).returncode:
+            pytest.fail("clang has no OpenMP: apt-get install libomp-dev")
+    src = build(tmp_path, **env)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(openmp)]
