@@ -56,6 +56,7 @@ setup(
             depends=[
                 "src/qkv/kernels/_exp.h",
                 "src/qkv/kernels/_fields.h",
+                "src/qkv/kernels/_lanes.h",
                 *(f"src/qkv/kernels/tiled/{h}.h" for h in ("_kernel", "_simd", "_bf16", "_step")),
             ],
             extra_compile_args=["-O3", *OPENMP],
@@ -64,8 +65,17 @@ setup(
         ),
         Extension(
             "qkv.kernels._paged",
-            ["src/qkv/kernels/_paged.c"],
-            depends=["src/qkv/kernels/_exp.h", "src/qkv/kernels/_fields.h"],
+            [
+                f"src/qkv/kernels/{name}.c"
+                for name in ("_paged", "_paged512", "_paged256", "_paged128")
+            ],
+            depends=[
+                *(
+                    f"src/qkv/kernels/{h}.h"
+                    for h in ("_exp", "_fields", "_lanes", "_paged", "_paged_step")
+                ),
+                "src/qkv/kernels/tiled/_simd.h",
+            ],
             extra_compile_args=["-O3", *OPENMP],
             extra_link_args=OPENMP,
             optional=True,

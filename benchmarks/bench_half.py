@@ -5,9 +5,13 @@
 The headline workloads — a causal sliding window of 256 keys over T = 8,192 and 16,384
 tokens, and causal attention over T = 4,096 — with B = 1, H = 8, D = 64, forward and forward
 + backward, each in float32, bfloat16 and float16 through ``qkv.attention`` as ``auto``
-chooses. Each row gives the path ``qkv.dispatch`` names (forward / with a gradient), the
-median of ``--rounds`` interleaved runs and the half-precision time ÷ float32's in the same
-run: the target is ≤ 1.0 (half precision never slower than float32).
+chooses; and two decode steps, float32 against bfloat16 (the memory-bound ones, target ≤
+0.8): one query per sequence over a contiguous cache (``qkv.attention``, 8 sequences ×
+4,096 tokens, H = 8 over H_kv = 2, D = 128) and over a paged one (``qkv.paged_attention``,
+32 sequences × 4,096 tokens in pages of 16, H = H_kv = 8, D = 128; the native paged kernel's
+vector item, AVX2 where pinned). Each row gives the path ``qkv.dispatch`` names (forward /
+with a gradient), the median of ``--rounds`` interleaved runs and the half-precision time ÷
+float32's in the same run: the target is ≤ 1.0 (half precision never slower than float32).
 
 ``--avx2`` runs the CPU as an AVX2-only one would be: qkv's kernel pinned to its AVX2 step
 with no bfloat16 dot products (``QKV_NATIVE_ISA=avx2``), torch's kernels and oneDNN's
@@ -33,6 +37,7 @@ def main() -> None:
     if args.avx2 and any(os.environ.get(k) != v for k, v in AVX2.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2})
     run(args.rounds)
+    decode(args.rounds * 3)
 
 
 def run(rounds: int) -> None:
@@ -76,6 +81,40 @@ def run(rounds: int) -> None:
                     f"{label:20} {kind:7} {name:8} {paths[dtype]:19} {ms[dtype]:9.1f} ms "
                     f"{ratio:5.2f}×"
                 )
+
+
+def decode(rounds: int) -> None:
+    """The two decode steps of the docstring, float32 against bfloat16."""
+    import torch
+
+    import qkv
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, h, t, 128, generator=g) for h, t in ((8, 1), (2, 4096), (2, 4096)))
+    B, H_kv, L, P = 32, 8, 4096, 16
+    pages = [torch.randn(B * L // P, P, H_kv, 128, generator=g) for _ in range(2)]
+    pq = torch.randn(B, 8, 128, generator=g)
+    table, lengths = torch.arange(B * L // P).view(B, L // P), torch.full((B,), L)
+    dtypes = (torch.float32, torch.bfloat16)
+    cast = {dt: [x.to(dt) for x in (q, k, v, pq, *pages)] for dt in dtypes}
+    steps = {
+        "decode 8 × 4096": lambda c: qkv.attention(c[0], c[1], c[2]),
+        "paged decode 32 × 4096": lambda c: qkv.paged_attention(c[3], c[4], c[5], table, lengths),
+    }
+    for name, fn in steps.items():
+        calls = {dt: (lambda fn=fn, c=cast[dt]: fn(c)) for dt in dtypes}
+        times: dict = {dt: [] for dt in calls}
+        with torch.no_grad():
+            for r in range(rounds + 1):
+                for dt in list(calls)[:: 1 if r % 2 else -1]:
+                    t0 = time.perf_counter()
+                    calls[dt]()
+                    if r:
+                        times[dt].append((time.perf_counter() - t0) * 1e3)
+        ms = {dt: statistics.median(t) for dt, t in times.items()}
+        for dt in calls:
+            ratio = ms[dt] / ms[torch.float32]
+            print(f"{name:28} {str(dt).removeprefix('torch.'):8} {ms[dt]:9.2f} ms {ratio:5.2f}×")
 
 
 def step(q, k, v, mask, backward):

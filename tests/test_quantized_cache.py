@@ -3,6 +3,8 @@ it says, attention over a quantized cache equals attention over its dequantized 
 float32 rounding — the native paged kernel reading pages in place, the gather path, the
 contiguous cache, a model decoding through each — and bad input gets a clear error."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -50,16 +52,24 @@ def pages_and_queries(H, H_kv, D, D_v, dtype, seed=0):
 @DTYPES
 @pytest.mark.parametrize("H,H_kv,D,D_v", [(4, 2, 64, 64), (4, 4, 40, 24), (32, 2, 64, 48)])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_paged_attention_reads_quantized_pages_in_place(H, H_kv, D, D_v, sinks, dtype, monkeypatch):
-    """The native kernel (AVX-512 for D, D_v multiples of 16, many query heads per key/value
-    head too; plain C otherwise) against the float64 oracle over the dequantized pages;
-    the gather path (a gradient recorded) likewise."""
+@pytest.mark.parametrize("isa", ["", "avx2"])
+def test_paged_attention_reads_quantized_pages_in_place(
+    H, H_kv, D, D_v, sinks, isa, dtype, monkeypatch
+):
+    """The native kernel (its vector item — AVX-512, or AVX2 pinned — for D, D_v multiples
+    of 16, many query heads per key/value head too; plain C otherwise) against the float64
+    oracle over the dequantized pages; the gather path (a gradient recorded) likewise."""
     q, kq, vq, ks, vs, table, lengths = pages_and_queries(H, H_kv, D, D_v, dtype)
     sink = torch.randn(H) if sinks else None
     calls = []
     real = paged_kernel.decode
     monkeypatch.setattr(paged_kernel, "decode", lambda *a: calls.append(1) or real(*a))
-    got = qkv.paged_attention(q, kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs)
+    if isa and (not paged_kernel.available() or isa not in paged_kernel.isas()):
+        pytest.skip(f"the paged kernel's {isa} code does not run here")
+    with paged_kernel.use_isa(isa) if isa else contextlib.nullcontext():
+        got = qkv.paged_attention(
+            q, kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs
+        )
     if paged_kernel.available():
         assert calls, "the native kernel did not run"
     k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)

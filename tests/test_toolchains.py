@@ -1,11 +1,12 @@
 """The native step on every CPU and compiler qkv builds for, checked by its own C-level tests
-(tests/c/test_step.c: the forward and backward of one call against float64 references,
-float32 and half-precision inputs, head dims on and off the vectors, masks and
-modifications), with no Python in between:
+(tests/c/test_step.c: the tiled step's forward and backward of one call against float64
+references, float32 and half-precision inputs, head dims on and off the vectors, masks and
+modifications; tests/c/test_paged.c: the paged decode step's vector item over float32,
+bfloat16, int8 and float8 pages), with no Python in between:
 
 - in the default run, for the steps of this machine's CPU (x86-64: AVX-512 and AVX2);
 - ``-m aarch64``: cross-compiled for ARM64 with Debian's aarch64 gcc and run under
-  qemu-user (the NEON step), and both extensions compiled for ARM64;
+  qemu-user (the NEON steps), and both extensions compiled for ARM64;
 - ``-m toolchains``: the extensions built with clang, and without OpenMP (single-threaded),
   each imported and checked against the default build.
 
@@ -23,9 +24,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TILED = ROOT / "src/qkv/kernels/tiled"
-TEST = ROOT / "tests/c/test_step.c"
-CASES = 36  # per step: 3 sources × 4 head shapes × 3 variants
+KERNELS = ROOT / "src/qkv/kernels"
+TILED = KERNELS / "tiled"
+#: each C test, the sources it links per instruction set, and its cases per one
+TESTS = {
+    "test_step": (
+        {512: ["tiled/_step512.c"], 256: ["tiled/_step256.c"], 128: ["tiled/_step128.c"]},
+        36,
+    ),
+    "test_paged": ({512: ["_paged512.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]}, 12),
+}
 
 
 def install(package: str) -> None:
@@ -51,34 +59,41 @@ def tool(name: str, package: str) -> str:
     return found
 
 
-def run_c_test(cmd: list[str], steps: int) -> str:
+def built(cc: str, test: str, isas: tuple[int, ...], exe: Path, *flags: str) -> Path:
+    """The C test ``test`` linked with its sources for ``isas``, by ``cc``."""
+    per_isa, _ = TESTS[test]
+    sources = [ROOT / f"tests/c/{test}.c", *(KERNELS / s for isa in isas for s in per_isa[isa])]
+    subprocess.run([cc, "-O2", *flags, *map(str, sources), "-lm", "-o", str(exe)], check=True)
+    return exe
+
+
+def run_c_test(cmd: list[str], test: str, steps: int) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"{CASES * steps} of {CASES * steps} cases within tolerance" in done.stdout
+    cases = TESTS[test][1] * steps
+    assert f"{cases} of {cases} cases within tolerance" in done.stdout
     return done.stdout
 
 
-def test_the_steps_of_this_cpu_match_float64(tmp_path):
+@pytest.mark.parametrize("test", list(TESTS))
+def test_the_steps_of_this_cpu_match_float64(test, tmp_path):
+    """The tiled step and the paged decode step, on AVX-512 and AVX2 where the CPU has them."""
     if sys.platform != "linux" or os.uname().machine != "x86_64" or not shutil.which("cc"):
         pytest.skip("built here for x86-64 Linux with the system C compiler")
-    exe = tmp_path / "test_step"
-    sources = [TEST, TILED / "_step512.c", TILED / "_step256.c"]
-    subprocess.run(["cc", "-O2", *map(str, sources), "-lm", "-o", str(exe)], check=True)
+    exe = built("cc", test, (512, 256), tmp_path / test)
     flags = Path("/proc/cpuinfo").read_text()
-    steps = ("avx512f" in flags) + ("avx2" in flags)
-    out = run_c_test([str(exe)], steps)
+    out = run_c_test([str(exe)], test, ("avx512f" in flags) + ("avx2" in flags))
     assert ("avx2 " in out) == ("avx2" in flags)
 
 
 @pytest.mark.aarch64
-def test_the_neon_step_matches_float64_under_qemu(tmp_path):
+@pytest.mark.parametrize("test", list(TESTS))
+def test_the_neon_steps_match_float64_under_qemu(test, tmp_path):
+    """The tiled step and the paged decode step for ARM64 NEON, run under qemu-user."""
     gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     qemu = tool("qemu-aarch64", "qemu-user")
-    exe = tmp_path / "test_step_arm64"
-    sources = [str(TEST), str(TILED / "_step128.c")]
-    subprocess.run([gcc, "-O2", "-static", *sources, "-lm", "-o", str(exe)], check=True)
-    out = run_c_test([qemu, str(exe)], 1)
-    assert "neon" in out
+    exe = built(gcc, test, (128,), tmp_path / f"{test}_arm64", "-static")
+    assert "neon" in run_c_test([qemu, str(exe)], test, 1)
 
 
 @pytest.mark.aarch64
@@ -88,7 +103,13 @@ def test_both_extensions_compile_for_arm64(openmp, tmp_path):
     compiled with every warning as an error, with and without OpenMP."""
     gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     include = sysconfig.get_paths()["include"]
-    for source in (TILED / "_native.c", TILED / "_step128.c", ROOT / "src/qkv/kernels/_paged.c"):
+    sources = [
+        TILED / "_native.c",
+        TILED / "_step128.c",
+        KERNELS / "_paged.c",
+        KERNELS / "_paged128.c",
+    ]
+    for source in sources:
         cmd = [gcc, "-O2", "-Wall", "-Werror", "-fPIC", f"-I{include}", "-c", str(source)]
         cmd += ["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"]
         done = subprocess.run(

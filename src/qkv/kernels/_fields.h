@@ -7,6 +7,7 @@
 
 #include <Python.h>
 #include <stdarg.h>
+#include <string.h>
 
 /* Parse the dict `fields` by `names` with `format` (keyword-only: it starts with "$"), into
    the pointers that follow; 0 with a Python error set where it does not parse. */
@@ -23,6 +24,20 @@ static int parse_fields(PyObject *fields, const char *what, const char *format, 
     va_end(va);
     Py_DECREF(none);
     return ok;
+}
+
+/* use_isa(name)'s one argument, which every kernel module takes: "avx2" (1: run the AVX2
+   code where the CPU has AVX-512 too) or "" (0: the CPU's choice); -1 with a Python error
+   set for anything else. */
+static int pin_named(PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return -1;
+    if (strcmp(name, "") != 0 && strcmp(name, "avx2") != 0) {
+        PyErr_Format(PyExc_ValueError, "use_isa: \"avx2\" or \"\" (the CPU's choice), not %R",
+                     PyTuple_GET_ITEM(args, 0));
+        return -1;
+    }
+    return name[0] != 0;
 }
 
 #endif

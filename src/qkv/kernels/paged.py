@@ -12,6 +12,11 @@ P page size.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
 import torch
 
 from .quant import is_quantized
@@ -25,6 +30,50 @@ except ImportError:  # not built (no C compiler at install): the gather path run
 def available() -> bool:
     """Whether the native paged decode kernel is built."""
     return _paged is not None
+
+
+def isa() -> str:
+    """The vector code the kernel runs here for head dims that are multiples of 16: "avx512",
+    "avx2" or "neon" ("": plain C alone, which takes any head dims)."""
+    if _paged is None:
+        return ""
+    _pin_from_environment()
+    return str(_paged.isa())
+
+
+def isas() -> tuple[str, ...]:
+    """The vector code this CPU can run: ("avx512", "avx2") on one with AVX-512 (AVX2 only
+    when pinned, :func:`use_isa`), ("avx2",), ("neon",), or none."""
+    if _paged is None:
+        return ()
+    found = []
+    for name in ("", "avx2"):
+        with use_isa(name):
+            found.append(isa())
+    return tuple(n for n in dict.fromkeys(found) if n)
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Within the block, the kernel runs its AVX2 code ("avx2") even where the CPU has
+    AVX-512, or the CPU's choice (""): to test and measure it on any machine. Process-wide,
+    as ``QKV_NATIVE_ISA=avx2`` is from the first call."""
+    if _paged is None:
+        raise RuntimeError("use_isa: the native paged kernel is not built")
+    _pin_from_environment()
+    before = _paged.use_isa(name)
+    try:
+        yield
+    finally:
+        _paged.use_isa(before)
+
+
+@functools.cache
+def _pin_from_environment() -> None:
+    """``QKV_NATIVE_ISA=avx2`` pins the kernel to its AVX2 code, read at the first call
+    (the tiled kernel reads it too, and names a wrong value)."""
+    if _paged is not None and os.environ.get("QKV_NATIVE_ISA") == "avx2":
+        _paged.use_isa("avx2")
 
 
 #: How the kernel is told the pages' storage (its kv_storage field).
@@ -76,6 +125,7 @@ def decode(
             strides): row (page, slot, head) is its stored values times its scale.
     """
     assert _paged is not None and supports(q, k, v, sinks), "check paged.supports first"
+    _pin_from_environment()
     scales = []
     for s in (key_scale, value_scale):
         if is_quantized(k.dtype) != (s is not None):

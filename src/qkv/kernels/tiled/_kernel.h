@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_lanes.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QKV_X86 1
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
@@ -26,12 +28,7 @@
    products on AVX-512 (with AVX512-BF16) alone. */
 enum { ISA_NONE = 0, ISA_NEON = 128, ISA_AVX2 = 256, ISA_AVX512 = 512 };
 
-/* What a call's Q, K, V and dO hold. float32 steps read bfloat16 and float16 inputs as they
-   are and widen them to float32 as they load them (no float32 copies). */
-enum { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2 };
-
-typedef uint16_t bf16;
-typedef uint16_t lanemask; /* one bit per lane of 16 float32 */
+/* What a call's Q, K, V and dO hold (SRC_*), bf16 and lanemask: ../_lanes.h. */
 
 /* A key range of a forward job: keys k0..k0+N-1 (begin: k0 rounded down to 32, lead: the
    keys between), with its bias, or its rows' bounds, or neither. */

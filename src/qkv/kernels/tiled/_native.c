@@ -336,15 +336,10 @@ static PyObject *openmp(PyObject *self, PyObject *args) {
 
 /* Pins float32 to AVX2 ("avx2") or lets the CPU choose (""); returns the pin before. */
 static PyObject *use_isa(PyObject *self, PyObject *args) {
-    const char *name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
-    if (strcmp(name, "") != 0 && strcmp(name, "avx2") != 0) {
-        PyErr_Format(PyExc_ValueError, "use_isa: \"avx2\" or \"\" (the CPU's choice), not %R",
-                     PyTuple_GET_ITEM(args, 0));
-        return NULL;
-    }
+    int avx2 = pin_named(args);
+    if (avx2 < 0) return NULL;
     PyObject *before = PyUnicode_FromString(isa_name(pinned));
-    pinned = name[0] ? ISA_AVX2 : ISA_NONE;
+    pinned = avx2 ? ISA_AVX2 : ISA_NONE;
     return before;
 }
 

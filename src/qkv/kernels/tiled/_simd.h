@@ -10,6 +10,7 @@
 #define QKV_SIMD_H
 #include <math.h>
 #include "../_exp.h"
+#include "../_lanes.h"
 
 #if QKV_ISA == 512
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -52,6 +53,18 @@ VI vf vload_bf16(const uint16_t *p) {
 }
 VI vf vload_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+/* 16 int8 values, or 16 float8 e4m3 ones (sign, then the 7 other bits placed as a float32's
+   exponent and mantissa start, scaled by 2^(127 - 7): exact), as float32. */
+VI vf vload_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+VI vf vload_e4m3(const uint8_t *p) {
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24);
+    __m512i rest = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7F)), 20);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, rest)),
+                         _mm512_set1_ps(0x1p120f));
 }
 
 #elif QKV_ISA == 256
@@ -128,6 +141,19 @@ VI __m256 f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((con
 /* 16 bfloat16 or float16 values from p, widened to float32. */
 VI vf vload_bf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
 VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
+VI __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+VI __m256 e4m3x8(const uint8_t *p) {
+    __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
+    __m256i rest = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7F)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)),
+                         _mm256_set1_ps(0x1p120f));
+}
+/* 16 int8 or float8 e4m3 values (as AVX-512's) as float32. */
+VI vf vload_i8(const int8_t *p) { return (vf){i8x8(p), i8x8(p + 8)}; }
+VI vf vload_e4m3(const uint8_t *p) { return (vf){e4m3x8(p), e4m3x8(p + 8)}; }
 #elif QKV_ISA == 128
 #define TARGET
 #define VI static inline __attribute__((always_inline))
@@ -204,19 +230,40 @@ VI vf vload_bf16(const uint16_t *p) {
 VI vf vload_f16(const uint16_t *p) {
     EACH(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * e_))));
 }
+/* 16 int8 or float8 e4m3 values (as AVX-512's) as float32. */
+VI vf vload_i8(const int8_t *p) {
+    int8x16_t b = vld1q_s8(p);
+    int16x8_t h[2] = {vmovl_s8(vget_low_s8(b)), vmovl_s8(vget_high_s8(b))};
+    EACH(vcvtq_f32_s32(vmovl_s16(e_ % 2 ? vget_high_s16(h[e_ / 2]) : vget_low_s16(h[e_ / 2]))));
+}
+VI vf vload_e4m3(const uint8_t *p) {
+    uint8x16_t b = vld1q_u8(p);
+    uint16x8_t h[2] = {vmovl_u8(vget_low_u8(b)), vmovl_u8(vget_high_u8(b))};
+    vf out;
+    for (int e = 0; e < 4; e++) {
+        uint32x4_t w = vmovl_u16(e % 2 ? vget_high_u16(h[e / 2]) : vget_low_u16(h[e / 2]));
+        uint32x4_t bits = vorrq_u32(vshlq_n_u32(vandq_u32(w, vdupq_n_u32(0x80)), 24),
+                                    vshlq_n_u32(vandq_u32(w, vdupq_n_u32(0x7F)), 20));
+        out.q[e] = vmulq_f32(vreinterpretq_f32_u32(bits), vdupq_n_f32(0x1p120f));
+    }
+    return out;
+}
 #else
 #error "QKV_ISA: 512, 256 or 128"
 #endif
 
 /* The 16 values from element i of p, which holds SRC (SRC_*), as float32: widened as they
-   are loaded where they are half precision. */
+   are loaded where they are half precision or quantized (unscaled). */
 VI vf vload_src(const void *p, int64_t i, const int SRC) {
     if (SRC == SRC_F32) return vload((const float *)p + i);
     if (SRC == SRC_BF16) return vload_bf16((const uint16_t *)p + i);
+    if (SRC == SRC_I8) return vload_i8((const int8_t *)p + i);
+    if (SRC == SRC_E4M3) return vload_e4m3((const uint8_t *)p + i);
     return vload_f16((const uint16_t *)p + i);
 }
 
-/* The lanes of m from element i of p as vload_src reads them, 0 in the others (not read). */
+/* The lanes of m from element i of p as vload_src reads them (float32, bfloat16 or float16),
+   0 in the others (not read). */
 VI vf vloadz_src(lanemask m, const void *p, int64_t i, const int SRC) {
     if (SRC == SRC_F32) return vloadz(m, (const float *)p + i);
     uint16_t part[16] = {0};

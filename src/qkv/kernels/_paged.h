@@ -1,0 +1,139 @@
+/* What the paged decode step's translation units share (_paged.c: the Python module, the
+   plain C item and AVX-512's many-heads item; _paged512.c, _paged256.c and _paged128.c: the
+   vector item per instruction set, from _paged_step.h): a call's description, how its keys
+   and values are stored, and the scalar helpers. Layouts: _paged.c's opening comment. */
+#ifndef QKV_PAGED_H
+#define QKV_PAGED_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_lanes.h"
+
+/* How keys and values are stored: as the queries' float32 or bfloat16, or quantized with a
+   float32 scale per row (int8, symmetric; float8 e4m3, "fn": no infinities). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F8 = 3 };
+
+typedef struct {
+    const void *q, *k, *v;
+    const int32_t *table, *lengths;
+    const float *sinks;
+    float *out, *lse;
+    int64_t qs[2], ks[3], vs[3];
+    int64_t B, H, H_kv, D, D_v, P, max_pages;
+    float scale;
+    int bf16;               /* 1: q is bfloat16; 0: float32 */
+    int kv;                 /* KV_*: how k and v are stored */
+    const float *ksc, *vsc; /* quantized: the rows' scales; NULL otherwise */
+    int64_t kss[3], vss[3];
+} Job;
+
+static inline float widen(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* A float8 e4m3 value as float32: its sign, and its 7 other bits placed as a float32's
+   exponent and mantissa start, then scaled by 2^(127 - 7) — exact for normal and subnormal
+   values alike (the float32 is subnormal exactly where the e4m3 one is). */
+static inline float from_e4m3(uint8_t b) {
+    uint32_t u = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20);
+    float f;
+    memcpy(&f, &u, 4);
+    return f * 0x1p120f;
+}
+
+/* The scale of key (k: 1) or value (0) row (page, t, hk): 1 where not quantized. */
+static inline float row_scale(const Job *j, int k, int64_t page, int64_t t, int64_t hk) {
+    const float *s = k ? j->ksc : j->vsc;
+    const int64_t *ss = k ? j->kss : j->vss;
+    return s ? s[page * ss[0] + t * ss[1] + hk * ss[2]] : 1.0f;
+}
+
+/* A row of D values as float32: the row itself (float32) or widened into buf. */
+static inline const float *row(const Job *j, const void *base, int64_t at, int64_t n, float *buf) {
+    if (!j->bf16) return (const float *)base + at;
+    const bf16 *x = (const bf16 *)base + at;
+    for (int64_t d = 0; d < n; d++) buf[d] = widen(x[d]);
+    return buf;
+}
+
+/* Key (k: 1) or value (0) row (page, t, hk) of n values as float32: the row itself
+   (float32), or widened into buf (bfloat16), or widened and scaled (int8, float8). */
+static inline const float *kv_row(const Job *j, int k, int64_t page, int64_t t, int64_t hk,
+                                  int64_t n, float *buf) {
+    const void *base = k ? j->k : j->v;
+    const int64_t *st = k ? j->ks : j->vs;
+    const int64_t at = page * st[0] + t * st[1] + hk * st[2];
+    if (j->kv == KV_F32) return (const float *)base + at;
+    if (j->kv == KV_BF16) {
+        const bf16 *x = (const bf16 *)base + at;
+        for (int64_t d = 0; d < n; d++) buf[d] = widen(x[d]);
+        return buf;
+    }
+    const float s = row_scale(j, k, page, t, hk);
+    if (j->kv == KV_I8) {
+        const int8_t *x = (const int8_t *)base + at;
+        for (int64_t d = 0; d < n; d++) buf[d] = (float)x[d] * s;
+    } else {
+        const uint8_t *x = (const uint8_t *)base + at;
+        for (int64_t d = 0; d < n; d++) buf[d] = from_e4m3(x[d]) * s;
+    }
+    return buf;
+}
+
+/* An item's start: its G query rows scaled into qf (G × D), outputs and sums zero, maxima
+   -inf. buf: D floats of scratch. */
+static inline void begin(const Job *j, int64_t b, int64_t hk, float *qf, float *acc, float *m,
+                         float *l, float *buf) {
+    const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
+    for (int64_t g = 0; g < G; g++) {
+        const float *src = row(j, j->q, b * j->qs[0] + (hk * G + g) * j->qs[1], D, buf);
+        for (int64_t d = 0; d < D; d++) qf[g * D + d] = src[d] * j->scale;
+        for (int64_t d = 0; d < D_v; d++) acc[g * D_v + d] = 0.0f;
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+}
+
+/* Each head's output and log-sum-exp from its running sum l, maximum m and P·V in acc
+   (a sink, if any, joins the sum here). */
+static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc, const float *m,
+                          const float *l) {
+    const int64_t G = j->H / j->H_kv, D_v = j->D_v;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        float mg = m[g], lg = l[g], keep = 1.0f;
+        if (j->sinks && j->sinks[h] == INFINITY) { /* the sink takes the whole row */
+            keep = 0.0f;
+            lg = 1.0f;
+            mg = INFINITY;
+        } else if (j->sinks) { /* a key with no value: in the sum, not in the output */
+            const float sink = j->sinks[h], top = sink > mg ? sink : mg;
+            keep = mg == -INFINITY ? 0.0f : expf(mg - top);
+            lg = lg * keep + (sink == -INFINITY ? 0.0f : expf(sink - top));
+            mg = top;
+        }
+        float *o = j->out + (b * j->H + h) * D_v;
+        const float inv = lg > 0.0f ? keep / lg : lg != lg ? NAN : 0.0f;
+        for (int64_t d = 0; d < D_v; d++) o[d] = acc[g * D_v + d] * inv;
+        j->lse[b * j->H + h] = lg > 0.0f || lg != lg ? mg + logf(lg) : -INFINITY;
+    }
+}
+
+/* The vector item per instruction set (_paged_step.h), one per storage kind (KV_*), for D and
+   D_v multiples of 16: work as item's in _paged.c. */
+typedef void (*Item)(const Job *, int64_t, int64_t, float *);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC visibility push(hidden)
+extern const Item qkv_paged_avx512[4], qkv_paged_avx2[4];
+extern const Item qkv_paged_avx512_wide[4]; /* 16 or more query heads per key/value head */
+#pragma GCC visibility pop
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC visibility push(hidden)
+extern const Item qkv_paged_neon[4];
+#pragma GCC visibility pop
+#endif
+#endif
