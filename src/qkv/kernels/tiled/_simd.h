@@ -36,6 +36,16 @@ VI vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 VI vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 VI vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a · b + c */
 VI float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+/* The four sums of a, b, c, d's lanes into out[0..3], their reductions shared. */
+VI void vsum4(vf a, vf b, vf c, vf d, float *out) {
+    __m256 x[4];
+    const __m512 v[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 VI float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 /* The lanes of m from p, 0 in the others (which are not read). */
 VI vf vloadz(lanemask m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
@@ -104,6 +114,12 @@ VI float vsum(vf x) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+/* The four sums of a, b, c, d's lanes into out[0..3], their reductions shared. */
+VI void vsum4(vf a, vf b, vf c, vf d, float *out) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)),
+                              _mm256_hadd_ps(_mm256_add_ps(c.lo, c.hi), _mm256_add_ps(d.lo, d.hi)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 VI float vhmax(vf x) {
     __m256 s = _mm256_max_ps(x.lo, x.hi);
@@ -186,6 +202,14 @@ VI vf vdiv(vf a, vf b) { EACH(vdivq_f32(a.q[e_], b.q[e_])); }
 VI vf vfma(vf a, vf b, vf c) { EACH(vfmaq_f32(c.q[e_], a.q[e_], b.q[e_])); } /* a · b + c */
 VI float vsum(vf x) {
     return vaddvq_f32(vaddq_f32(vaddq_f32(x.q[0], x.q[1]), vaddq_f32(x.q[2], x.q[3])));
+}
+/* The four sums of a, b, c, d's lanes into out[0..3], their reductions shared. */
+VI void vsum4(vf a, vf b, vf c, vf d, float *out) {
+    const vf v[4] = {a, b, c, d};
+    float32x4_t x[4];
+    for (int i = 0; i < 4; i++)
+        x[i] = vaddq_f32(vaddq_f32(v[i].q[0], v[i].q[1]), vaddq_f32(v[i].q[2], v[i].q[3]));
+    vst1q_f32(out, vpaddq_f32(vpaddq_f32(x[0], x[1]), vpaddq_f32(x[2], x[3])));
 }
 VI float vhmax(vf x) {
     return vmaxvq_f32(vmaxq_f32(vmaxq_f32(x.q[0], x.q[1]), vmaxq_f32(x.q[2], x.q[3])));

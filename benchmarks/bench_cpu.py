@@ -1,8 +1,14 @@
-"""Half precision against float32 through ``backend="auto"``, on the CPU at hand.
+"""The headline rows on the CPU at hand: qkv against its baselines, and half precision
+against float32 through ``backend="auto"``.
 
-    python benchmarks/bench_half.py [--rounds 5] [--avx2]
+    python benchmarks/bench_cpu.py [--rounds 5] [--avx2]
 
-The headline workloads — a causal sliding window of 256 keys over T = 8,192 and 16,384
+First, qkv against the baseline each headline row names, float32, B = 1, H = 8, D = 64:
+``sliding_window(256)`` at T = 16,384 forward through ``auto`` against FlexAttention compiled
+(``backend="flex"``; its compile time apart; torch's FlexAttention has no CPU backward), and
+causal T = 4,096 through the tiled kernel (``backend="tiled"``) against SDPA ``is_causal``,
+forward and forward + backward; qkv's time ÷ the baseline's (targets ≤ 0.8 and ≤ 1.0). Then
+the half-precision workloads — a causal sliding window of 256 keys over T = 8,192 and 16,384
 tokens, and causal attention over T = 4,096 — with B = 1, H = 8, D = 64, forward and forward
 + backward, each in float32, bfloat16 and float16 through ``qkv.attention`` as ``auto``
 chooses; and two decode steps, float32 against bfloat16 (the memory-bound ones, target ≤
@@ -36,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.avx2 and any(os.environ.get(k) != v for k, v in AVX2.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2})
+    baselines(args.rounds)
     run(args.rounds)
     decode(args.rounds * 3)
 
@@ -64,15 +71,7 @@ def run(rounds: int) -> None:
                 )
                 paths[dtype] = qkv.dispatch(q, k, v, mask=mask).path
                 calls[dtype] = step(q, k, v, mask, backward)
-            times: dict = {d: [] for d in dtypes}
-            for r in range(rounds + 1):
-                order = dtypes[r % 3 :] + dtypes[: r % 3]
-                for dtype in order:
-                    t0 = time.perf_counter()
-                    calls[dtype]()
-                    if r:
-                        times[dtype].append((time.perf_counter() - t0) * 1e3)
-            ms = {d: statistics.median(t) for d, t in times.items()}
+            ms = interleaved(calls, rounds)
             kind = "fwd+bwd" if backward else "fwd"
             for dtype in dtypes:
                 name = str(dtype).removeprefix("torch.")
@@ -81,6 +80,63 @@ def run(rounds: int) -> None:
                     f"{label:20} {kind:7} {name:8} {paths[dtype]:19} {ms[dtype]:9.1f} ms "
                     f"{ratio:5.2f}×"
                 )
+
+
+def interleaved(calls: dict, rounds: int) -> dict:
+    """Median ms of each call over ``rounds`` runs after one warm-up, taking turns."""
+    times: dict = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(rounds + 1):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            calls[name]()
+            if r:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def baselines(rounds: int) -> None:
+    """qkv against the baseline of each headline row (the docstring's first part)."""
+    import torch
+    import torch.nn.functional as F
+
+    import qkv
+
+    g = torch.Generator().manual_seed(0)
+    window = qkv.masks.sliding_window(256)
+    x = [torch.randn(1, 8, 16384, 64, generator=g) for _ in range(3)]
+    c = [torch.randn(1, 8, 4096, 64, generator=g).requires_grad_() for _ in range(3)]
+
+    def both(fn, grad: bool):
+        def call():
+            if not grad:
+                with torch.no_grad():
+                    return fn()
+            out = fn()
+            return torch.autograd.grad(out, c, torch.ones_like(out))
+
+        return call
+
+    rows = {
+        "window(256) T=16384 fwd": (
+            lambda: qkv.attention(*x, mask=window),
+            lambda: qkv.attention(*x, mask=window, backend="flex"),
+            "flex compiled",
+        ),
+        **{
+            f"causal T=4096 {kind} (tiled)": (
+                both(lambda: qkv.attention(*c, mask=qkv.masks.causal(), backend="tiled"), grad),
+                both(lambda: F.scaled_dot_product_attention(*c, is_causal=True), grad),
+                "sdpa is_causal",
+            )
+            for kind, grad in (("fwd", False), ("fwd+bwd", True))
+        },
+    }
+    for name, (ours, theirs, base) in rows.items():
+        theirs()  # (flex: compiled here, before the timing)
+        ms = interleaved({"qkv": ours, base: theirs}, rounds)
+        ratio = ms["qkv"] / ms[base]
+        print(f"{name:28} qkv {ms['qkv']:8.1f} ms  {base} {ms[base]:8.1f} ms  {ratio:5.2f}×")
 
 
 def decode(rounds: int) -> None:
@@ -103,15 +159,8 @@ def decode(rounds: int) -> None:
     }
     for name, fn in steps.items():
         calls = {dt: (lambda fn=fn, c=cast[dt]: fn(c)) for dt in dtypes}
-        times: dict = {dt: [] for dt in calls}
         with torch.no_grad():
-            for r in range(rounds + 1):
-                for dt in list(calls)[:: 1 if r % 2 else -1]:
-                    t0 = time.perf_counter()
-                    calls[dt]()
-                    if r:
-                        times[dt].append((time.perf_counter() - t0) * 1e3)
-        ms = {dt: statistics.median(t) for dt, t in times.items()}
+            ms = interleaved(calls, rounds)
         for dt in calls:
             ratio = ms[dt] / ms[torch.float32]
             print(f"{name:28} {str(dt).removeprefix('torch.'):8} {ms[dt]:9.2f} ms {ratio:5.2f}×")
