@@ -28,9 +28,9 @@ figures (``lscpu``), and say "pinned AVX2" for these rows.
 
 import argparse
 import os
-import statistics
 import sys
-import time
+
+from timing import interleaved
 
 AVX2 = {"QKV_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -80,19 +80,6 @@ def run(rounds: int) -> None:
                     f"{label:20} {kind:7} {name:8} {paths[dtype]:19} {ms[dtype]:9.1f} ms "
                     f"{ratio:5.2f}×"
                 )
-
-
-def interleaved(calls: dict, rounds: int) -> dict:
-    """Median ms of each call over ``rounds`` runs after one warm-up, taking turns."""
-    times: dict = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(rounds + 1):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            calls[name]()
-            if r:
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def baselines(rounds: int) -> None:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import interleaved
 
 import qkv
 from qkv.kernels.quant import quantize
@@ -34,19 +35,6 @@ from qkv.training import load_checkpoint, train
 
 KINDS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8,
          "fp8": torch.float8_e4m3fn}  # fmt: skip
-
-
-def interleaved(calls: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns in a rotating order."""
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    names = list(calls)
-    for r in range(rounds + 1):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            calls[name]()
-            if r:
-                times[name].append((time.perf_counter() - t0) * 1e3)
-    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def page_bytes() -> None:
