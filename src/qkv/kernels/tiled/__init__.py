@@ -36,7 +36,8 @@ FUSED = ("tiled-flash", "tiled-native", "tiled-native-widen")
 
 def _native_dtype(call: Lowered) -> torch.dtype | None:
     """The dtype the native kernel computes the call in — the inputs' ("tiled-native") or
-    float32 on upcast copies ("tiled-native-widen") — or None: torch's flash kernel."""
+    float32 on half-precision inputs widened as loaded ("tiled-native-widen") — or None:
+    torch's flash kernel."""
     return {"tiled-native": call.q.dtype, "tiled-native-widen": torch.float32}.get(call.path)
 
 

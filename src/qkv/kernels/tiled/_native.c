@@ -1,9 +1,10 @@
-/* qkv's native attention step for x86-64 CPUs: the forward and the backward of the tiled
-   kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in one parallel
-   region (attend_many, backward_many), in float32 (AVX-512F, or AVX2 + FMA where the CPU
-   has no AVX-512) or bfloat16 (AVX512-BF16). This file is the Python module and the
-   passes; the step itself — what one work item computes — is _step.h, compiled per
-   instruction set (_step512.c, _step256.c) over the vectors of _simd.h.
+/* qkv's native attention step for x86-64 and ARM64 CPUs: the forward and the backward of
+   the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in one
+   parallel region (attend_many, backward_many), in float32 (AVX-512F, or AVX2 + FMA + F16C
+   where the CPU has no AVX-512; NEON on ARM64), bfloat16 and float16 inputs widened to it as
+   they are loaded, or in bfloat16 dot products (AVX512-BF16). This file is the Python module
+   and the passes; the step itself — what one work item computes — is _step.h, compiled per
+   instruction set (_step512.c, _step256.c, _step128.c) over the vectors of _simd.h.
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp; the scores, the online
    softmax state and the output accumulate in float32. In float32 both matmuls are float32
@@ -21,8 +22,10 @@
    The module builds without AVX-512 or AVX2 flags: each function is compiled for its target
    alone and the CPU is asked at run time (`isa()`), so the same build imports everywhere
    and Python falls back to torch's flash kernel where the CPU lacks the instructions.
-   QKV_NATIVE_ISA=avx2 in the environment (or `use_isa("avx2")`) runs float32 on the AVX2
-   step on a CPU with AVX-512 too: to test and measure it.
+   QKV_NATIVE_ISA=avx2 in the environment (or `use_isa("avx2")`) runs the kernel as on an
+   AVX2-only CPU (float32 on the AVX2 step, no bfloat16 dot products) on a CPU with AVX-512
+   too: to test and measure it. Without OpenMP (a compiler that lacks it) every pass runs in
+   one thread (`openmp()` says which).
 
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. In the forward
    K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
