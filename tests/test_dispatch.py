@@ -311,12 +311,12 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
     window = masks.sliding_window(64)
     tune(native_probe=True)
     verdicts = [
-        native.Probe(1.0, 2.0),  # float32 not measured natively
-        native.Probe(2.0, 1.0),
-        native.Probe(0.95, 1.0),  # within the margin: not faster
-        native.Probe(1.0, 2.0, 2.1),  # float32 native within its margin (1.1×)
-        native.Probe(1.5, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
-        native.Probe(1.0, 1.0, 1.2),  # float32 native slower
+        profile.Probe(1.0, 2.0),  # float32 not measured natively
+        profile.Probe(2.0, 1.0),
+        profile.Probe(0.95, 1.0),  # within the margin: not faster
+        profile.Probe(1.0, 2.0, 2.1),  # float32 native within its margin (1.1×)
+        profile.Probe(1.5, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
+        profile.Probe(1.0, 1.0, 1.2),  # float32 native slower
     ]
     for verdict in verdicts:
         monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
@@ -350,10 +350,10 @@ def test_half_precision_with_a_gradient_runs_sdpa_on_float32_copies_where_measur
     call to torch's fused kernel that needs a gradient runs on float32 copies: the output
     and gradients in the inputs' dtype, equal to float32's rounded. Without a gradient, or
     where the profile found no slowdown, it runs in its own dtype; float32 is untouched."""
-    from qkv.kernels.tiled import native, profile
+    from qkv.kernels.tiled import profile
 
     tune(native_probe=True)
-    slow = native.Probe(1.0, 1.0, 1.0, 50.0, 50.0, 10.0)
+    slow = profile.Probe(1.0, 1.0, 1.0, 50.0, 50.0, 10.0)
     monkeypatch.setattr(profile, "probe", lambda: slow)
     q, k, v = (x.requires_grad_() for x in make_qkv(2, 4, 2, 40, 40, 32, 32, dtype=dtype))
     causal = masks.causal()
@@ -376,7 +376,7 @@ def test_half_precision_with_a_gradient_runs_sdpa_on_float32_copies_where_measur
     assert qkv.dispatch(q.detach(), k.detach(), v.detach(), mask=causal).path == "sdpa"
     f32 = [x.detach().float().requires_grad_() for x in (q, k, v)]
     assert qkv.dispatch(*f32, mask=causal).path == "sdpa"
-    monkeypatch.setattr(profile, "probe", lambda: native.Probe(1.0, 1.0, 1.0, 9.0, 9.0, 10.0))
+    monkeypatch.setattr(profile, "probe", lambda: profile.Probe(1.0, 1.0, 1.0, 9.0, 9.0, 10.0))
     assert qkv.dispatch(q, k, v, mask=causal).path == "sdpa"
     tune(native_probe=False)  # pinned: never measured, never copied
     monkeypatch.setattr(profile, "probe", lambda: slow)

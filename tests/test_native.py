@@ -676,7 +676,7 @@ def test_half_precision_runs_natively_widened(dtype, name, monkeypatch, tune):
     on the same inputs (the half-precision pass's Delta reads the rounded out)."""
     if dtype == torch.bfloat16:
         tune(native=True)
-        monkeypatch.setattr(profile, "probe", lambda: native.Probe(2.0, 1.0, 1.0))
+        monkeypatch.setattr(profile, "probe", lambda: profile.Probe(2.0, 1.0, 1.0))
         tune(native_probe=True)
     q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=21)
     mask = mask_zoo(2, 75, 61)[name]

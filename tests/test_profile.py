@@ -28,20 +28,20 @@ def cache(tmp_path, monkeypatch):
 
 
 def counting(monkeypatch, *probes):
-    """native.measure giving these probes in turn, counting its calls."""
+    """profile.measure giving these probes in turn, counting its calls."""
     calls = []
 
     def measure():
         calls.append(1)
         return probes[min(len(calls), len(probes)) - 1]
 
-    monkeypatch.setattr(native, "measure", measure)
+    monkeypatch.setattr(profile, "measure", measure)
     return calls
 
 
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
-    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 2.0))
+    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 2.0))
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
     again, where = profile.load()
@@ -52,11 +52,11 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
 
 @needs_native
 def test_a_remeasurement_near_the_threshold_keeps_the_stored_choice(cache, monkeypatch):
-    counting(monkeypatch, native.Probe(1.0, 2.0, 2.0), native.Probe(1.0, 2.0, 2.3))
+    counting(monkeypatch, profile.Probe(1.0, 2.0, 2.0), profile.Probe(1.0, 2.0, 2.3))
     assert profile.load()[0].float32  # 1.0× torch's time: native
     kept = profile.load(remeasure=True)[0]
     assert kept.native32_ms == 2.3 and kept.float32  # 1.15×: within the margin, kept
-    counting(monkeypatch, native.Probe(1.0, 2.0, 3.0))
+    counting(monkeypatch, profile.Probe(1.0, 2.0, 3.0))
     assert not profile.load(remeasure=True)[0].float32  # 1.5×: past it, changed
 
 
@@ -64,7 +64,7 @@ def test_a_remeasurement_near_the_threshold_keeps_the_stored_choice(cache, monke
 def test_the_half_precision_choice_keeps_its_stored_value_near_the_threshold(cache, monkeypatch):
     """Whether torch's half-precision backward runs on float32 copies: measured, stored,
     kept on a re-measurement within the margin, changed past it."""
-    slow, near, fast = (native.Probe(1.0, 2.0, 1.5, ms, ms, 10.0) for ms in (30.0, 10.5, 5.0))
+    slow, near, fast = (profile.Probe(1.0, 2.0, 1.5, ms, ms, 10.0) for ms in (30.0, 10.5, 5.0))
     counting(monkeypatch, slow, near, fast)
     found = profile.load()[0]
     assert found.widen_bfloat16 and found.widens(torch.float16)
@@ -74,7 +74,7 @@ def test_the_half_precision_choice_keeps_its_stored_value_near_the_threshold(cac
 
 @needs_native
 def test_a_profile_of_an_older_format_is_measured_again_silently(cache, monkeypatch):
-    calls = counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5))
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({"format": profile.FORMAT - 1, "machines": {}}))
     with warnings.catch_warnings():
@@ -86,7 +86,7 @@ def test_a_profile_of_an_older_format_is_measured_again_silently(cache, monkeypa
 
 @needs_native
 def test_a_damaged_profile_is_measured_again_with_one_warning(cache, monkeypatch):
-    counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5))
     cache.parent.mkdir(parents=True)
     cache.write_text("{ not json")
     with pytest.warns(UserWarning, match="damaged"):
@@ -100,7 +100,7 @@ def test_an_unwritable_cache_directory_measures_in_the_process(tmp_path, monkeyp
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("QKV_CACHE_DIR", str(blocker / "cache"))  # under a file: unwritable
-    counting(monkeypatch, native.Probe(1.0, 2.0, 1.5))
+    counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5))
     with pytest.warns(UserWarning, match="QKV_CACHE_DIR"):
         found, where = profile.load()
     assert where.startswith("measured in this process") and found.float32
@@ -140,8 +140,8 @@ def test_a_bad_isa_pin_is_an_error_when_the_kernel_is_first_asked_for():
 def test_the_profiled_dispatch_follows_the_stored_choice(cache, monkeypatch, tune):
     tune(native_probe=True)
     cases = [
-        (native.Probe(1.0, 2.0, 1.5), "tiled-native"),
-        (native.Probe(1.0, 2.0, 9), "tiled-flash"),
+        (profile.Probe(1.0, 2.0, 1.5), "tiled-native"),
+        (profile.Probe(1.0, 2.0, 9), "tiled-flash"),
     ]
     for verdict, want in cases:
         monkeypatch.setattr(profile, "probe", lambda v=verdict: v)

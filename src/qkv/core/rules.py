@@ -168,7 +168,7 @@ def _widened(a: Call) -> bool:
     """Whether torch's fused kernel should run this half-precision call on float32 copies:
     on the CPU, where the machine's profile found torch's kernel slower in its dtype than on
     copies — forward and backward for a call that needs a gradient, the forward for one that
-    does not (:meth:`qkv.kernels.tiled.native.Probe.widens`; not while the probe is off, nor
+    does not (:meth:`qkv.kernels.tiled.profile.Probe.widens`; not while the probe is off, nor
     while tracing)."""
     if a.q.dtype not in (torch.bfloat16, torch.float16) or a.q.device.type != "cpu":
         return False
@@ -313,7 +313,7 @@ def _native_mod(mod: ScoreMod | None) -> str | None:
 def _native_wins(a: Call, dtype: torch.dtype) -> bool:
     """Whether the native kernel is worth it in ``dtype`` here — in bfloat16, faster than
     the float32 path; in float32, not slower than torch's flash kernel (see
-    :class:`qkv.kernels.tiled.native.Probe`): measured once per machine and stored
+    :class:`qkv.kernels.tiled.profile.Probe`): measured once per machine and stored
     (:func:`qkv.kernels.tiled.profile.probe`), or taken as given when the probe is off."""
     if not a.tuning.native_probe:
         return True

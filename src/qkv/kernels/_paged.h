@@ -28,21 +28,11 @@ typedef struct {
     int64_t kss[3], vss[3];
 } Job;
 
-static inline float widen(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* A float8 e4m3 value as float32: its sign, and its 7 other bits placed as a float32's
    exponent and mantissa start, then scaled by 2^(127 - 7) — exact for normal and subnormal
    values alike (the float32 is subnormal exactly where the e4m3 one is). */
 static inline float from_e4m3(uint8_t b) {
-    uint32_t u = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20);
-    float f;
-    memcpy(&f, &u, 4);
-    return f * 0x1p120f;
+    return from_bits(((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20)) * 0x1p120f;
 }
 
 /* The scale of key (k: 1) or value (0) row (page, t, hk): 1 where not quantized. */

@@ -97,28 +97,11 @@ typedef struct {
     int64_t blocks; /* key blocks per head */
 } BJob;
 
-/* float16 bits as float32 (every value exact: subnormals, inf and NaN included). */
-static inline float half_bits(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-    if (e == 0x1f) u = sign | 0x7f800000u | m << 13;
-    else if (e) u = sign | (e + 112) << 23 | m << 13;
-    else { /* zero or subnormal: m · 2^-24 */ float f = (float)m * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Element i of x (SRC_*) as float32. */
 static inline float widened(const void *x, int64_t i, int src) {
     if (src == SRC_F32) return ((const float *)x)[i];
     uint16_t h = ((const uint16_t *)x)[i];
-    if (src == SRC_F16) return half_bits(h);
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return src == SRC_F16 ? half_bits(h) : widen(h);
 }
 
 /* Keys n0..n0+31 of head (b, h) packed at dst: in float32's layout (f32; any source,

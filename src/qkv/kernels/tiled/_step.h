@@ -22,16 +22,21 @@
 TARGET static void load_rows(const Job *j, const void *x, const int64_t *xs, int64_t dim, int64_t b,
                              int64_t h, int64_t r0, int rows, void *dst) {
     size_t unit = j->f32 ? 4 : 2, size = (size_t)dim * unit, row = (size_t)pad32(dim) * unit;
-    int widen = j->f32 && j->src != SRC_F32;
     for (int i = 0; i < MR; i++) {
         int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
         char *to = (char *)dst + i * row;
-        if (i >= rows || !widen) memset(to, 0, row);
-        if (i >= rows) continue;
+        if (i >= rows) {
+            memset(to, 0, row);
+            continue;
+        }
         const void *from = raw(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]);
-        if (!widen) memcpy(to, from, size);
-        for (int64_t d = 0; widen && d < pad32(dim); d += 16) {
-            lanemask in = lanes(d, 0, dim); /* none past dim: zeros, nothing read */
+        if (!j->f32 || j->src == SRC_F32) { /* as stored */
+            memset(to, 0, row);
+            memcpy(to, from, size);
+            continue;
+        }
+        for (int64_t d = 0; d < pad32(dim); d += 16) { /* widened; none past dim: zeros */
+            lanemask in = lanes(d, 0, dim);
             vf y = in == 0xffff ? vload_src(from, d, j->src) : vloadz_src(in, from, d, j->src);
             vstore((float *)to + d, y);
         }

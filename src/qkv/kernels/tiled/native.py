@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
-import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
 from ..reference import all_finite
 from .args import DTYPES, SOURCES, alibi_at, bias_at, bounds_at, check_call, check_keys, source
-from .torch_ops import FLASH
 
 try:
     from . import _native  # type: ignore[attr-defined]
@@ -104,137 +100,6 @@ def _pin_from_environment() -> None:
         ) from None
     if str(_native.isa(True)) != name:
         raise ValueError(f"QKV_NATIVE_ISA={name!r} names an instruction set this CPU lacks")
-
-
-#: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
-#: on copies: a margin, as copies cost memory and within it the two are noise apart
-WIDEN_AT = 1.1
-
-
-class Probe(NamedTuple):
-    """One measurement, made once per machine (:mod:`.profile`), medians of 7 interleaved
-    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — three ways: the
-    native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
-    (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
-    float32 (``native32_ms``; nan where this CPU cannot run it). And torch's fused kernel
-    (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
-    causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
-    inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
-    several times slower than float32's; without AVX512-FP16, float16's forward too."""
-
-    native_ms: float
-    float32_ms: float
-    native32_ms: float = float("nan")
-    sdpa_bfloat16_ms: float = float("nan")
-    sdpa_float16_ms: float = float("nan")
-    sdpa_widened_ms: float = float("nan")
-    sdpa_bfloat16_fwd_ms: float = float("nan")
-    sdpa_float16_fwd_ms: float = float("nan")
-    sdpa_widened_fwd_ms: float = float("nan")
-    #: the choices as a stored profile made them (:mod:`.profile`); None: from the times
-    use_float32: bool | None = None
-    use_bfloat16: bool | None = None
-    widen_bfloat16: bool | None = None
-    widen_float16: bool | None = None
-    widen_bfloat16_fwd: bool | None = None
-    widen_float16_fwd: bool | None = None
-
-    def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
-        """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
-        copies, forward and backward or forward alone (nan: not measured)."""
-        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
-        half = getattr(self, f"sdpa_{name}{fwd}_ms", math.nan)
-        return float(half / getattr(self, f"sdpa_widened{fwd}_ms"))
-
-    def widens(self, dtype: torch.dtype, backward: bool = True) -> bool:
-        """Whether torch's fused kernel should take half-precision calls on float32 copies
-        here — those that need a gradient (``backward``), or the others: it took over
-        :data:`WIDEN_AT` × its time on copies in ``dtype`` (not measured: no)."""
-        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
-        stored = getattr(self, f"widen_{name}{fwd}", None)
-        if stored is not None:
-            return bool(stored)
-        return self.sdpa_ratio(dtype, backward) > WIDEN_AT
-
-    @property
-    def float32(self) -> bool:
-        """Float32 runs natively: the native kernel takes at most 1.1× torch's time here
-        (a margin toward it: quiet, the two are close; beside other work, the native one
-        call per pass slows far less — docs/benchmarks.md#on-a-busy-machine-issue-25)."""
-        if self.use_float32 is not None:
-            return self.use_float32
-        return self.native32_ms <= 1.1 * self.float32_ms
-
-    @property
-    def faster(self) -> bool:
-        """bfloat16 runs natively: under 0.9× the time of the float32 path it would take
-        otherwise (a margin, so that noise does not pick a kernel that is not faster)."""
-        if self.use_bfloat16 is not None:
-            return self.use_bfloat16
-        float32 = min(self.float32_ms, self.native32_ms if self.float32 else math.inf)
-        return self.native_ms < 0.9 * float32
-
-
-def measure() -> Probe:
-    """Measure whether this CPU runs the native kernel faster than torch's flash kernel,
-    and torch's half-precision backward slower than float32's (see :class:`Probe`). The
-    dispatch reads it from the machine's profile (:func:`qkv.kernels.tiled.profile.probe`),
-    measured once per machine: on one Intel Xeon with AVX512-BF16 but no AMX the native
-    bfloat16 path ran slower than float32, on the AMD EPYC of this project's sessions
-    faster — the instruction-set flag alone does not say which wins."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
-    calls: dict[str, Callable[[], object]] = {
-        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125),
-        **{
-            f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
-            for name, dtype, widen in (
-                ("bfloat16", torch.bfloat16, False),
-                ("float16", torch.float16, False),
-                ("widened", torch.bfloat16, True),
-            )
-            for backward in (True, False)
-        },
-    }
-    for name, dtype in (("native", torch.bfloat16), ("native32", torch.float32)):
-        if available(dtype):
-            q5, packed = q.to(dtype).view(1, 4, 1, 256, 64), pack(k.to(dtype), v.to(dtype))
-            calls[name] = functools.partial(attend, q5, packed, 0, 1024, None, 0.125)
-    runs: dict[str, list[float]] = {name: [] for name in calls}
-    for i in range(8):
-        for name in calls if i % 2 else reversed(list(calls)):
-            t0 = time.perf_counter()
-            calls[name]()
-            if i:  # the first round warms up
-                runs[name].append(time.perf_counter() - t0)
-    median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
-    return Probe(
-        median.get("native", math.nan),
-        median["float32"],
-        median.get("native32", math.nan),
-        sdpa_bfloat16_ms=median["sdpa_bfloat16"],
-        sdpa_float16_ms=median["sdpa_float16"],
-        sdpa_widened_ms=median["sdpa_widened"],
-        sdpa_bfloat16_fwd_ms=median["sdpa_bfloat16_fwd"],
-        sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
-        sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
-    )
-
-
-def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
-    """One forward (and ``backward``) of torch's fused kernel, causal over 512 queries (4
-    heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
-    g = torch.Generator().manual_seed(1)
-    x = [torch.randn(1, 4, 512, 64, generator=g).to(dtype) for _ in range(3)]
-
-    def step() -> object:
-        with torch.set_grad_enabled(backward):
-            inputs = [t.requires_grad_(backward) for t in x]
-            q, k, v = (t.float() for t in inputs) if widen else inputs
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return torch.autograd.grad(out.to(dtype).sum(), inputs) if backward else out
-
-    return step
 
 
 def supports(

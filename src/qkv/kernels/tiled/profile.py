@@ -1,4 +1,6 @@
-"""The machine's profile: the native kernel's probe (:class:`native.Probe`), measured once per
+"""The machine's profile: what is measured of the kernels on this machine (:class:`Probe`,
+:func:`measure`: the native kernel against torch's, torch's half precision against float32
+copies), measured once per
 machine and stored, so that every process on the machine runs the same kernel for the same
 call, where a measurement per process picked one kernel in one process and another in the
 next when the two were close.
@@ -20,16 +22,21 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
+import statistics
+import time
 import warnings
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from . import native
+from .torch_ops import FLASH
 
 #: relative margin a re-measurement must clear to change a stored choice
 MARGIN = 0.1
@@ -37,6 +44,137 @@ FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too (a file of an
 #: older format is measured again, silently)
 FORMAT = 2
+
+
+#: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
+#: on copies: a margin, as copies cost memory and within it the two are noise apart
+WIDEN_AT = 1.1
+
+
+class Probe(NamedTuple):
+    """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
+    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — three ways: the
+    native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
+    (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
+    float32 (``native32_ms``; nan where this CPU cannot run it). And torch's fused kernel
+    (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
+    causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
+    inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
+    several times slower than float32's; without AVX512-FP16, float16's forward too."""
+
+    native_ms: float
+    float32_ms: float
+    native32_ms: float = float("nan")
+    sdpa_bfloat16_ms: float = float("nan")
+    sdpa_float16_ms: float = float("nan")
+    sdpa_widened_ms: float = float("nan")
+    sdpa_bfloat16_fwd_ms: float = float("nan")
+    sdpa_float16_fwd_ms: float = float("nan")
+    sdpa_widened_fwd_ms: float = float("nan")
+    #: the choices as a stored profile made them (:func:`load`); None: from the times
+    use_float32: bool | None = None
+    use_bfloat16: bool | None = None
+    widen_bfloat16: bool | None = None
+    widen_float16: bool | None = None
+    widen_bfloat16_fwd: bool | None = None
+    widen_float16_fwd: bool | None = None
+
+    def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
+        """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
+        copies, forward and backward or forward alone (nan: not measured)."""
+        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
+        half = getattr(self, f"sdpa_{name}{fwd}_ms", math.nan)
+        return float(half / getattr(self, f"sdpa_widened{fwd}_ms"))
+
+    def widens(self, dtype: torch.dtype, backward: bool = True) -> bool:
+        """Whether torch's fused kernel should take half-precision calls on float32 copies
+        here — those that need a gradient (``backward``), or the others: it took over
+        :data:`WIDEN_AT` × its time on copies in ``dtype`` (not measured: no)."""
+        name, fwd = str(dtype).removeprefix("torch."), "" if backward else "_fwd"
+        stored = getattr(self, f"widen_{name}{fwd}", None)
+        if stored is not None:
+            return bool(stored)
+        return self.sdpa_ratio(dtype, backward) > WIDEN_AT
+
+    @property
+    def float32(self) -> bool:
+        """Float32 runs natively: the native kernel takes at most 1.1× torch's time here
+        (a margin toward it: quiet, the two are close; beside other work, the native one
+        call per pass slows far less — docs/benchmarks.md#on-a-busy-machine-issue-25)."""
+        if self.use_float32 is not None:
+            return self.use_float32
+        return self.native32_ms <= 1.1 * self.float32_ms
+
+    @property
+    def faster(self) -> bool:
+        """bfloat16 runs natively: under 0.9× the time of the float32 path it would take
+        otherwise (a margin, so that noise does not pick a kernel that is not faster)."""
+        if self.use_bfloat16 is not None:
+            return self.use_bfloat16
+        float32 = min(self.float32_ms, self.native32_ms if self.float32 else math.inf)
+        return self.native_ms < 0.9 * float32
+
+
+def measure() -> Probe:
+    """Measure whether this CPU runs the native kernel faster than torch's flash kernel,
+    and torch's half-precision backward slower than float32's (see :class:`Probe`). The
+    dispatch reads it from the machine's profile (:func:`probe`),
+    measured once per machine: on one Intel Xeon with AVX512-BF16 but no AMX the native
+    bfloat16 path ran slower than float32, on the AMD EPYC of this project's sessions
+    faster — the instruction-set flag alone does not say which wins."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
+    calls: dict[str, Callable[[], object]] = {
+        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125),
+        **{
+            f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
+            for name, dtype, widen in (
+                ("bfloat16", torch.bfloat16, False),
+                ("float16", torch.float16, False),
+                ("widened", torch.bfloat16, True),
+            )
+            for backward in (True, False)
+        },
+    }
+    for name, dtype in (("native", torch.bfloat16), ("native32", torch.float32)):
+        if native.available(dtype):
+            q5, packed = q.to(dtype).view(1, 4, 1, 256, 64), native.pack(k.to(dtype), v.to(dtype))
+            calls[name] = functools.partial(native.attend, q5, packed, 0, 1024, None, 0.125)
+    runs: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(8):
+        for name in calls if i % 2 else reversed(list(calls)):
+            t0 = time.perf_counter()
+            calls[name]()
+            if i:  # the first round warms up
+                runs[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
+    return Probe(
+        median.get("native", math.nan),
+        median["float32"],
+        median.get("native32", math.nan),
+        sdpa_bfloat16_ms=median["sdpa_bfloat16"],
+        sdpa_float16_ms=median["sdpa_float16"],
+        sdpa_widened_ms=median["sdpa_widened"],
+        sdpa_bfloat16_fwd_ms=median["sdpa_bfloat16_fwd"],
+        sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
+        sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
+    )
+
+
+def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
+    """One forward (and ``backward``) of torch's fused kernel, causal over 512 queries (4
+    heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(1, 4, 512, 64, generator=g).to(dtype) for _ in range(3)]
+
+    def step() -> object:
+        with torch.set_grad_enabled(backward):
+            inputs = [t.requires_grad_(backward) for t in x]
+            q, k, v = (t.float() for t in inputs) if widen else inputs
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.autograd.grad(out.to(dtype).sum(), inputs) if backward else out
+
+    return step
 
 
 def cache_dir() -> Path:
@@ -97,7 +235,7 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _decide(new: native.Probe, old: native.Probe | None) -> native.Probe:
+def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
     float32, bf16 = new.float32, new.faster
@@ -115,20 +253,20 @@ def _decide(new: native.Probe, old: native.Probe | None) -> native.Probe:
             name = f"widen_{str(dtype).removeprefix('torch.')}{'' if backward else '_fwd'}"
             widen[name] = new.widens(dtype, backward)
             ratio = new.sdpa_ratio(dtype, backward)
-            near = abs(ratio - native.WIDEN_AT) < native.WIDEN_AT * MARGIN
+            near = abs(ratio - WIDEN_AT) < WIDEN_AT * MARGIN
             if old is not None and old.widens(dtype, backward) != widen[name] and near:
                 widen[name] = old.widens(dtype, backward)
     return new._replace(use_float32=float32, use_bfloat16=bf16, **widen)
 
 
-def _probe(entry: Any) -> native.Probe | None:
+def _probe(entry: Any) -> Probe | None:
     try:
-        return native.Probe(**entry)
+        return Probe(**entry)
     except TypeError:
         return None
 
 
-def load(remeasure: bool = False) -> tuple[native.Probe, str]:
+def load(remeasure: bool = False) -> tuple[Probe, str]:
     """The profile of this machine and where it came from: stored, measured and stored, or
     measured for this process alone (the directory cannot be written: one warning)."""
     path = cache_dir() / FILE
@@ -137,7 +275,7 @@ def load(remeasure: bool = False) -> tuple[native.Probe, str]:
     stored = _probe(entries.get(key))
     if stored is not None and not remeasure:
         return stored, f"stored in {path}"
-    found = _decide(native.measure(), stored)
+    found = _decide(measure(), stored)
     entries[key] = found._asdict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +293,6 @@ def load(remeasure: bool = False) -> tuple[native.Probe, str]:
 
 
 @functools.cache
-def probe() -> native.Probe:
+def probe() -> Probe:
     """This machine's profile (:func:`load`), read once per process."""
     return load()[0]
