@@ -214,16 +214,6 @@ def test_command_errors(induction_run, argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_the_induction_preset_forms_an_induction_head(tmp_path):
-    # The real experiment, cut at step 1,000 (~30 s): the transition comes at ~800
-    # (docs/induction.md). Scored on sequences the run never saw.
-    result = train(tmp_path, preset="induction", steps=1000, progress=False)
-    scores = heads.head_scores(result.model, batch=32, seed=123)
-    assert scores["induction"].max() >= 0.4, scores["induction"]
-    assert result.val_loss < 3.0
-
-
 HOSTILE = [
     "<!--<script>",  # the comment opener that once put the parser in double-escaped state
     "</script><script>window.pwned = 1</script>",

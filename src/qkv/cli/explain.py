@@ -70,8 +70,13 @@ def _sequence(args: argparse.Namespace) -> tuple[list[str], torch.Tensor]:
 def run_explain(args: argparse.Namespace) -> None:
     if not args.no_png and not args.png.parent.is_dir():
         raise ValueError(f"--png {args.png}: the folder {args.png.parent} does not exist")
-    if args.checkpoint is not None:
+    if args.checkpoint is not None or args.pretrained is not None:
         return _show(_trained_trace(args), args)
+    if args.layer is not None or args.prompt is not None:
+        raise ValueError(
+            "--layer and --prompt explain a trained run: give --checkpoint DIR or "
+            "--pretrained induction"
+        )
     if args.variant is not None:
         return _show(_variant_trace(args), args)
     if args.simplified:
@@ -164,38 +169,62 @@ def _variant_trace(args: argparse.Namespace) -> Any:
     return explain(x, tokens=tokens, module=module, mask=mask, title=title)
 
 
+#: The segment --pretrained and a run on tokens are explained over: 8 tokens, then again.
+SEGMENT = 8
+
+
 def _trained_trace(args: argparse.Namespace) -> Any:
-    """One attention layer of a trained run traced over --prompt's bytes: the layer's input
-    is what the model computes there for the prompt (captured as the layer's norm returns it)."""
+    """One attention layer of a trained run (``--checkpoint``, or ``--pretrained``) traced over
+    --prompt's bytes, or for a run on token ids over a random segment repeated: the layer's
+    input is what the model computes there (captured as the layer's norm returns it)."""
+    from ..heads import head_scores, repeated_tokens
+    from ..learn import pretrained_run
     from ..training import load_checkpoint, read_config, read_state
 
+    if args.checkpoint is not None and args.pretrained is not None:
+        raise ValueError("give --checkpoint DIR or --pretrained NAME, not both")
     options = ("heads", "d_out", "seed", "tokens", "embeddings", "input")
     given = [f for f in options if getattr(args, f) is not None]
     if given or args.simplified or args.causal:
         raise ValueError(
-            "--checkpoint explains the run's own layer: --heads, --d-out, --seed, --tokens, "
-            "--embeddings, --input, --simplified and --causal do not apply"
+            "--checkpoint and --pretrained explain the run's own layer: --heads, --d-out, "
+            "--seed, --tokens, --embeddings, --input, --simplified and --causal do not apply"
         )
-    if read_config(args.checkpoint)["train"].get("data", "text") != "text":
-        raise ValueError("--checkpoint: this run was not trained on bytes of text")
-    model = load_checkpoint(args.checkpoint).eval()
+    run = args.checkpoint if args.checkpoint is not None else pretrained_run(args.pretrained)
+    model = load_checkpoint(run).eval()
+    on_text = read_config(run)["train"].get("data", "text") == "text"
+    if on_text:
+        prompt = "the cat sat. the cat sat." if args.prompt is None else args.prompt
+        ids = list(prompt.encode("utf-8"))[: model.config.block_size]
+        if not ids or max(ids) >= model.config.vocab_size:
+            raise ValueError("--prompt must be non-empty text within the model's vocabulary")
+        # each byte as a label: a space as ␣, a newline as \n, a byte past ASCII as \xNN
+        tokens = ["␣" if b == 32 else repr(chr(b))[1:-1] if b < 128 else f"\\x{b:02x}" for b in ids]
+    else:
+        if args.prompt is not None:
+            raise ValueError(
+                f"--prompt: this run was trained on token ids 0 … {model.config.vocab_size - 1}, "
+                f"not text; it is explained over a random segment of {SEGMENT} tokens repeated"
+            )
+        ids = repeated_tokens(model.config.vocab_size, SEGMENT, batch=1, seed=1)[0].tolist()
+        tokens = [str(i) for i in ids]
+    layer = args.layer
+    if layer is None:  # a run on text: its first layer; else where the induction head is
+        induction = head_scores(model)["induction"]
+        layer = 0 if on_text else int(induction.argmax()) // induction.shape[1]
     n = len(model.blocks)
-    if not 0 <= args.layer < n:
-        raise ValueError(f"--layer must be 0 .. {n - 1}; got {args.layer}")
-    ids = list(args.prompt.encode("utf-8"))[: model.config.block_size]
-    if not ids or max(ids) >= model.config.vocab_size:
-        raise ValueError("--prompt must be non-empty text within the model's vocabulary")
-    block, seen = model.blocks[args.layer], []
+    if not 0 <= layer < n:
+        raise ValueError(f"--layer must be 0 .. {n - 1}; got {layer}")
+    block, seen = model.blocks[layer], []
     hook = block.ln_1.register_forward_hook(lambda module, inputs, out: seen.append(out))
     try:
         with torch.no_grad():
             model(torch.tensor([ids]))
     finally:
         hook.remove()
-    # each byte as a label: a space as ␣, a newline as \n, a byte past ASCII as \xNN
-    tokens = ["␣" if b == 32 else repr(chr(b))[1:-1] if b < 128 else f"\\x{b:02x}" for b in ids]
-    step = read_state(args.checkpoint).get("step")
-    title = f"{args.checkpoint}, layer {args.layer}, trained {step} steps"
+    step = read_state(run).get("step")
+    name = f"the pretrained {args.pretrained} model" if args.checkpoint is None else str(run)
+    title = f"{name}, layer {layer}, trained {step} steps"
     return explain(seen[0][0].detach(), tokens=tokens, module=block.attn, title=title)
 
 

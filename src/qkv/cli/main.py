@@ -40,6 +40,13 @@ def _ids(text: str) -> list[int]:
         ) from None
 
 
+#: --checkpoint of qkv heads and qkv view
+PRETRAINED_HELP = (
+    "a directory written by qkv train (default: qkv's pretrained induction model, trained "
+    "here once, about 40 s, and kept: qkv.learn.pretrained)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkv", description="qkv: attention, step by step.")
     parser.add_argument(  # pyproject.toml's version, as the installed package has it
@@ -99,11 +106,22 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="a trained run (qkv train --out): explain one of its attention layers on --prompt",
     )
-    ex.add_argument("--layer", type=int, default=0, help="with --checkpoint: the layer (0)")
+    ex.add_argument(
+        "--pretrained",
+        choices=["induction"],
+        help="explain a layer of qkv's pretrained model instead (trained here once, about 40 s, "
+        "and kept): over a random token segment repeated",
+    )
+    ex.add_argument(
+        "--layer",
+        type=int,
+        help="with --checkpoint or --pretrained: the layer (default 0 for a run on text, else "
+        "the layer of the strongest induction head)",
+    )
     ex.add_argument(
         "--prompt",
-        default="the cat sat. the cat sat.",
-        help="with --checkpoint: the text whose bytes the layer attends over",
+        help="with --checkpoint: the text whose bytes the layer attends over "
+        "(default 'the cat sat. the cat sat.')",
     )
     ex.add_argument(
         "--variant",
@@ -222,9 +240,7 @@ def _parser() -> argparse.ArgumentParser:
         "sequence repeated twice: previous-token, duplicate-token, induction "
         "and first-token scores (mean attention weights, 0 to 1).",
     )
-    hd.add_argument(
-        "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
-    )
+    hd.add_argument("--checkpoint", type=Path, help=PRETRAINED_HELP)
     hd.add_argument(
         "--length", type=positive, help="length of the repeated segment (default: half the context)"
     )
@@ -264,9 +280,7 @@ def _parser() -> argparse.ArgumentParser:
         "showing what every head of a checkpoint attends to over a prompt, "
         "with a slider over the run's snapshots when it kept them.",
     )
-    vw.add_argument(
-        "--checkpoint", type=Path, required=True, help="a directory written by qkv train"
-    )
+    vw.add_argument("--checkpoint", type=Path, help=PRETRAINED_HELP)
     vw.add_argument("--prompt", help="text to show (models trained on bytes)")
     vw.add_argument(
         "--tokens",

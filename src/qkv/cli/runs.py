@@ -13,11 +13,24 @@ import torch
 from ..training import has_checkpoint, read_config, read_state
 
 
+def checkpoint_or_pretrained(args: argparse.Namespace) -> Path:
+    """``--checkpoint``, or where none is given the pretrained induction model's run (trained
+    here the first time: :func:`qkv.learn.pretrained_run`)."""
+    if args.checkpoint is None:
+        from ..learn import pretrained_run
+
+        args.checkpoint = pretrained_run("induction")
+        print(
+            f"no --checkpoint: qkv's pretrained induction model, {args.checkpoint}", file=sys.stderr
+        )
+    return Path(args.checkpoint)
+
+
 def run_heads(args: argparse.Namespace) -> None:
     from ..heads import copying_scores, head_scores
     from ..training import load_checkpoint
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(checkpoint_or_pretrained(args))
     if args.length is not None and 2 * args.length > model.config.block_size:
         raise ValueError(
             f"--length {args.length}: twice it must fit the context "
@@ -88,7 +101,7 @@ def run_view(args: argparse.Namespace) -> None:
     from ..training import load_checkpoint, snapshots
     from ..view import byte_labels, view
 
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(checkpoint_or_pretrained(args))
     on_bytes = read_config(args.checkpoint)["train"].get("data", "text") == "text"
     if args.prompt is not None and args.tokens is not None:
         raise ValueError("give --prompt or --tokens, not both")

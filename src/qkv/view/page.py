@@ -60,6 +60,7 @@ class View:
     title: str
     ablated: list[tuple[int, int]] = field(default_factory=list)
     ablation: str = "zero"
+    opened: tuple[int, int] | None = None  # (layer, head) shown in full when the page opens
 
     def html(self) -> str:
         """The whole page: one file, no external resource."""
@@ -76,6 +77,7 @@ class View:
             "scoreNames": SCORES,
             "ablated": [list(a) for a in self.ablated],
             "ablation": self.ablation,
+            "opened": None if self.opened is None else list(self.opened),
             "frames": [
                 {
                     "label": f.label,
@@ -159,6 +161,7 @@ def view(
     ablated: str | Sequence[tuple[int, int]] | None = None,
     ablation: str = "zero",
     reference: torch.Tensor | None = None,
+    opened: tuple[int, int] | None = None,
 ) -> View:
     """Build the interactive view of a model's heads on a prompt.
 
@@ -178,6 +181,8 @@ def view(
             :func:`qkv.heads.ablate`: the page marks them, and its patterns, scores and
             per-token losses are those of the model without them.
         ablation, reference: :func:`qkv.heads.ablate`'s ``mode`` and ``reference``.
+        opened: the (layer, head) whose whole pattern the page shows when it opens; default
+            the head with the highest induction score in the final model (with ``scores``).
 
     Under each token the page shows its loss (nats): how well the model, having read the
     tokens before it, predicted it — for models that return logits.
@@ -209,7 +214,13 @@ def view(
             if removed:
                 stack.enter_context(ablate(m, removed, mode=ablation, reference=reference))
             frames.append(_frame(label, m, ids, query, min(top_k, T), min(thumb, T), scores))
-    return View(labels, frames, query, title, removed, ablation)
+    L, H = frames[-1].keys.shape[:2]
+    if opened is None and scores:
+        induction = np.asarray(frames[-1].scores["induction"])
+        opened = divmod(int(induction.argmax()), H)
+    if opened is not None and not (0 <= opened[0] < L and 0 <= opened[1] < H):
+        raise ValueError(f"opened must be a (layer, head) of {L} layers × {H} heads; got {opened}")
+    return View(labels, frames, query, title, removed, ablation, opened)
 
 
 def byte_labels(data: bytes) -> list[str]:

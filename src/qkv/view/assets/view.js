@@ -236,5 +236,6 @@
   }
   api.select = select; api.hover = hover; api.redraw = redraw;
   redraw();
+  if (D.opened) select(D.opened[0], D.opened[1]);  // the strongest induction head, by default
   api.ready = true;
 })();
