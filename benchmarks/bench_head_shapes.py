@@ -1,6 +1,7 @@
 """Time per FLOP of the tiled kernel at the head shapes of 2026's models, against D = 64's.
 
     python benchmarks/bench_head_shapes.py [--T 4096] [--window 256] [--rounds 5]
+    python benchmarks/bench_head_shapes.py --dispatch [--rounds 7]
 
 One layer's attention, 8 query heads over 2 key/value heads, a causal sliding window of
 ``--window`` keys over T tokens, float32 and bfloat16, forward and forward + backward,
@@ -13,6 +14,13 @@ that for forward + backward), its ratio to D = 64's in the same run, and the sam
 the native kernel turned off (``Tuning(native=False)``: what ran there before the kernel
 took every head shape — torch's flash kernel call by call where D = D_v, the PyTorch tile
 loop where not). Name the CPU beside the figures (``lscpu``).
+
+``--dispatch`` measures rule "head dims differ" instead: where D_v != D, what ``auto``
+runs under a causal mask (the native kernel, from ``Tuning.unequal_scores``) against SDPA,
+whose CPU fused kernel takes D_v == D only (its math path builds the weights), at the
+``mla`` preset's shape (16 sequences × 4 heads × 256 tokens, D = 48, D_v = 32) and at
+DeepSeek's (192, 128) with 8 heads over T = 256, 1024 and 4096: median ms of interleaved
+runs and the ratio, forward and forward + backward, float32 and bfloat16.
 """
 
 import argparse
@@ -20,6 +28,7 @@ import statistics
 import time
 
 import torch
+from timing import interleaved
 
 import qkv
 
@@ -75,14 +84,48 @@ def run(T: int, window: int, rounds: int) -> None:
                 )
 
 
+#: (B, H, T, D, D_v) of --dispatch: the mla preset's training call, DeepSeek's expanded heads.
+UNEQUAL = [(16, 4, 256, 48, 32), (1, 8, 256, 192, 128), (1, 8, 1024, 192, 128),
+           (1, 8, 4096, 192, 128)]  # fmt: skip
+
+
+def dispatch(rounds: int) -> None:
+    """``auto`` (rule "head dims differ") ÷ SDPA under a causal mask, where D_v != D."""
+    mask = qkv.masks.causal()
+    print("causal, D_v != D: auto ÷ sdpa (median ms of interleaved runs)")
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, H, T, D, D_v in UNEQUAL:
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(B, H, T, d, generator=g).to(dtype) for d in (D, D, D_v))
+            rule = qkv.dispatch(q, k, v, mask=mask).rule
+            for backward in (False, True):
+                x = [t.clone().requires_grad_(backward) for t in (q, k, v)]
+
+                def call(backend: str, x: list = x, backward: bool = backward) -> None:
+                    out = qkv.attention(*x, mask=mask, backend=backend)
+                    if backward:
+                        torch.autograd.grad(out.float().sum(), x)
+
+                ms = interleaved({b: lambda b=b: call(b) for b in ("auto", "sdpa")}, rounds)
+                print(
+                    f"{str(dtype).removeprefix('torch.'):8} {'fwd+bwd' if backward else 'fwd':7} "
+                    f"{(B, H, T, D, D_v)!s:24} {rule:18} {ms['auto']:8.1f} ms  sdpa "
+                    f"{ms['sdpa']:8.1f} ms  {ms['auto'] / ms['sdpa']:4.2f}×"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--T", type=int, default=4096)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dispatch", action="store_true", help="rule 'head dims differ'")
     args = parser.parse_args()
     torch.manual_seed(0)
-    run(args.T, args.window, args.rounds)
+    if args.dispatch:
+        dispatch(args.rounds)
+    else:
+        run(args.T, args.window, args.rounds)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import qkv
 from qkv import masks
 from qkv.core.dispatch import Dispatch
-from tests.helpers import make_qkv, mask_zoo, oracle, small_tiles
+from tests.helpers import grads, make_qkv, mask_zoo, oracle, small_tiles
 from tests.tolerances import FLOAT64
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
@@ -436,3 +436,41 @@ def test_dispatch_small_inputs_skip_planning(tune):
     assert qkv.dispatch(q, k, v, dropout_p=0.1).backend == "sdpa"
     assert qkv.dispatch(q, k, v, backend="reference").reason == "requested with backend='reference'"
     assert str(qkv.dispatch(q, k, v)).startswith("sdpa: ")
+
+
+def test_head_dims_that_differ_run_the_native_kernel_under_a_qkv_mask(monkeypatch, tune):
+    """Rule "head dims differ": torch's fused CPU kernel takes D_v == D only (its math path
+    builds the weights), so from Tuning.unequal_scores a qkv mask runs the native kernel —
+    equal to the float64 oracle, output and gradients, for every qkv mask of the zoo, with
+    T_q != T_k, GQA and odd head dims; a tensor mask, no mask, dropout, D == D_v and fewer
+    scores stay with the rules below."""
+    from qkv.kernels.tiled import native
+
+    if not native.available():
+        pytest.skip("no native kernel here")
+    tune(native_probe=False, unequal_scores=30 * 41)
+    B, T_q, T_k = 2, 30, 41
+    q, k, v = make_qkv(B, 4, 2, T_q, T_k, 24, 17, dtype=torch.float32)
+    g = torch.randn(B, 4, T_q, 17, generator=torch.Generator().manual_seed(1))
+    for name, mask in mask_zoo(B, T_k, T_q).items():
+        d = qkv.dispatch(q, k, v, mask=mask)
+        if not isinstance(mask, masks.Mask):
+            assert d.rule != "head dims differ", name
+            continue
+        assert (d.rule, d.path) == ("head dims differ", "tiled-native"), name
+        assert _ran(monkeypatch, lambda: qkv.attention(q, k, v, mask=mask)) == "tiled-native"
+        want = oracle(q, k, v, mask=mask)
+        got = qkv.attention(q, k, v, mask=mask)
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5, err_msg=name)
+        q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+        out64 = qkv.attention(q64, k64, v64, mask=mask, backend="reference")
+        want_grads = torch.autograd.grad((out64 * g.double()).sum(), (q64, k64, v64))
+        for got_g, want_g in zip(grads(q, k, v, g, mask), want_grads):
+            np.testing.assert_allclose(got_g.double(), want_g, atol=2e-5, err_msg=name)
+    causal = masks.causal()
+    assert qkv.dispatch(q, k, v).rule != "head dims differ"
+    assert qkv.dispatch(q, k, v, mask=causal, dropout_p=0.1).rule == "dropout"
+    v24 = torch.randn(*v.shape[:-1], 24)
+    assert qkv.dispatch(q, k, v24, mask=causal).rule != "head dims differ"
+    tune(unequal_scores=30 * 41 + 1)
+    assert qkv.dispatch(q, k, v, mask=causal).rule != "head dims differ"

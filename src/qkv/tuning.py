@@ -36,7 +36,7 @@ __all__ = ["Tuning", "tuned", "tuning"]
 class Tuning:
     """The knobs, with what each decides. Sizes are per (batch, head) unless said otherwise.
 
-    Dispatch (``backend="auto"``, docs/kernels.md#dispatch):
+    Dispatch (``backend="auto"``, docs/kernels.md#how-auto-chooses):
 
     Attributes:
         small_scores: below this many scores (T_q·T_k), a mask goes to SDPA densely:
@@ -47,6 +47,10 @@ class Tuning:
             mask would cost more than tiling saves).
         native_scores: from this many scores on, bfloat16 runs the native kernel where the
             machine runs it faster than float32 (dispatch rule "native bfloat16").
+        unequal_scores: from this many scores on, a masked call whose value head dim
+            differs from the query's runs the native kernel on the CPU (dispatch rule
+            "head dims differ"): torch's fused CPU kernel cannot take D_v != D, and its
+            math path builds the T_q × T_k weights.
         block_q: queries per block of the tiled kernel's plan.
         block_k: keys per block: a mask is classified EMPTY/PARTIAL/FULL at this size.
         chunk_k: the most keys one matmul of the loop covers.
@@ -75,6 +79,7 @@ class Tuning:
     sparse_density: float = 0.5
     long_scores: int = 4096 * 4096
     native_scores: int = 1024 * 1024
+    unequal_scores: int = 256 * 256
     block_q: int = 128
     block_k: int = 64
     chunk_k: int = 1024

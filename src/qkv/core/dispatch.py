@@ -10,7 +10,7 @@ For ``backend="auto"``:
 
 0. ``plain``: a decode step that :meth:`qkv.core.call.Call.of` checked by
    :func:`qkv.core.call.plain` alone (4-d tensors of one dtype, no mask or causal over one
-   query, no option set) → ``sdpa`` without a mask, what rules 7 and 8 would choose;
+   query, no option set) → ``sdpa`` without a mask, what rules 8 and 9 would choose;
 1. ``materialised``: weights, dropout from a ``torch.Generator``, or dropout together with
    the log-sum-exp → ``reference`` (the only kernel that materialises them);
 2. ``user function while tracing``: a score function qkv cannot rebuild inside the compiled
@@ -26,20 +26,23 @@ For ``backend="auto"``:
    or modification, a qkv mask or none, at least :attr:`qkv.Tuning.native_scores` scores →
    ``tiled`` (measured from T = 1024: forward 1.26–1.38×, forward + backward 1.07–1.16×
    faster than SDPA, which computes bfloat16 at float32's speed on the CPU);
-7. ``no mask`` → ``sdpa`` without a mask;
-8. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here (eager; while
+7. ``head dims differ`` (eager): D_v != D on the CPU, a qkv mask, no dropout, at least
+   :attr:`qkv.Tuning.unequal_scores` scores, a call the native kernel runs → ``tiled``
+   (torch's fused CPU kernel takes D_v == D only; its math path builds the weights);
+8. ``no mask`` → ``sdpa`` without a mask;
+9. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here (eager; while
    tracing: causal for one query at the end of the keys) → ``sdpa`` without a mask;
-9. ``non-finite key`` (eager): a key holding NaN/inf under a mask or modification → ``tiled``
+10. ``non-finite key`` (eager): a key holding NaN/inf under a mask or modification → ``tiled``
    (sdpa would spread it into rows that mask it), or ``reference`` with dropout;
-10. ``dropout`` → ``sdpa`` with the mask, drawing from torch's global generator (while
+11. ``dropout`` → ``sdpa`` with the mask, drawing from torch's global generator (while
    tracing, where a key's finiteness cannot be read: ``reference``);
-11. ``causal square`` → ``sdpa`` with ``is_causal`` (T_q == T_k, no offset);
-12. ``small`` (eager): T_q·T_k < :attr:`qkv.Tuning.small_scores` → ``sdpa``, the mask lowered
+12. ``causal square`` → ``sdpa`` with ``is_causal`` (T_q == T_k, no offset);
+13. ``small`` (eager): T_q·T_k < :attr:`qkv.Tuning.small_scores` → ``sdpa``, the mask lowered
     densely (planning blocks would cost more than skipping them saves);
-13. ``sparse or long`` (eager): a qkv mask leaving less than
+14. ``sparse or long`` (eager): a qkv mask leaving less than
     :attr:`qkv.Tuning.sparse_density` of the scores, or T_q·T_k >=
     :attr:`qkv.Tuning.long_scores` → ``tiled`` (``flex`` on CUDA for a qkv mask);
-14. ``otherwise`` → ``sdpa`` with the mask lowered densely; while tracing → ``tiled`` as one
+15. ``otherwise`` → ``sdpa`` with the mask lowered densely; while tracing → ``tiled`` as one
     opaque op.
 
 Where the tiled kernel runs, :func:`tiled_path` names its code: the PyTorch loop, torch's

@@ -321,6 +321,26 @@ def _native_wins(a: Call, dtype: torch.dtype) -> bool:
     return found.float32 if dtype == torch.float32 else found.faster
 
 
+def _rule_head_dims_differ(a: Call) -> Dispatch | None:
+    if not (
+        a.p.D_v != a.p.D
+        and isinstance(a.mask, Mask)
+        and a.dropout_p == 0
+        and a.q.device.type == "cpu"
+        and a.scores >= a.tuning.unequal_scores
+    ):
+        return None
+    path, _ = tiled_path(a)
+    if not path.startswith("tiled-native"):
+        return None
+    return _tiled(
+        a,
+        f"D = {a.p.D}, D_v = {a.p.D_v}: torch's fused CPU kernel takes D_v == D only, and its "
+        "math path builds the T_q × T_k weights",
+        "head dims differ",
+    )
+
+
 def _rule_no_mask(a: Call) -> Dispatch | None:
     if a.mask is not None or a.mod is not None:
         return None
@@ -476,6 +496,7 @@ RULES: tuple[Rule, ...] = (
     Rule("log-sum-exp", "always", _rule_lse),
     Rule("modification sdpa cannot take", "always", _rule_modification),
     Rule("native bfloat16", "eager", _rule_native),
+    Rule("head dims differ", "eager", _rule_head_dims_differ),
     Rule("no mask", "always", _rule_no_mask),
     Rule("mask allows everything", "always", _rule_allows_everything),
     Rule("non-finite key", "eager", _rule_non_finite_key),
