@@ -2,19 +2,23 @@
 step in float32 and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set
 in _step512.c, _step256.c and _step128.c) and the decode step over a paged KV cache
 (src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
-runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md).
+runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md), and says so
+when it first needs them: pip shows a build's output only with -v, so the build records what
+failed in qkv/kernels/_built.py.
 QKV_BUILD_NATIVE=0 builds none of them (a pure-Python install, what CI tests as the
 fallback). A compiler without OpenMP builds them single-threaded, with a warning
 (QKV_OPENMP=0 asks for that build).
 Everything else is in pyproject.toml."""
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 NATIVE = os.environ.get("QKV_BUILD_NATIVE", "1") != "0"
 
@@ -43,9 +47,40 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
+class BuildExt(build_ext):
+    """setuptools' build_ext, which also writes ``qkv/kernels/_built.py`` beside the kernels:
+    each one that failed to build and the error, read by ``qkv.kernels.built`` to warn at run
+    time (an optional extension that fails is otherwise silent under pip)."""
+
+    def run(self) -> None:
+        self.failed: dict[str, str] = {}
+        super().run()
+        where = os.path.dirname(self.get_ext_fullpath("qkv.kernels._paged"))
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, "_built.py"), "w") as f:
+            f.write('"""Written by setup.py at build: the C kernels that failed, and why."""\n\n')
+            f.write("FAILED: dict[str, str] = {\n")
+            f.writelines(f"    {name!r}: {why!r},\n" for name, why in self.failed.items())
+            f.write("}\n")
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as err:  # recorded, then setuptools warns and goes on (optional)
+            lines = str(err).strip().splitlines()
+            why = lines[-1] if lines else type(err).__name__
+            # "Command '['gcc', ...]' returned non-zero exit status 1.": the compiler and status
+            found = re.match(r"Command '\['([^']+)'.*(exit status \d+)", why)
+            self.failed[ext.name] = (
+                f"the C compiler {found[1]!r} failed ({found[2]})" if found else why[:200]
+            )
+            raise
+
+
 OPENMP = openmp_flags() if NATIVE else []
 
 setup(
+    cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
             "qkv.kernels.tiled._native",
@@ -82,5 +117,5 @@ setup(
         ),
     ]
     if NATIVE
-    else []
+    else [],
 )

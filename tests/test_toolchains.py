@@ -123,6 +123,8 @@ def build(tmp_path: Path, **env: str) -> Path:
     for name in ("src", "setup.py", "pyproject.toml", "README.md", "LICENSE"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
         copy(ROOT / name, tmp_path / name)
+    for product in [*(tmp_path / "src").rglob("*.so"), *(tmp_path / "src").rglob("_built.py")]:
+        product.unlink()  # an in-place build's, copied with the sources
     done = subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--inplace", "-q"],
         cwd=tmp_path,
@@ -133,6 +135,33 @@ def build(tmp_path: Path, **env: str) -> Path:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "src"
+
+
+def test_a_kernel_that_fails_to_build_is_named_when_qkv_runs(tmp_path):
+    """pip hides a build's output, and the kernels are optional: a compiler that fails
+    leaves an install that works on its PyTorch paths and says so, once, with the reason."""
+    src = build(tmp_path, CC="false")
+    assert not list(src.rglob("*.so"))
+    check = (
+        "import torch, qkv; from qkv.kernels import built; "
+        "print(sorted(built.failed())); "
+        "q = torch.randn(1, 2, 300, 32); "
+        "print(qkv.dispatch(q, q, q, mask=qkv.masks.sliding_window(8), backend='tiled').path); "
+        "qkv.attention(q, q, q, mask=qkv.masks.sliding_window(8), backend='tiled')"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    names, path = done.stdout.split("\n")[:2]
+    assert names == "['qkv.kernels._paged', 'qkv.kernels.tiled._native']"
+    assert path == "tiled-flash"
+    assert done.stderr.count("qkv's C kernels did not build at install") == 1, done.stderr
+    assert "the C compiler 'false' failed (exit status 1)" in done.stderr
 
 
 CHECK = """

@@ -12,7 +12,7 @@ import torch
 
 from .. import masks
 from ..functional import dispatch
-from ..kernels import paged
+from ..kernels import built, paged
 from ..kernels.tiled import native, profile
 
 #: the instruction flags that decide which step runs
@@ -26,6 +26,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     have = [f for f in FLAGS if f in flags]
     print(f"CPU: {model} ({platform.machine()}; {', '.join(have) or 'no flags read'})")
     print(f"threads: {torch.get_num_threads()} (torch's)")
+    for name, why in built.failed().items():
+        print(f"{name}: failed to build at install: {why} (pip install -v shows the compiler)")
     if not native.available(torch.float32):
         print("native tiled kernel: not built or not runnable here (PyTorch paths run)")
     else:

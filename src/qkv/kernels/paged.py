@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .built import warn_if_failed
 from .quant import is_quantized
 
 try:
@@ -29,7 +30,10 @@ except ImportError:  # not built (no C compiler at install): the gather path run
 
 def available() -> bool:
     """Whether the native paged decode kernel is built."""
-    return _paged is not None
+    if _paged is None:
+        warn_if_failed()
+        return False
+    return True
 
 
 def isa() -> str:

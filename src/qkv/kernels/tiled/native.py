@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..built import warn_if_failed
 from ..reference import all_finite
 from .args import DTYPES, SOURCES, alibi_at, bias_at, bounds_at, check_call, check_keys, source
 
@@ -33,9 +34,11 @@ except ImportError:  # not built (no C compiler at install): torch's flash kerne
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
     AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16, not while :func:`use_isa` pins AVX2)."""
-    f32 = dtype == torch.float32
+    if _native is None:
+        warn_if_failed()
+        return False
     _pin_from_environment()
-    return dtype in DTYPES and _native is not None and bool(_native.available(f32))
+    return dtype in DTYPES and bool(_native.available(dtype == torch.float32))
 
 
 def isa(dtype: torch.dtype = torch.float32) -> str:
