@@ -105,7 +105,15 @@ def make_mask(name: str, T: int) -> masks.Mask | None:
 
 
 def candidates(
-    name: str, T: int, q, k, v, *, flex: bool, naive_max_T: int, dense_max_T: int
+    name: str,
+    T: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    flex: bool,
+    naive_max_T: int,
+    dense_max_T: int,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """What to time for one mask: qkv (auto and tiled) and the baselines that apply."""
     mask = make_mask(name, T)
@@ -139,7 +147,9 @@ def candidates(
     return out
 
 
-def flex_candidate(mask: masks.Mask, T: int, q, k, v) -> Callable[[], torch.Tensor]:
+def flex_candidate(
+    mask: masks.Mask, T: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], torch.Tensor]:
     """Compiled FlexAttention; its first call includes building the block mask and
     compiling, as a user meets them."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

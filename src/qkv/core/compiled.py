@@ -68,7 +68,17 @@ def rebuild(recipe: str, tensors: list[torch.Tensor], ints: list[int]) -> Any:
     return stack[0] if stack else None
 
 
-def _rebuilt(q, k, v, mask_recipe: str, mod_recipe: str, tensors, ints, scale, q_offset) -> Lowered:
+def _rebuilt(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask_recipe: str,
+    mod_recipe: str,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    scale: float,
+    q_offset: int,
+) -> Lowered:
     """One op call, rebuilt, validated, dispatched (to the tiled kernel's code for these
     tensors, by the eager rules) and lowered, here, at run time."""
     mask, mod = rebuild(mask_recipe, tensors, ints), rebuild(mod_recipe, tensors, ints)
@@ -96,7 +106,17 @@ def _tiled_op(
 
 
 @_tiled_op.register_fake
-def _(q, k, v, mask, mod, tensors, ints, scale, q_offset):
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: str,
+    mod: str,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    scale: float,
+    q_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T_q, _ = q.shape
     return (
         q.new_empty(B, H, T_q, v.shape[-1]),
@@ -138,7 +158,21 @@ def _tiled_backward_op(
 
 
 @_tiled_backward_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, mask, mod, tensors, ints, scale, q_offset):
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    mask: str,
+    mod: str,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    scale: float,
+    q_offset: int,
+) -> list[torch.Tensor]:
     return [
         torch.empty_like(q),
         torch.empty_like(k),
@@ -147,13 +181,13 @@ def _(q, k, v, out, lse, dout, dlse, mask, mod, tensors, ints, scale, q_offset):
     ]
 
 
-def _setup(ctx, inputs, output):
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, mask, mod, tensors, ints, scale, q_offset = inputs
     ctx.save_for_backward(q, k, v, *output, *tensors)
     ctx.recipe = (mask, mod, ints, scale, q_offset)
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     mask, mod, ints, scale, q_offset = ctx.recipe
     dlse = torch.zeros_like(lse) if dlse is None else dlse

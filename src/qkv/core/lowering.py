@@ -161,7 +161,9 @@ class ScoreTiles:
         self.stages = mod.stages()
         self.terms: dict[tuple[int, int, int, int], torch.Tensor] = {}
 
-    def _view(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int):
+    def _view(
+        self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int
+    ) -> tuple[torch.Tensor, Any]:
         idx = indices(self.p, self.device, torch.arange(q0, q1), self.heads, k0, k1)
         return s.view(self.p.B, self.p.H, q1 - q0, k1 - k0), idx  # (B, H, bq, L)
 

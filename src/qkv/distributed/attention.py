@@ -118,7 +118,16 @@ def attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, T_r, D_v)
 
 
-def _allgather(query, kv, layout, mask, rank, group, D, **kw) -> list[torch.Tensor]:
+def _allgather(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    layout: Layout,
+    mask: Any,
+    rank: int,
+    group: Any,
+    D: int,
+    **kw: Any,
+) -> list[torch.Tensor]:
     kv = layout.gather(kv, dim=2, group=group)  # (B, H_kv, T, D + D_v)
     k, v = kv[..., :D], kv[..., D:]
     outs = []

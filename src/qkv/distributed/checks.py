@@ -5,6 +5,7 @@ clear error on every rank instead of a hang."""
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,17 @@ from .layout import Layout
 SCHEDULES = ("allgather", "ring")
 
 
-def local_problem(query, key, value, layout, mask, schedule, rank, world, ring_piece) -> str | None:
+def local_problem(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Any,
+    mask: Any,
+    schedule: str,
+    rank: int,
+    world: int,
+    ring_piece: Any,
+) -> str | None:
     """What is wrong with this rank's call on its own, in words; None if nothing."""
     if schedule not in SCHEDULES:
         return f"schedule must be one of {SCHEDULES}; got {schedule!r}"
@@ -62,7 +73,16 @@ _SIGNATURE = (
 )
 
 
-def _signature(query, key, value, layout, mask, schedule, problem, ring_piece) -> list[int]:
+def _signature(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Layout,
+    mask: Any,
+    schedule: str,
+    problem: Any,
+    ring_piece: int,
+) -> list[int]:
     """What must agree across ranks, as integers (CRC-32 where a value is not one)."""
     crc = lambda text: zlib.crc32(str(text).encode())  # noqa: E731
     if problem is not None:  # shapes may not even exist: only the failure is compared
@@ -87,7 +107,17 @@ def _signature(query, key, value, layout, mask, schedule, problem, ring_piece) -
     ]
 
 
-def check_same_call(query, key, value, layout, mask, schedule, problem, group, ring_piece) -> None:
+def check_same_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Layout,
+    mask: Any,
+    schedule: str,
+    problem: Any,
+    group: Any,
+    ring_piece: int,
+) -> None:
     mine = torch.tensor(
         _signature(query, key, value, layout, mask, schedule, problem, ring_piece),
         dtype=torch.int64,
@@ -111,7 +141,7 @@ def check_same_call(query, key, value, layout, mask, schedule, problem, group, r
             )
 
 
-def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+def _all_gather(x: torch.Tensor, group: Any) -> list[torch.Tensor]:
     out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, x, group=group)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,7 +151,7 @@ class _Gather(torch.autograd.Function):
     (gloo has no reduce_scatter)."""
 
     @staticmethod
-    def forward(ctx, x, dim, layout, group):
+    def forward(ctx: Any, x: torch.Tensor, dim: int, layout: Layout, group: Any) -> torch.Tensor:
         dim = dim % x.ndim
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if world != layout.world_size:
@@ -176,7 +177,7 @@ class _Gather(torch.autograd.Function):
         return full
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         mine = ctx.layout.positions(ctx.rank).to(grad.device)

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import functools
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,7 +27,9 @@ from ..masks import EMPTY
 from .layout import Layout
 
 
-def runs_of(layout: Layout, rank: int, longest: int | None = None):
+def runs_of(
+    layout: Layout, rank: int, longest: int | None = None
+) -> Iterator[tuple[int, int, int]]:
     """(start, stop, where the run starts in the rank's local tensors) for each of its runs,
     cut into pieces of at most ``longest`` positions if given."""
     local = 0
@@ -39,7 +42,19 @@ def runs_of(layout: Layout, rank: int, longest: int | None = None):
 
 
 def ring(
-    query, key, value, layout, mask, rank, world, group, *, scale, dropout_p, piece, sinks=None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: Layout,
+    mask: Any,
+    rank: int,
+    world: int,
+    group: Any,
+    *,
+    scale: float | None,
+    dropout_p: float,
+    piece: int,
+    sinks: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     if dropout_p > 0:
         raise ValueError(
@@ -81,7 +96,20 @@ class _RingAttention(torch.autograd.Function):
     gradient is this rank's rows' share."""
 
     @staticmethod
-    def forward(ctx, query, key, value, layout, mask, scale, rank, world, group, piece, sinks):
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layout: Layout,
+        mask: Any,
+        scale: float,
+        rank: int,
+        world: int,
+        group: Any,
+        piece: int,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         runs = list(runs_of(layout, rank, piece))  # query runs, no longer than a piece
         D, D_v = key.shape[-1], value.shape[-1]
         acc = accumulation_dtype(query.dtype)
@@ -114,7 +142,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         query, key, value, out, lse, sinks = ctx.saved_tensors
         layout, mask, scale, rank, world, group, piece = ctx.args
         runs = list(runs_of(layout, rank, piece))
@@ -196,7 +224,17 @@ def _length(bounds: tuple[int, int]) -> int:
     return bounds[1] - bounds[0]
 
 
-def _pairs(query, kv, layout, mask, runs, owner, bounds, scale, D):
+def _pairs(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    layout: Layout,
+    mask: Any,
+    runs: list[tuple[int, int, int]],
+    owner: int,
+    bounds: tuple[int, int],
+    scale: float,
+    D: int,
+) -> Iterator[tuple[int, tuple[int, int, int], tuple[Any, ...]]]:
     """(query run index, key run, (q, k, v, mask, scale)) for every pair of this rank's
     query runs with the key runs in piece ``bounds`` = (lo, hi) of ``owner``'s local
     positions (held in kv) that the mask leaves non-empty; key runs as (start, stop, where
@@ -215,7 +253,9 @@ def _pairs(query, kv, layout, mask, runs, owner, bounds, scale, D):
                 yield i, (ka, kb, kl), (query[:, :, ql : ql + qb - qa], k, v, pair, scale)
 
 
-def _tiled(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _tiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = tiled.forward(tiled_call(q, k, v, mask=mask, scale=scale))
     return out.to(q.dtype), lse
 

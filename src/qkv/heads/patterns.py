@@ -129,7 +129,18 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
-    def add(self, query, key, value, lse, *, mask, scale, q_offset, score_mod) -> None:
+    def add(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        lse: torch.Tensor | None,
+        *,
+        mask: Any,
+        scale: float | None,
+        q_offset: int | None,
+        score_mod: Any,
+    ) -> None:
         self.calls.append(
             Call(
                 query.detach(),

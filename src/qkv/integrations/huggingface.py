@@ -196,7 +196,7 @@ class StructuralMask(torch.Tensor):
     sees the dense bool mask it stands for, built then. So it is never wrong, only lazy."""
 
     @staticmethod
-    def __new__(cls, qkv_mask: Mask, q_offset: int, shape: tuple, device: Any):
+    def __new__(cls, qkv_mask: Mask, q_offset: int, shape: tuple, device: Any) -> Any:
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool, device=device)
 
     def __init__(self, qkv_mask: Mask, q_offset: int, shape: tuple, device: Any) -> None:
@@ -213,7 +213,9 @@ class StructuralMask(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         return func(*_densified(args), **_densified(kwargs or {}))
 
 

@@ -11,6 +11,7 @@ D head dim · D_v value head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,12 +43,12 @@ class _Scores(torch.autograd.Function):
     the gradients of rows that mask it out; a row that does attend to it is NaN through dS."""
 
     @staticmethod
-    def forward(ctx, q, k):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(q, k)
         return q @ k.transpose(-2, -1)
 
     @staticmethod
-    def backward(ctx, ds):
+    def backward(ctx: Any, ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = ctx.saved_tensors
         return ds @ finite_or_zero(k), ds.transpose(-2, -1) @ finite_or_zero(q)
 

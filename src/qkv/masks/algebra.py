@@ -267,7 +267,7 @@ class _Predicate(Mask):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "predicate")
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.fn(b, h, q_idx, kv_idx)
 
     def __repr__(self) -> str:
@@ -279,11 +279,11 @@ class _Binary(Mask):
         self.left, self.right = left, right
         self.shift_invariant = left.shift_invariant and right.shift_invariant
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         left, right = self.left.recipe(tensors, ints), self.right.recipe(tensors, ints)
         return None if left is None or right is None else [*left, *right, self.kind]
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         self.left.validate(B, H, T_q, T_k)
         self.right.validate(B, H, T_q, T_k)
 
@@ -295,20 +295,20 @@ class _Binary(Mask):
 class _And(_Binary):
     kind = "and"
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return np.minimum(self.left._classify(t), self.right._classify(t))
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         (a, b), (c, d) = self.left._reach(t), self.right._reach(t)
         return np.maximum(a, c), np.minimum(b, d)
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         left, right = self.left.intervals(q), self.right.intervals(q)
         if left is None or right is None:
             return None
         return np.maximum(left[0], right[0]), np.minimum(left[1], right[1])
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.left(b, h, q_idx, kv_idx) & self.right(b, h, q_idx, kv_idx)
 
     def __repr__(self) -> str:
@@ -319,14 +319,14 @@ class _And(_Binary):
 class _Or(_Binary):
     kind = "or"
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return np.maximum(self.left._classify(t), self.right._classify(t))
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         (a, b), (c, d) = self.left._reach(t), self.right._reach(t)
         return np.minimum(a, c), np.maximum(b, d)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.left(b, h, q_idx, kv_idx) | self.right(b, h, q_idx, kv_idx)
 
     def __repr__(self) -> str:
@@ -340,21 +340,21 @@ class _Not(Mask):
         self.inner = inner
         self.shift_invariant = inner.shift_invariant
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         inner = self.inner.recipe(tensors, ints)
         return None if inner is None else [*inner, "not"]
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         self.inner.validate(B, H, T_q, T_k)
 
     @property
     def batch(self) -> int | None:
         return self.inner.batch
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return (FULL - self.inner._classify(t)).astype(np.int8)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return ~self.inner(b, h, q_idx, kv_idx)
 
     def __repr__(self) -> str:
@@ -377,20 +377,20 @@ class _Shifted(Mask):
     def batch(self) -> int | None:
         return self.inner.batch
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         self.inner.validate(B, H, self.T, self.T)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.inner(b, h, q_idx + self.dq, kv_idx + self.dk)
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return self.inner._classify(t.shifted(self.dq, self.dk))
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = self.inner._reach(t.shifted(self.dq, self.dk))
         return lo - self.dk, hi - self.dk
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         inner = self.inner.intervals(q + self.dq)
         return None if inner is None else (inner[0] - self.dk, inner[1] - self.dk)
 

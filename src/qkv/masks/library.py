@@ -15,23 +15,23 @@ import torch
 from .._checks import fmt_shape
 from .._recipes import keep_int
 from .algebra import Mask, _int_arg, _ints, _like, _short
-from .tiles import _FAR, FULL, _codes
+from .tiles import _FAR, FULL, _codes, _Tiles
 
 
 class _Full(Mask):
     shift_invariant = True
     kind = "full"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         return ["full"]
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx >= 0
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return np.full((), FULL, dtype=np.int8)
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return _one_row(np.full(len(q), -_FAR), np.full(len(q), _FAR))
 
     def __repr__(self) -> str:
@@ -42,19 +42,19 @@ class _Causal(Mask):
     shift_invariant = True
     kind = "causal"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         return ["causal"]
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx <= q_idx
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return _codes(t.k_last <= t.q_first, t.k_first > t.q_last)
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         return np.full(len(t.qa), -_FAR), t.qb + 1
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return _one_row(np.full(len(q), -_FAR), q + 1)
 
     def __repr__(self) -> str:
@@ -65,26 +65,26 @@ class _SlidingWindow(Mask):
     shift_invariant = True
     kind = "sliding_window"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         return ["sliding_window:" + keep_int(ints, self.window)]
 
     def __init__(self, window: int) -> None:
         self.window = _int_arg("window", window, 1)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         w = self.window
         return _codes(
             (t.k_last <= t.q_first) & (t.k_first > t.q_last - w),
             (t.k_first > t.q_last) | (t.k_last <= t.q_first - w),
         )
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         return t.qa - self.window + 1, t.qb + 1
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return _one_row(q - self.window + 1, q + 1)
 
     def __repr__(self) -> str:
@@ -94,7 +94,7 @@ class _SlidingWindow(Mask):
 class _Padding(Mask):
     kind = "padding"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         tensors.append(torch.as_tensor(self.lengths))
         return [f"padding:{len(tensors) - 1}"]
 
@@ -103,7 +103,7 @@ class _Padding(Mask):
         if (self.lengths < 0).any():
             raise ValueError(f"lengths must be >= 0; got {_short(self.lengths)}")
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         if self.lengths.shape != (B,):
             raise ValueError(
                 f"padding lengths must have shape (B,) = ({B},); "
@@ -116,16 +116,16 @@ class _Padding(Mask):
     def batch(self) -> int:
         return len(self.lengths)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx < _like(self.lengths, kv_idx)[b]
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return _codes(t.k_last < self.lengths.min(), t.k_first >= self.lengths.max())
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         return np.full(len(t.qa), -_FAR), np.full(len(t.qa), self.lengths.max(initial=0))
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return np.full((len(self.lengths), len(q)), -_FAR), np.repeat(
             self.lengths[:, None], len(q), 1
         )
@@ -137,14 +137,14 @@ class _Padding(Mask):
 class _Document(Mask):
     kind = "document"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         tensors.append(torch.as_tensor(self.ids))
         return [f"document:{len(tensors) - 1}"]
 
     def __init__(self, ids: Any) -> None:
         self.ids = _ints("ids", ids, (1, 2))
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         want = (T_k,) if self.ids.ndim == 1 else (B, T_k)
         if self.ids.shape != want:
             letters = "(T_k,)" if self.ids.ndim == 1 else "(B, T_k)"
@@ -157,7 +157,7 @@ class _Document(Mask):
     def batch(self) -> int | None:
         return self.ids.shape[0] if self.ids.ndim == 2 else None
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         ids = _like(self.ids, kv_idx)
         n = ids.shape[-1]
         q_in = (q_idx >= 0) & (q_idx < n)  # a query before the first key has no document
@@ -169,7 +169,7 @@ class _Document(Mask):
     def _rows(self) -> np.ndarray:
         return self.ids if self.ids.ndim == 2 else self.ids[None]  # (B or 1, T_k)
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         ids = self._rows()
         n = ids.shape[-1]
         q_min, q_max = _spans(ids, t.qa, t.qb)  # (B, query blocks)
@@ -182,7 +182,7 @@ class _Document(Mask):
         empty = q_out | ((q_max < k_min) | (k_max < q_min)).all(0)
         return _codes(full, empty)
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         ids = self._rows()
         if (np.diff(ids, axis=-1) < 0).any():  # ids out of order: any key may share an id
             return super()._reach(t)
@@ -193,7 +193,7 @@ class _Document(Mask):
         hi = [np.searchsorted(row, b, "right") for row, b in zip(ids, last)]
         return np.min(lo, 0), np.max(hi, 0)
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         ids = self._rows()
         if ids.shape[-1] == 0:  # no ids: no query has a document
             return np.zeros((len(ids), len(q)), np.int64), np.zeros((len(ids), len(q)), np.int64)
@@ -214,25 +214,25 @@ class _Document(Mask):
 class _PrefixLM(Mask):
     kind = "prefix_lm"
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         return ["prefix_lm:" + keep_int(ints, self.prefix)]
 
     def __init__(self, prefix: int) -> None:
         self.prefix = _int_arg("prefix", prefix, 0)
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx <= q_idx) | (kv_idx < self.prefix)
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         n = self.prefix
         return _codes(
             (t.k_last < n) | (t.k_last <= t.q_first), (t.k_first >= n) & (t.k_first > t.q_last)
         )
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         return np.full(len(t.qa), -_FAR), np.maximum(t.qb + 1, self.prefix)
 
-    def intervals(self, q):
+    def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         return _one_row(np.full(len(q), -_FAR), np.maximum(q + 1, self.prefix))
 
     def __repr__(self) -> str:
@@ -265,7 +265,7 @@ class _KeyIndices(Mask):
             self.indices[listed],
         )
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         if self.indices.shape[0] != B:
             raise ValueError(
                 f"key indices must have shape (B, T_rows, k) with B = {B}; "
@@ -281,7 +281,7 @@ class _KeyIndices(Mask):
     def batch(self) -> int:
         return self.indices.shape[0]
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         rows, width = self.indices.shape[1], max(self.width, 1)
         row = q_idx - self.first
         inside = (row >= 0) & (row < rows) & (kv_idx >= 0) & (kv_idx < width)
@@ -309,7 +309,7 @@ class _KeyIndices(Mask):
             self._table = table[..., :width]
         return self._table
 
-    def _grid_of_blocks(self, t) -> np.ndarray:
+    def _grid_of_blocks(self, t: _Tiles) -> np.ndarray:
         """Which (query block, key block) tiles hold a listed pair."""
         q, k = self.pairs
         qb = np.searchsorted(t.qa, q, "right") - 1
@@ -321,10 +321,10 @@ class _KeyIndices(Mask):
         grid[qb[keep], kb[keep]] = True
         return grid
 
-    def _classify(self, t):
+    def _classify(self, t: _Tiles) -> np.ndarray:
         return _codes(False, ~self._grid_of_blocks(t)[t.rows, t.cols])
 
-    def _reach(self, t):
+    def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         grid = self._grid_of_blocks(t)
         any_ = grid.any(1)
         lo = np.where(any_, t.ka[grid.argmax(1)], 0)

@@ -121,11 +121,12 @@ class SelfAttention(AttentionModule):
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
-    def project(self, x):
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_input("x", x, self.d_in, self.W_query.weight)
-        return tuple(split_heads(W(x), 1) for W in (self.W_query, self.W_key, self.W_value))
+        q, k, v = (split_heads(W(x), 1) for W in (self.W_query, self.W_key, self.W_value))
+        return q, k, v
 
-    def merge(self, context, like):
+    def merge(self, context: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         out = context[:, 0]  # (B, T, d_out)
         return out if like.ndim == 3 else out[0]
 

@@ -128,7 +128,9 @@ class ScoreMod:
             self.tensors()
         )
 
-    def _term_grads(self, ds, b, h, q_idx, kv_idx, row) -> list[torch.Tensor]:
+    def _term_grads(
+        self, ds: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> list[torch.Tensor]:
         raise NotImplementedError(f"{self!r} has no backward")
 
     def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
@@ -170,7 +172,7 @@ class _Function(ScoreMod):
         self.fn, self.name = fn, name or getattr(fn, "__name__", "function")
         self._tensors = tuple(tensors)
 
-    def apply(self, score, b, h, q_idx, kv_idx, row):
+    def apply(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any) -> Any:
         out = self.fn(score, b, h, q_idx, kv_idx)
         shape = tuple(getattr(out, "shape", ()))
         if len(shape) > score.ndim or any(
@@ -187,10 +189,21 @@ class _Function(ScoreMod):
             out = out.to(score.dtype)
         return out
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return self._tensors
 
-    def vjp(self, ds, score, b, h, q_idx, kv_idx, row, *, need):
+    def vjp(
+        self,
+        ds: torch.Tensor,
+        score: torch.Tensor,
+        b: Any,
+        h: Any,
+        q_idx: Any,
+        kv_idx: Any,
+        row: Any,
+        *,
+        need: bool,
+    ) -> tuple[torch.Tensor, list[Any]]:
         """By autograd (eager only: a user function never reaches the compiled op)."""
         with torch.enable_grad():
             raw = score.detach().requires_grad_()
@@ -221,32 +234,45 @@ class _Chain(ScoreMod):
         ):  # ALiBi, then a soft-cap
             self.alibi, self.softcap = stages[0].alibi, stages[1].softcap
 
-    def apply(self, score, b, h, q_idx, kv_idx, row):
+    def apply(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any) -> Any:
         for m in self.mods:
             score = m.apply(score, b, h, q_idx, kv_idx, row)
         return score
 
-    def stages(self):
+    def stages(self) -> list[ScoreMod]:
         return [s for m in self.mods for s in m.stages()]
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         parts = [m.recipe(tensors, ints) for m in self.mods]
         if any(p is None for p in parts):
             return None
         return [t for p in parts for t in p or ()] + [f"chain:{len(self.mods)}"]
 
-    def term(self, b, h, q_idx, kv_idx, row, *, like):
+    def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         return sum(m.term(b, h, q_idx, kv_idx, row, like=like) for m in self.mods)
 
-    def apply_(self, score, b, h, q_idx, kv_idx, row):
+    def apply_(
+        self, score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> torch.Tensor:
         for m in self.mods:
             score = m.apply_(score, b, h, q_idx, kv_idx, row)
         return score
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for m in self.mods for t in m.tensors())
 
-    def vjp(self, ds, score, b, h, q_idx, kv_idx, row, *, need):
+    def vjp(
+        self,
+        ds: torch.Tensor,
+        score: torch.Tensor,
+        b: Any,
+        h: Any,
+        q_idx: Any,
+        kv_idx: Any,
+        row: Any,
+        *,
+        need: bool,
+    ) -> tuple[torch.Tensor, list[Any]]:
         inputs = [score]  # each modification's input, recomputed
         for m in self.mods[:-1]:
             inputs.append(m.apply(inputs[-1], b, h, q_idx, kv_idx, row).expand(score.shape))
@@ -256,15 +282,15 @@ class _Chain(ScoreMod):
             grads = list(g) + grads
         return ds, grads
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         for m in self.mods:
             m.validate(B, H, T_q, T_k)
 
     @property
-    def batch(self):
+    def batch(self) -> int | None:
         return next((m.batch for m in self.mods if m.batch is not None), None)
 
-    def select(self, b):
+    def select(self, b: int) -> ScoreMod:
         return _Chain([m.select(b) for m in self.mods])
 
     def __repr__(self) -> str:

@@ -30,24 +30,26 @@ class _Alibi(ScoreMod):
             )
         self.slopes = self.alibi = slopes
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         if self.slopes.shape[0] != H:
             raise ValueError(
                 f"alibi slopes must have shape (H,) = ({H},); got {fmt_shape(self.slopes.shape)}"
             )
 
-    def term(self, b, h, q_idx, kv_idx, row, *, like):
+    def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         # -slope · distance: a key d positions back costs slope · d (positive for future keys).
         return _like(self.slopes, like)[h] * (kv_idx - q_idx)
 
-    def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
+    def _term_grads(
+        self, ds: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> list[torch.Tensor]:
         per_head = (ds * (kv_idx - q_idx)).sum(dim=(0, 2, 3))  # (len(h),)
         return [_scatter(self.slopes, (h.reshape(-1),), per_head)]
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.slopes,)
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         tensors.append(self.slopes)
         return [f"alibi:{len(tensors) - 1}"]
 
@@ -69,7 +71,7 @@ class _SymmetricAlibi(ScoreMod):
             )
         self.slopes = slopes
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         want = (H,) if self.slopes.ndim == 1 else (B, H)
         if tuple(self.slopes.shape) != want:
             letters = "(H,)" if self.slopes.ndim == 1 else "(B, H)"
@@ -79,27 +81,29 @@ class _SymmetricAlibi(ScoreMod):
             )
 
     @property
-    def batch(self):
+    def batch(self) -> int | None:
         return self.slopes.shape[0] if self.slopes.ndim == 2 else None
 
-    def select(self, b):
+    def select(self, b: int) -> ScoreMod:
         return self if self.slopes.ndim == 1 else _SymmetricAlibi(self.slopes[b])
 
-    def _slope(self, b, h, like):
+    def _slope(self, b: Any, h: Any, like: Any) -> Any:
         slopes = _like(self.slopes, like)
         return slopes[h] if self.slopes.ndim == 1 else slopes[b, h]
 
-    def term(self, b, h, q_idx, kv_idx, row, *, like):
+    def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         return -self._slope(b, h, like) * abs(kv_idx - q_idx)
 
-    def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
+    def _term_grads(
+        self, ds: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> list[torch.Tensor]:
         cost = -(ds * abs(kv_idx - q_idx))
         if self.slopes.ndim == 1:
             return [_scatter(self.slopes, (h.reshape(-1),), cost.sum(dim=(0, 2, 3)))]
         per = cost.sum(dim=(2, 3))  # (len(b), len(h))
         return [_scatter(self.slopes, (b.reshape(-1, 1), h.reshape(1, -1)), per)]
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.slopes,)
 
     def __repr__(self) -> str:
@@ -107,7 +111,7 @@ class _SymmetricAlibi(ScoreMod):
 
 
 class _Softcap(ScoreMod):
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         return [f"softcap:{self.cap!r}"]
 
     def __init__(self, cap: float) -> None:
@@ -119,20 +123,33 @@ class _Softcap(ScoreMod):
             raise ValueError(f"softcap cap must be a finite number > 0; got {cap!r}")
         self.cap = self.softcap = float(cap)
 
-    def apply(self, score, b, h, q_idx, kv_idx, row):
+    def apply(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any) -> Any:
         xp = np if _numpy(score) else torch
         capped = self.cap * xp.tanh(score / self.cap)
         # A score a bias already masked (-inf) stays masked, not -cap.
         return xp.where(score == -math.inf, score, capped)
 
-    def apply_(self, score, b, h, q_idx, kv_idx, row):
+    def apply_(
+        self, score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> torch.Tensor:
         if bool(score.amin() == -math.inf):  # a bias masked some: keep them -inf
             return self.apply(score, b, h, q_idx, kv_idx, row)
         # cap·tanh(x/cap) = 2·cap·sigmoid(2x/cap) - cap, in place: a quarter of torch.tanh's
         # cost on CPU, within a few units of cap's last place (the capped score's own rounding).
         return score.mul_(2.0 / self.cap).sigmoid_().mul_(2.0 * self.cap).sub_(self.cap)
 
-    def vjp(self, ds, score, b, h, q_idx, kv_idx, row, *, need):
+    def vjp(
+        self,
+        ds: torch.Tensor,
+        score: torch.Tensor,
+        b: Any,
+        h: Any,
+        q_idx: Any,
+        kv_idx: Any,
+        row: Any,
+        *,
+        need: bool,
+    ) -> tuple[torch.Tensor, list[Any]]:
         t = torch.tanh(score / self.cap)  # 1 - tanh² is 0 at a -inf score: no NaN
         return ds * (1 - t * t), []
 
@@ -205,14 +222,14 @@ class _RelativeBias(ScoreMod):
                 f"{max_distance}"
             )
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         if self.table.shape[1] != H:
             raise ValueError(
                 f"relative_bias table must have shape (num_buckets, H) with H={H}; "
                 f"got {fmt_shape(self.table.shape)}"
             )
 
-    def term(self, b, h, q_idx, kv_idx, row, *, like):
+    def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         bucket = relative_position_bucket(
             kv_idx - q_idx,
             bidirectional=self.bidirectional,
@@ -221,7 +238,9 @@ class _RelativeBias(ScoreMod):
         )
         return _like(self.table, like)[bucket, h]  # (1, H, T_q, T_k)
 
-    def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
+    def _term_grads(
+        self, ds: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> list[torch.Tensor]:
         bucket = relative_position_bucket(
             kv_idx - q_idx,
             bidirectional=self.bidirectional,
@@ -230,10 +249,10 @@ class _RelativeBias(ScoreMod):
         )
         return [_scatter(self.table, (bucket, h), ds.sum(dim=0, keepdim=True))]
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.table,)
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         tensors.append(self.table)
         bidirectional = keep_int(ints, int(self.bidirectional))
         return [
@@ -263,7 +282,7 @@ class _Bias(ScoreMod):
             )
         self.tensor = tensor if tensor.ndim == 4 else tensor[None, None]
 
-    def validate(self, B, H, T_q, T_k):
+    def validate(self, B: int, H: int, T_q: int, T_k: int) -> None:
         want = (B, H, T_q, T_k)
         if any(n not in (1, w) for n, w in zip(self.tensor.shape, want)):
             raise ValueError(
@@ -275,12 +294,14 @@ class _Bias(ScoreMod):
         ):
             raise ValueError("bias holds NaN or +inf; -inf (masked) and finite values only")
 
-    def term(self, b, h, q_idx, kv_idx, row, *, like):
+    def term(self, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any, *, like: Any) -> Any:
         t = _like(self.tensor, like)
         n = t.shape
         return t[_index(n[0], b), _index(n[1], h), _index(n[2], row), _index(n[3], kv_idx)]
 
-    def _term_grads(self, ds, b, h, q_idx, kv_idx, row):
+    def _term_grads(
+        self, ds: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any, row: Any
+    ) -> list[torch.Tensor]:
         n = self.tensor.shape
         # Sum over the dims the bias broadcasts along, then scatter onto the rest.
         ds = ds.sum(dim=[d for d in range(4) if n[d] == 1], keepdim=True)
@@ -290,10 +311,10 @@ class _Bias(ScoreMod):
         )
         return [_scatter(self.tensor, where, ds)]
 
-    def tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.tensor,)
 
-    def recipe(self, tensors, ints):
+    def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:
         tensors.append(self.tensor)
         return [f"bias:{len(tensors) - 1}"]
 

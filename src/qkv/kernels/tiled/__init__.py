@@ -13,6 +13,7 @@ D head dim · D_v value head dim.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -80,7 +81,15 @@ class _TiledAttention(torch.autograd.Function):
     ``Σ_rows exp(sink - lse) · (dlse - rowsum(dout ∘ out))``."""
 
     @staticmethod
-    def forward(ctx, call, sinks, q, k, v, *mod_tensors):
+    def forward(
+        ctx: Any,
+        call: Any,
+        sinks: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *mod_tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = forward(call)
         if sinks is not None:  # in place: out is the forward's own buffer
             factor, lse = sink_factor(lse, sinks)
@@ -94,7 +103,7 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
         q, k, v, out, lse, sinks, *mod_tensors = ctx.saved_tensors
         call = dataclasses.replace(ctx.call, q=q, k=k, v=v, mod_tensors=tuple(mod_tensors))
         if dout is None:  # only the log-sum-exp is read
