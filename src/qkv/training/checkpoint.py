@@ -196,10 +196,13 @@ def save_checkpoint(
     state: dict[str, Any],
     *,
     fault: Callable[[str], None] | None = None,
+    plot: bool = True,
 ) -> Path:
     """Write a checkpoint (the files of :mod:`qkv.training.loop`'s docstring) as a new
     generation of ``out`` and swap it in with one rename; returns its directory. ``fault``
-    (tests) is called with the name of each stage, so a test can stop a save anywhere."""
+    (tests) is called with the name of each stage, so a test can stop a save anywhere.
+    ``plot``: redraw ``loss.png`` (a tenth of a second; the loop redraws it at evaluations
+    and at the end, not at every save of a run saving every step)."""
     from safetensors.torch import save_file, save_model
 
     at = fault or (lambda stage: None)
@@ -250,7 +253,8 @@ def save_checkpoint(
     for legacy in _FILES:  # a checkpoint from before generations, now superseded
         (out / legacy).unlink(missing_ok=True)
     at("cleaned")
-    _plot(out, state["history"], "token" if config["train"]["data"] != "text" else "byte")
+    if plot:
+        _plot(out, state["history"], "token" if config["train"]["data"] != "text" else "byte")
     return gen
 
 

@@ -7,7 +7,8 @@ intervals, and checkpoints that resume exactly. A checkpoint directory holds:
 - ``optimizer.safetensors``: AdamW's moments and the random generators' states;
 - ``config.json``: the model and training configuration, the preset, the corpus;
 - ``state.json``: the step reached, the run's total, and the loss history;
-- ``loss.png``: the loss curve (when matplotlib is installed).
+- ``loss.png``: the loss curve (when matplotlib is installed), redrawn by the first save
+  after each evaluation and by the last.
 
 The set is written as a new generation and swapped in with one rename
 (:mod:`qkv.training.checkpoint`), every ``save_every`` steps and at the end, so a crash at any
@@ -242,6 +243,7 @@ def train(
     model.train()
     try:
         step = state["step"]
+        evaluated = plotted = step  # the steps of the last evaluation and the last loss.png
         while step < tcfg.steps and not stop["asked"]:
             lr = learning_rate(step, tcfg)
             for group in optimizer.param_groups:
@@ -259,6 +261,7 @@ def train(
             record: dict[str, float] = {"step": step, "loss": loss.item(), "lr": lr}
             if step % tcfg.eval_interval == 0 or step == tcfg.steps:
                 evaluation = _evaluate(model, held_out, autocast, step)
+                evaluated = step
                 state.setdefault("evaluations", []).append(evaluation)
                 record.update(
                     val_loss=evaluation["val_loss"],
@@ -277,7 +280,16 @@ def train(
             state["tokens"] += x.numel()
             bar.update(step, record["loss"])
             if step % every == 0 and step < tcfg.steps and not stop["asked"]:
-                save_checkpoint(out, model, optimizer, batches, config_json, _saved(state, bar))
+                save_checkpoint(
+                    out,
+                    model,
+                    optimizer,
+                    batches,
+                    config_json,
+                    _saved(state, bar),
+                    plot=evaluated > plotted,  # an evaluation since loss.png was drawn
+                )
+                plotted = evaluated
             if on_step is not None:
                 on_step(step, record["loss"])
         save_checkpoint(out, model, optimizer, batches, config_json, _saved(state, bar))
