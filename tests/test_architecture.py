@@ -56,3 +56,38 @@ def test_the_checker_sees_a_violation(structure, tmp_path):
     found = structure.report(tmp_path)
     assert any("qkv.kernels.sdpa" in x for x in found["imports running up or across a floor"])
     assert any("_Causal" in x for x in found["private names imported across units"])
+
+
+def _legend_table() -> dict[str, str]:
+    """docs/semantics.md's legend: letter -> meaning."""
+    import re
+
+    text = (ROOT / "docs" / "semantics.md").read_text().split("## The legend", 1)[1]
+    table = {}
+    for letters, meaning in re.findall(r"^\| (`[^|]+`) \| ([^|]+) \|$", text, re.M):
+        for letter in re.findall(r"`([^`]+)`", letters):
+            assert letter not in table, f"{letter} twice in the legend"
+            table[letter] = meaning
+    return table
+
+
+def test_every_module_uses_the_one_legend():
+    """Each module's ``Legend:`` line names letters of docs/semantics.md's one legend, so a
+    letter means one thing across the package (L layers, never a tile's keys as well)."""
+    import re
+
+    table = _legend_table()
+    assert {"B", "H", "T_q", "T_k", "D", "D_v", "L", "N", "S"} <= set(table)
+    found = 0
+    for path in sorted((ROOT / "src" / "qkv").rglob("*.py")):
+        m = re.search(r"^Legend:(.*?)(?:\n\n|\"\"\")", path.read_text(), re.S | re.M)
+        if not m or m.group(1).strip().startswith("none"):
+            continue
+        found += 1
+        for part in " ".join(m.group(1).split()).split("·"):
+            # "T_q/T_k query/key length", "G = H / H_kv", "d_head = E / H", "w = r + ..."
+            letters = re.match(r"\s*([A-Za-z_…]+(?:/[A-Za-z_]+)?(?:,\s*[A-Za-z_]+)*)", part)
+            assert letters, f"{path.name}: cannot read {part!r}"
+            for letter in re.split(r"[/,]\s*", letters.group(1)):
+                assert letter in table, f"{path.relative_to(ROOT)}: {letter!r} not in the legend"
+    assert found > 50

@@ -6,7 +6,7 @@ FlexAttention's ``BlockMask`` and ``score_mod`` (flex). :func:`lower` makes a
 :class:`qkv.kernels.Lowered` call holding just the chosen kernel's forms.
 
 Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
-length · bq a block's queries · L a tile's keys.
+length · bq a block's queries · bk a block's keys.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def modify(
 
 class ScoreTiles:
     """The score modification on tiles of the tiled kernel, whose scores are laid out
-    (B, H_kv, G·bq, L): query head h = kv_head·G + g, so a tile is a (B, H, bq, L) view."""
+    (B, H_kv, G·bq, bk): query head h = kv_head·G + g, so a tile is a (B, H, bq, bk) view."""
 
     def __init__(self, mod: ScoreMod, p: Problem, device: torch.device) -> None:
         self.mod, self.p, self.device, self.heads = mod, p, device, torch.arange(p.H)
@@ -165,7 +165,7 @@ class ScoreTiles:
         self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int
     ) -> tuple[torch.Tensor, Any]:
         idx = indices(self.p, self.device, torch.arange(q0, q1), self.heads, k0, k1)
-        return s.view(self.p.B, self.p.H, q1 - q0, k1 - k0), idx  # (B, H, bq, L)
+        return s.view(self.p.B, self.p.H, q1 - q0, k1 - k0), idx  # (B, H, bq, bk)
 
     def __call__(self, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """The modified tile; ``s`` (the kernel's own) may be overwritten. A shift-invariant

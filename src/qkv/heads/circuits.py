@@ -15,7 +15,7 @@ position, the in-context-learning score, each head's copying score, and ablation
 model, which is the layer for a :class:`qkv.models.GPT` and for a Hugging Face model with
 qkv registered. The prefix-matching score is :func:`qkv.heads.head_scores`' ``induction``.
 
-Legend: N windows · T window length · L layers · H heads · D head width · C model width ·
+Legend: B windows · T window length · L layers · H heads · D head width · E model width ·
 V vocabulary.
 """
 
@@ -37,7 +37,7 @@ Heads = Iterable[tuple[int, int]]
 
 
 def logits_of(model: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """``model(tokens)``'s (N, T, V) logits: a qkv GPT returns them, a Hugging Face model
+    """``model(tokens)``'s (B, T, V) logits: a qkv GPT returns them, a Hugging Face model
     returns an output whose ``.logits`` they are."""
     out = model(tokens)
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
@@ -61,9 +61,9 @@ def per_token_loss(
 
     Args:
         model: a qkv GPT or a Hugging Face causal LM.
-        tokens: (N, T) ids. Without ``targets`` the model reads ``tokens[:, :-1]`` and
+        tokens: (B, T) ids. Without ``targets`` the model reads ``tokens[:, :-1]`` and
             predicts ``tokens[:, 1:]``.
-        targets: (N, T) ids: what each position of ``tokens`` should predict.
+        targets: (B, T) ids: what each position of ``tokens`` should predict.
         batch_size: windows per forward pass.
 
     Returns:
@@ -71,7 +71,7 @@ def per_token_loss(
         having read i + 1 tokens; P = T, or T - 1 without targets.
     """
     if tokens.ndim != 2:
-        raise ValueError(f"tokens must be (N, T); got shape {tuple(tokens.shape)}")
+        raise ValueError(f"tokens must be (B, T); got shape {tuple(tokens.shape)}")
     if targets is None:
         tokens, targets = tokens[:, :-1], tokens[:, 1:]
     elif targets.shape != tokens.shape:
@@ -161,7 +161,7 @@ def copying_scores(model: Any) -> torch.Tensor:
     with torch.no_grad():
         embed, unembed, layers = _ov_weights(model)
         rows = []
-        for w_v, w_o in layers:  # per head: (D, C), (C, D)
+        for w_v, w_o in layers:  # per head: (D, E), (E, D)
             row = []
             for v, o in zip(w_v, w_o, strict=True):
                 eig = torch.linalg.eigvals(v @ embed.T @ unembed @ o)
@@ -171,7 +171,7 @@ def copying_scores(model: Any) -> torch.Tensor:
 
 
 def _norm_map(norm: Any, width: int) -> torch.Tensor:
-    """The (C, C) linear part of a norm, up to its positive per-token scale: LayerNorm
+    """The (E, E) linear part of a norm, up to its positive per-token scale: LayerNorm
     centres then multiplies by its gain, RMSNorm only multiplies; anything else (none,
     Identity) is the identity."""
     eye = torch.eye(width, dtype=torch.float64)
@@ -185,32 +185,32 @@ def _norm_map(norm: Any, width: int) -> torch.Tensor:
 
 
 def _latent_ov(attn: Any, norm_in: torch.Tensor) -> tuple[list, list]:
-    """Multi-head latent attention's heads as W_V (v, C) and W_O (C, v) each: the value of
+    """Multi-head latent attention's heads as W_V (v, E) and W_O (E, v) each: the value of
     head h is W_UV[h] · (the latent's RMS norm, its gain alone, as for the block norms) ·
     the latent projection · the layer's norm."""
     r, H, v = attn.kv_lora_rank, attn.num_heads, attn.v_head_dim
-    down = attn.kv_a_proj.weight.double()[:r] @ norm_in  # (r, C)
+    down = attn.kv_a_proj.weight.double()[:r] @ norm_in  # (r, E)
     latent = torch.diag(attn.kv_a_norm.weight.double()) @ down
     w_uv = attn.kv_b_proj.weight.double().view(H, attn.nope + v, r)[:, attn.nope :]  # (H, v, r)
-    w_o = attn.o_proj.weight.double()  # (C, H · v)
+    w_o = attn.o_proj.weight.double()  # (E, H · v)
     return [w_uv[h] @ latent for h in range(H)], [w_o[:, h * v : (h + 1) * v] for h in range(H)]
 
 
 def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list, list]]]:
-    """(W_E (V, C), W_U (V, C) after the final norm, per layer (each head's W_V (D, C) after
-    the layer's norm, each head's W_O (C, D))), float64."""
+    """(W_E (V, E), W_U (V, E) after the final norm, per layer (each head's W_V (D, E) after
+    the layer's norm, each head's W_O (E, D))), float64."""
     blocks = getattr(model, "blocks", None)
     if blocks is not None and hasattr(model, "wte"):  # a qkv GPT
-        C = model.wte.weight.shape[1]
+        E = model.wte.weight.shape[1]
         layers = []
         for block in blocks:
             attn = block.attn
             if hasattr(attn, "kv_b_proj"):  # latent attention: each head's value from c
-                layers.append(_latent_ov(attn, _norm_map(block.ln_1, C)))
+                layers.append(_latent_ov(attn, _norm_map(block.ln_1, E)))
                 continue
             if not hasattr(attn, "W_value"):
                 raise ValueError(f"{type(attn).__name__} has no value projection to score")
-            w_v = attn.W_value.weight.double() @ _norm_map(block.ln_1, C)
+            w_v = attn.W_value.weight.double() @ _norm_map(block.ln_1, E)
             layers.append(
                 _split(
                     w_v,
@@ -220,7 +220,7 @@ def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list
                     attn.head_dim,
                 )
             )
-        unembed = model.lm_head.weight.double() @ _norm_map(model.ln_f, C)
+        unembed = model.lm_head.weight.double() @ _norm_map(model.ln_f, E)
         return model.wte.weight.double(), unembed, layers
     config = getattr(model, "config", None)
     owners = [
@@ -233,14 +233,14 @@ def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list
             f"has v_proj and o_proj; {type(model).__name__} is neither"
         )
     embed = model.get_input_embeddings().weight.double()
-    C = embed.shape[1]
+    E = embed.shape[1]
     norms = {id(m.self_attn): getattr(m, "input_layernorm", None) for m in owners}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers = [
         _split(
-            a.v_proj.weight.double() @ _norm_map(norms.get(id(a)), C),
+            a.v_proj.weight.double() @ _norm_map(norms.get(id(a)), E),
             a.o_proj.weight.double(),
             heads,
             kv_heads,
@@ -249,7 +249,7 @@ def _ov_weights(model: Any) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list
         for a in attns
     ]
     final = getattr(getattr(model, "base_model", model), "norm", None)
-    return embed, model.get_output_embeddings().weight.double() @ _norm_map(final, C), layers
+    return embed, model.get_output_embeddings().weight.double() @ _norm_map(final, E), layers
 
 
 def _split(
@@ -276,7 +276,7 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 
 
 def head_means(model: Any, tokens: torch.Tensor, *, batch_size: int = 32) -> list[torch.Tensor]:
-    """Each head's output averaged over the windows and positions of ``tokens`` (N, T):
+    """Each head's output averaged over the windows and positions of ``tokens`` (B, T):
     a list over layers of (H, D_v) float32 tensors — what mean ablation puts in."""
     sums: list[torch.Tensor] = []
     count = 0
@@ -336,7 +336,7 @@ def ablate(
     if mode not in ("zero", "mean"):
         raise ValueError(f"mode must be 'zero' or 'mean'; got {mode!r}")
     if mode == "mean" and reference is None:
-        raise ValueError("mode='mean' needs reference= tokens (N, T) to take each head's mean over")
+        raise ValueError("mode='mean' needs reference= tokens (B, T) to take each head's mean over")
     means = head_means(model, reference) if reference is not None and mode == "mean" else None
     by_layer: dict[int, list[int]] = {}
     for layer, head in chosen:

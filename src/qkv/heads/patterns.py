@@ -10,15 +10,15 @@ Weights are recomputed afterwards from the log-sum-exp for the rows asked for
 layer and head on what it attends to from the second copy (Olsson et al. 2022):
 
 - ``previous_token``: the token just before (i - 1);
-- ``duplicate_token``: the earlier occurrence of the same token (i - L);
-- ``induction``: the token after that earlier occurrence (i - L + 1), what a head that
+- ``duplicate_token``: the earlier occurrence of the same token (i - M);
+- ``induction``: the token after that earlier occurrence (i - M + 1), what a head that
   copies a repeated sequence forward looks at;
 - ``first_token``: position 0, where heads park attention they do not need (an
   "attention sink").
 
 Each is a mean attention weight in [0, 1]: 1 means the head puts all of its attention there.
 
-Legend: B batch · H heads · L the repeated segment's length · T = 2 L.
+Legend: B batch · H heads · M the repeated segment's length · T = 2M.
 """
 
 from __future__ import annotations
@@ -214,16 +214,16 @@ def scores_from_weights(
 
     Args:
         weights: (B, H, r, T) — the rows of positions start … start + r - 1 over all T keys.
-        length: L.
-        start: the first row's position, in L … 2L - 1; default L (all of the second copy).
+        length: M.
+        start: the first row's position, in M … 2M - 1; default M (all of the second copy).
 
     Returns:
         score name -> (H,) mean weights over those rows.
     """
-    L = length
-    start = L if start is None else start
+    M = length
+    start = M if start is None else start
     i = torch.arange(start, start + weights.shape[2])  # query positions
-    j = i - L  # their earlier occurrences
+    j = i - M  # their earlier occurrences
     targets = {
         "previous_token": i - 1,
         "duplicate_token": j,
@@ -252,11 +252,11 @@ def head_scores(
         model: a :class:`qkv.models.GPT`, or any module called as ``model(ids)`` whose
             attention calls :func:`qkv.attention` (a Hugging Face model with qkv
             registered: :mod:`qkv.integrations.huggingface`).
-        length: L, the repeated segment; default: half the context (GPT), else 64.
+        length: M, the repeated segment; default: half the context (GPT), else 64.
         batch: sequences averaged over.
         seed: draws the random segments.
         vocab_size: tokens are drawn from 0 … vocab_size - 1; default: the model's.
-        tokens: (B, 2L) ids to use instead of drawing them (each row a segment repeated).
+        tokens: (B, 2M) ids to use instead of drawing them (each row a segment repeated).
 
     Returns:
         score name (:data:`SCORES`) -> (layers, H) tensor of mean attention weights.
@@ -270,16 +270,16 @@ def head_scores(
         or tokens.shape[1] % 2
         or not torch.equal(tokens[:, : tokens.shape[1] // 2], tokens[:, tokens.shape[1] // 2 :])
     ):
-        raise ValueError("tokens must be (B, 2L): each row a segment followed by itself")
-    L = tokens.shape[1] // 2
+        raise ValueError("tokens must be (B, 2M): each row a segment followed by itself")
+    M = tokens.shape[1] // 2
     per_layer = []
     for call in run(model, tokens):
         total: dict[str, torch.Tensor] = {name: torch.tensor(0.0) for name in SCORES}
-        for r0 in range(L, 2 * L, ROW_BLOCK):
-            r1 = min(2 * L, r0 + ROW_BLOCK)
-            part = scores_from_weights(call.weights(rows=slice(r0, r1)).float(), L, r0)
+        for r0 in range(M, 2 * M, ROW_BLOCK):
+            r1 = min(2 * M, r0 + ROW_BLOCK)
+            part = scores_from_weights(call.weights(rows=slice(r0, r1)).float(), M, r0)
             for name in SCORES:
-                total[name] = total[name] + part[name] * (r1 - r0) / L
+                total[name] = total[name] + part[name] * (r1 - r0) / M
         per_layer.append(total)
     return {name: torch.stack([s[name] for s in per_layer]) for name in SCORES}
 

@@ -9,7 +9,7 @@ and a plan, or FlexAttention's block mask and ``score_mod`` — made in one stag
 validates, nor chooses between paths, nor lowers.
 
 Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
-length · D head dim · D_v value head dim · bq a block's queries · L a tile's keys.
+length · D head dim · D_v value head dim · bq a block's queries · bk a block's keys.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class MaskTiles(Protocol):
 
 
 class ModTiles(Protocol):
-    """A score modification on (B, H_kv, G·bq, L) tiles of scaled scores for queries q0..q1-1
+    """A score modification on (B, H_kv, G·bq, bk) tiles of scaled scores for queries q0..q1-1
     and keys k0..k1-1, and its backward (see :meth:`qkv.scores.ScoreMod.vjp`); ``alibi``
     and ``softcap``: its ALiBi slopes (H,) and its cap where it is ALiBi, a soft-cap, or
     ALiBi then a soft-cap, which the native kernel applies itself (else None; see

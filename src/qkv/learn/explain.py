@@ -5,7 +5,7 @@ keeps every intermediate: inputs, queries, keys, values, raw scores, scaled scor
 weights, context vectors and output. The weights and context come from
 :func:`qkv.attention` itself, so the trace shows the real computation, not a re-enactment.
 
-Legend: H heads · T_q/T_k query/key length · E input width · d head width.
+Legend: H heads · T_q/T_k query/key length · E input width · d_head head width.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class Trace:
 
     tokens: list[str]
     inputs: torch.Tensor  # (T, E)
-    queries: torch.Tensor  # (H, T_q, d)
-    keys: torch.Tensor  # (H_kv, T_k, d): H_kv < H where query heads share key heads
+    queries: torch.Tensor  # (H, T_q, d_head)
+    keys: torch.Tensor  # (H_kv, T_k, d_head): H_kv < H where query heads share key heads
     values: torch.Tensor  # (H_kv, T_k, d_v)
     scores: torch.Tensor  # (H, T_q, T_k): Q Kᵀ
     scale: float
@@ -201,7 +201,7 @@ def explain(
             merge = lambda context: context[0, 0]  # noqa: E731
         else:
             m: Any = module  # a qkv module: project, merge, maybe attention_mask
-            q, k, v = m.project(x)  # (1, H, T, d) and (1, H_kv, T, ·)
+            q, k, v = m.project(x)  # (1, H, T, d_head) and (1, H_kv, T, ·)
             scale = getattr(module, "scale", None) or 1.0 / math.sqrt(q.shape[-1])
             if hasattr(module, "attention_mask"):
                 mask = m.attention_mask(mask)

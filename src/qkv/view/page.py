@@ -11,7 +11,7 @@ run — become frames under a slider.
 Weights are recomputed from each call's log-sum-exp a block of rows at a time, so a long
 prompt never holds T × T per layer.
 
-Legend: L layers · H heads · T prompt length · K keys kept per row · S thumbnail side.
+Legend: L layers · H heads · T prompt length · K keys kept per row · Z thumbnail side.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Frame:
     """One model's view of the prompt (one snapshot of a run)."""
 
     label: str
-    thumbs: np.ndarray  # (L, H, S, S) uint8, each thumbnail scaled to its maximum
+    thumbs: np.ndarray  # (L, H, Z, Z) uint8, each thumbnail scaled to its maximum
     keys: np.ndarray  # (L, H, T, K) uint16: each row's strongest keys
     weights: np.ndarray  # (L, H, T, K) uint8: their weights × 255
     scores: dict[str, list[list[float]]]  # score name -> L × H
@@ -230,21 +230,21 @@ def byte_labels(data: bytes) -> list[str]:
 
 
 def _frame(
-    label: str, model: Any, ids: torch.Tensor, query: int, K: int, S: int, with_scores: bool
+    label: str, model: Any, ids: torch.Tensor, query: int, K: int, Z: int, with_scores: bool
 ) -> Frame:
     calls = run(model, ids)
     T = ids.shape[1]
-    bins = torch.arange(T) * S // T  # cell -> thumbnail cell
-    counts = torch.bincount(bins, minlength=S).double()
+    bins = torch.arange(T) * Z // T  # cell -> thumbnail cell
+    counts = torch.bincount(bins, minlength=Z).double()
     thumbs, keys, weights, steps = [], [], [], []
     for call in calls:
         H = call.heads
-        pooled = torch.zeros(H, S, S, dtype=torch.float64)
+        pooled = torch.zeros(H, Z, Z, dtype=torch.float64)
         top_k, top_w = [], []
         for r0 in range(0, T, ROW_BLOCK):
             rows = slice(r0, min(T, r0 + ROW_BLOCK))
             w = call.weights(rows=rows)[0].double().reshape(H, -1, T)  # (H, r, T)
-            cols = torch.zeros(H, w.shape[1], S, dtype=torch.float64).index_add_(2, bins, w)
+            cols = torch.zeros(H, w.shape[1], Z, dtype=torch.float64).index_add_(2, bins, w)
             pooled.index_add_(1, bins[rows], cols)
             v, i = w.topk(K, dim=-1)
             top_k.append(i)

@@ -3,7 +3,7 @@ row bounds and ALiBi slopes as the kernel takes them (addresses and strides), ra
 clear error where a wrong shape or dtype would make it read past a tensor. Used by
 :mod:`qkv.kernels.tiled.native` for every call it makes.
 
-Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim.
+Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · T_k keys · D head dim.
 """
 
 from __future__ import annotations

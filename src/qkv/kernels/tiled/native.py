@@ -7,7 +7,7 @@ float16 inputs as they are, widening them as it loads them (no float32 copies).
 docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the CPU
 lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
-Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · N keys · D head dim
+Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · T_k keys · D head dim
 of Q and K · D_v of V.
 """
 
