@@ -41,7 +41,7 @@ def counting(monkeypatch, *probes):
 
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
-    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 2.0))
+    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0))
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
     again, where = profile.load()
@@ -51,9 +51,21 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
 
 
 @needs_native
+def test_a_first_measurement_near_a_threshold_is_the_median_of_three(cache, monkeypatch):
+    """The first choice is the one the machine keeps: where a ratio lands within the margin
+    of its threshold, two more measurements are made and each time's median decides."""
+    near, slower = profile.Probe(1.0, 2.0, 2.1), profile.Probe(1.0, 2.0, 2.6)
+    calls = counting(monkeypatch, near, slower)  # 1.05× (near 1.1), then 1.3× twice
+    found = profile.load()[0]
+    assert len(calls) == 3 and found.native32_ms == 2.6 and not found.float32
+    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.0))  # 0.5×: far from it
+    assert profile.load(remeasure=True)[0].float32 and len(calls) == 1
+
+
+@needs_native
 def test_a_remeasurement_near_the_threshold_keeps_the_stored_choice(cache, monkeypatch):
-    counting(monkeypatch, profile.Probe(1.0, 2.0, 2.0), profile.Probe(1.0, 2.0, 2.3))
-    assert profile.load()[0].float32  # 1.0× torch's time: native
+    counting(monkeypatch, profile.Probe(1.0, 2.0, 1.8), profile.Probe(1.0, 2.0, 2.3))
+    assert profile.load()[0].float32  # 0.9× torch's time: native
     kept = profile.load(remeasure=True)[0]
     assert kept.native32_ms == 2.3 and kept.float32  # 1.15×: within the margin, kept
     counting(monkeypatch, profile.Probe(1.0, 2.0, 3.0))

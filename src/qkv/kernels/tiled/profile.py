@@ -10,7 +10,9 @@ The profile is one JSON file in the cache directory — ``QKV_CACHE_DIR``, else
 per machine key: the CPU's model and instruction flags, torch's thread count, the versions of
 qkv and torch and the instruction set the kernel is pinned to. A re-measurement
 (``qkv doctor --remeasure``) keeps the stored choice unless the new one clears the
-threshold by :data:`MARGIN`, so noise near the boundary does not flip it. A directory that
+threshold by :data:`MARGIN`, so noise near the boundary does not flip it; a first
+measurement with a ratio that near a threshold is taken three times, each time the median. A
+directory that
 cannot be written: the process measures for itself and says so once. A damaged or foreign
 file: measured again, one warning. (The one file below the apps that qkv reads and writes.)
 
@@ -235,28 +237,59 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _near(ratio: float, threshold: float) -> bool:
+    """Whether a measured ratio lies within :data:`MARGIN` of its threshold."""
+    return abs(ratio - threshold) < threshold * MARGIN
+
+
+def _ratios(p: Probe) -> list[float]:
+    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: native ÷ torch in
+    float32, native bfloat16 ÷ the float32 path, torch's half precision ÷ float32 copies."""
+    base = min(p.float32_ms, p.native32_ms if p.float32 else math.inf)
+    widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
+    return [p.native32_ms / p.float32_ms, p.native_ms / base, *widen]
+
+
+#: The thresholds of :func:`_ratios`, in its order.
+THRESHOLDS = (1.1, 0.9, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
+
+
+def _median(probes: list[Probe]) -> Probe:
+    """Each time the median of the measurements' (``nan`` where not measured)."""
+    times = [f for f in Probe._fields if f.endswith("_ms")]
+    return Probe(**{f: statistics.median(getattr(p, f) for p in probes) for f in times})
+
+
 def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
     float32, bf16 = new.float32, new.faster
     if old is not None:
         r32 = new.native32_ms / new.float32_ms
-        if old.float32 != float32 and abs(r32 - 1.1) < 1.1 * MARGIN:
+        if old.float32 != float32 and _near(r32, 1.1):
             float32 = old.float32
         base = min(new.float32_ms, new.native32_ms if float32 else float("inf"))
-        r16 = new.native_ms / base
-        if old.faster != bf16 and abs(r16 - 0.9) < 0.9 * MARGIN:
+        if old.faster != bf16 and _near(new.native_ms / base, 0.9):
             bf16 = old.faster
     widen = {}
     for dtype in (torch.bfloat16, torch.float16):
         for backward in (True, False):
             name = f"widen_{str(dtype).removeprefix('torch.')}{'' if backward else '_fwd'}"
             widen[name] = new.widens(dtype, backward)
-            ratio = new.sdpa_ratio(dtype, backward)
-            near = abs(ratio - WIDEN_AT) < WIDEN_AT * MARGIN
+            near = _near(new.sdpa_ratio(dtype, backward), WIDEN_AT)
             if old is not None and old.widens(dtype, backward) != widen[name] and near:
                 widen[name] = old.widens(dtype, backward)
     return new._replace(use_float32=float32, use_bfloat16=bf16, **widen)
+
+
+def _first(stored: Probe | None) -> Probe:
+    """A measurement to decide from: where nothing is stored yet and a ratio lies within
+    :data:`MARGIN` of its threshold, the median of three (a first choice near a line is the
+    one the machine keeps, so it is measured more before it is made)."""
+    new = measure()
+    if stored is None and any(_near(r, t) for r, t in zip(_ratios(new), THRESHOLDS)):
+        new = _median([new, measure(), measure()])
+    return new
 
 
 def _probe(entry: Any) -> Probe | None:
@@ -275,7 +308,7 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
     stored = _probe(entries.get(key))
     if stored is not None and not remeasure:
         return stored, f"stored in {path}"
-    found = _decide(measure(), stored)
+    found = _decide(_first(stored), stored)
     entries[key] = found._asdict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
