@@ -89,6 +89,7 @@ setup(
                 for name in ("_native", "_step512", "_step256", "_step128")
             ],
             depends=[
+                "src/qkv/kernels/_cpu.h",
                 "src/qkv/kernels/_exp.h",
                 "src/qkv/kernels/_fields.h",
                 "src/qkv/kernels/_lanes.h",
@@ -107,7 +108,7 @@ setup(
             depends=[
                 *(
                     f"src/qkv/kernels/{h}.h"
-                    for h in ("_exp", "_fields", "_lanes", "_paged", "_paged_step")
+                    for h in ("_cpu", "_exp", "_fields", "_lanes", "_paged", "_paged_step")
                 ),
                 "src/qkv/kernels/tiled/_simd.h",
             ],

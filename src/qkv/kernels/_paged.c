@@ -39,6 +39,7 @@
 #include <omp.h>
 #endif
 
+#include "_cpu.h"
 #include "_fields.h"
 #include "_paged.h"
 
@@ -109,13 +110,8 @@ static int pinned_avx2 = 0;
 
 static const Item *vector_items(void) {
 #if defined(QKV_X86)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && !pinned_avx2)
-        return qkv_paged_avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        return qkv_paged_avx2;
+    if (qkv_cpu_avx512() && !pinned_avx2) return qkv_paged_avx512;
+    if (qkv_cpu_avx2()) return qkv_paged_avx2;
     return NULL;
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
     return qkv_paged_neon;

@@ -51,6 +51,7 @@
 #include <string.h>
 
 #include "_kernel.h"
+#include "../_cpu.h"
 #include "../_fields.h"
 
 /* Threads: OpenMP where the compiler has it; without it the passes run in one thread (the
@@ -295,11 +296,7 @@ static int pinned = ISA_NONE;
 
 static int cpu_isa(int f32) {
 #ifdef QKV_X86
-    __builtin_cpu_init();
-    int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+    int avx512 = qkv_cpu_avx512(), avx2 = qkv_cpu_avx2();
     if (!f32)
         return avx512 && __builtin_cpu_supports("avx512bf16") && pinned != ISA_AVX2 ? ISA_AVX512
                                                                                     : ISA_NONE;
