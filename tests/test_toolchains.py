@@ -138,6 +138,20 @@ def build(tmp_path: Path, **env: str) -> Path:
     return tmp_path / "src"
 
 
+def run_against(src: Path, code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh Python that imports qkv from the build in ``src``; it must
+    exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_a_kernel_that_fails_to_build_is_named_when_qkv_runs(tmp_path):
     """pip hides a build's output, and the kernels are optional: a compiler that fails
     leaves an install that works on its PyTorch paths and says so, once, with the reason."""
@@ -150,14 +164,7 @@ def test_a_kernel_that_fails_to_build_is_named_when_qkv_runs(tmp_path):
         "print(qkv.dispatch(q, q, q, mask=qkv.masks.sliding_window(8), backend='tiled').path); "
         "qkv.attention(q, q, q, mask=qkv.masks.sliding_window(8), backend='tiled')"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", check],
-        env={**os.environ, "PYTHONPATH": str(src)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_against(src, check)
     names, path = done.stdout.split("\n")[:2]
     assert names == "['qkv.kernels._paged', 'qkv.kernels.tiled._native']"
     assert path == "tiled-flash"
@@ -205,13 +212,5 @@ def test_the_extensions_build_with_clang_and_without_openmp(env, openmp, tmp_pat
             install("libomp-dev")  # clang's OpenMP runtime
         if subprocess.run(omp, capture_output=True).returncode:
             pytest.fail("clang has no OpenMP: apt-get install libomp-dev")
-    src = build(tmp_path, **env)
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK],
-        env={**os.environ, "PYTHONPATH": str(src)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_against(build(tmp_path, **env), CHECK)
     assert done.stdout.split() == [str(openmp)]

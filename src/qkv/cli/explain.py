@@ -209,9 +209,11 @@ def _trained_trace(args: argparse.Namespace) -> Any:
         ids = repeated_tokens(model.config.vocab_size, SEGMENT, batch=1, seed=1)[0].tolist()
         tokens = [str(i) for i in ids]
     layer = args.layer
-    if layer is None:  # a run on text: its first layer; else where the induction head is
+    if layer is None and on_text:
+        layer = 0
+    elif layer is None:  # a run on tokens: the layer of its strongest induction head
         induction = head_scores(model)["induction"]
-        layer = 0 if on_text else int(induction.argmax()) // induction.shape[1]
+        layer = int(induction.argmax()) // induction.shape[1]
     n = len(model.blocks)
     if not 0 <= layer < n:
         raise ValueError(f"--layer must be 0 .. {n - 1}; got {layer}")

@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .. import masks
+from ..learn.trained import RECIPES
 from .args import Parser, positive
 from .doctor import run_doctor
 from .explain import run_explain
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ex.add_argument(
         "--pretrained",
-        choices=["induction"],
+        choices=sorted(RECIPES),
         help="explain a layer of qkv's pretrained model instead (trained here once, about 40 s, "
         "and kept): over a random token segment repeated",
     )

@@ -139,9 +139,16 @@ def tiled_path(a: Call) -> tuple[str, str]:
     return "tiled-flash", "torch's fused flash kernel runs the plan call by call"
 
 
-def _tiled(a: Call, why: str, rule: str, plan: Plan | None = None) -> Dispatch:
-    """The tiled kernel: its plan (made here unless given), the code that runs it."""
-    path, how = tiled_path(a)
+def _tiled(
+    a: Call,
+    why: str,
+    rule: str,
+    plan: Plan | None = None,
+    code: tuple[str, str] | None = None,
+) -> Dispatch:
+    """The tiled kernel: its plan and the code that runs it (:func:`tiled_path`, which reads
+    Q and V), each made here unless a rule that needed it first hands it over."""
+    path, how = tiled_path(a) if code is None else code
     if a.tracing:
         return Dispatch(
             "tiled", f"compiling: {why}: {how}", compiled=a.recipe, path=path, rule=rule
@@ -330,14 +337,15 @@ def _rule_head_dims_differ(a: Call) -> Dispatch | None:
         and a.scores >= a.tuning.unequal_scores
     ):
         return None
-    path, _ = tiled_path(a)
-    if not path.startswith("tiled-native"):
+    code = tiled_path(a)
+    if not code[0].startswith("tiled-native"):
         return None
     return _tiled(
         a,
         f"D = {a.p.D}, D_v = {a.p.D_v}: torch's fused CPU kernel takes D_v == D only, and its "
         "math path builds the T_q × T_k weights",
         "head dims differ",
+        code=code,
     )
 
 
