@@ -95,8 +95,7 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
              vsc,
              {P * H_kv, H_kv, 1},
              {P * H_kv, H_kv, 1}};
-    const int64_t SP = (P + 15) / 16 * 16;
-    float *work = malloc(sizeof(float) * (G * (D + Dv + SP) + P * Dv + D + Dv));
+    float *work = malloc(sizeof(float) * scratch_floats(G, D, Dv, P));
     for (int64_t b = 0; b < B; b++)
         for (int64_t hk = 0; hk < H_kv; hk++) item(&j, b, hk, work);
     double worst = 0, worst_lse = 0;
@@ -151,11 +150,15 @@ int main(void) {
 #elif defined(__aarch64__)
     names[n] = "neon", items[n++] = qkv_paged_neon;
 #endif
-    const int64_t shapes[][4] = {{4, 2, 64, 64}, {6, 3, 32, 16}, {8, 8, 128, 96}};
+    /* G = 2, 2, 1; 5 (a block of 4 heads and one more, 64 + 16 value columns) and 8 (two
+       blocks; float8 keys widened into a page first where a block holds fewer heads) */
+    const int64_t shapes[][4] = {
+        {4, 2, 64, 64}, {6, 3, 32, 16}, {8, 8, 128, 96}, {10, 2, 48, 80}, {16, 2, 128, 128}};
+    const int nshapes = sizeof shapes / sizeof shapes[0];
     int failed = 0, cases = 0;
     for (int i = 0; i < n; i++)
         for (int kind = KV_F32; kind <= KV_F8; kind++)
-            for (int c = 0; c < 3; c++, cases++)
+            for (int c = 0; c < nshapes; c++, cases++)
                 failed += !run_case(names[i], items[i][kind], kind, shapes[c][0], shapes[c][1],
                                     shapes[c][2], shapes[c][3]);
     printf("%d of %d cases within tolerance\n", cases - failed, cases);

@@ -54,7 +54,7 @@
 #endif
 
 /* One (sequence b, kv head h) item, in plain C for any sizes. work: per-thread scratch of
-   G·(D + D_v + P) + D + D_v floats (or more). */
+   scratch_floats (_paged.h). */
 CLONES
 static void item(const Job *j, int64_t b, int64_t hk, float *work) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
@@ -201,10 +201,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
             if (tab[b * max_pages + i] < 0 || tab[b * max_pages + i] >= num_pages) Py_RETURN_FALSE;
     }
     const int64_t G = H / H_kv, items = B * H_kv;
-    const int64_t GV = (G + 15) / 16 * 16, SP = (P + 15) / 16 * 16;
-    const int64_t narrow = G * (D + D_v + SP) + P * D_v + D + D_v;
-    const int64_t wide = D * GV + G * D_v + P * GV + D + D_v + 2 * GV + P * D_v;
-    const size_t scratch = (size_t)(narrow > wide ? narrow : wide);
+    const size_t scratch = (size_t)scratch_floats(G, D, D_v, P);
     Item run = item;
     const Item *vector = vector_items();
     if (D % 16 == 0 && D_v % 16 == 0 && vector) run = vector[kv];

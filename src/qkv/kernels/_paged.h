@@ -113,6 +113,16 @@ static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc,
     }
 }
 
+/* The floats of scratch one thread's items need (`work`): the vector item's G query rows,
+   outputs and padded score rows, a page of widened rows and a row (the plain C item's fit
+   in it), or the many-heads item's (wide512, G >= 16) transposed queries and scores. */
+static inline int64_t scratch_floats(int64_t G, int64_t D, int64_t D_v, int64_t P) {
+    const int64_t GV = (G + 15) / 16 * 16, SP = (P + 15) / 16 * 16;
+    const int64_t narrow = G * (D + D_v + SP) + P * (D > D_v ? D : D_v) + D + D_v;
+    const int64_t wide = D * GV + G * D_v + P * GV + D + D_v + 2 * GV + P * D_v;
+    return narrow > wide ? narrow : wide;
+}
+
 /* The vector item per instruction set (_paged_step.h), one per storage kind (KV_*), for D and
    D_v multiples of 16: work as item's in _paged.c. */
 typedef void (*Item)(const Job *, int64_t, int64_t, float *);

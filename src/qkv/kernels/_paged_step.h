@@ -1,87 +1,184 @@
 /* The paged decode step's vector item, written once over tiled/_simd.h's vectors and
    compiled per instruction set (_paged512.c, _paged256.c, _paged128.c), for D and D_v
-   multiples of 16: per page, each key's G dot products (its row read as stored: widened, or
-   dequantized and then scaled once), the page's weights by the vector exp (NaN stays NaN),
-   then P·V with the page's value rows widened and scaled once into `vpage`. What it computes
+   multiples of 16: per page, each key's G dot products (a quantized row's scale applied to
+   its dot products), the page's weights by the vector exp (NaN stays NaN), then P·V (pv_page
+   says where it reads the values). Both products can keep several heads' sums in registers
+   at once, so one key or value vector loaded and widened serves them all. What it computes
    is the plain C item's (_paged.c); its sums may round differently. */
 
-/* P·V for one page of n keys: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t, hk], V's rows read
-   (widened, scaled) once into vpage, each head's output row accumulated in registers 64
-   floats at a time across the page's keys. */
+/* Heads per register block: AVX-512's 32 registers hold 4 heads × 4 vectors of sums (and
+   the 4 keys or column vectors they share); AVX2's 16 half-width ones and NEON's hold one.
+   P·V blocks its heads for every storage kind. The scores block them for quantized keys
+   only, whose widening the block then shares: float32 keys scored four heads at a time ran
+   slower on Zen 4, bfloat16 ones no faster (docs/head-shapes.md, quantized caches). */
+#if QKV_ISA == 512
+#define PAGED_HEADS 4
+#else
+#define PAGED_HEADS 1
+#endif
+#define SCORE_HEADS(SRC) ((SRC) == SRC_I8 || (SRC) == SRC_E4M3 ? PAGED_HEADS : 1)
+
+/* Runs BLOCK(g, NH) over heads 0..G-1 in blocks of MAX heads (MAX at most 4) and one block
+   of the heads left over, NH a constant in each. */
+#define HEAD_BLOCKS(G, MAX, BLOCK)                                                                 \
+    do {                                                                                           \
+        int64_t g_ = 0;                                                                            \
+        for (; g_ + (MAX) <= (G); g_ += (MAX)) BLOCK(g_, MAX);                                     \
+        if ((MAX) > 3 && (G) - g_ == 3) BLOCK(g_, 3);                                              \
+        else if ((MAX) > 2 && (G) - g_ == 2) BLOCK(g_, 2);                                         \
+        else if ((MAX) > 1 && (G) - g_ == 1) BLOCK(g_, 1);                                         \
+    } while (0)
+
+/* P·V of NH heads from head g0 over 64 columns from d: acc[g] += Σ_t w[g·wg + t·wt] · V_t,
+   value row t read as SRC from element v0 + t·vt of v. */
 TARGET static inline __attribute__((always_inline)) void
-pv_page(const Job *j, int64_t page, int64_t n, int64_t hk, float *acc, const float *w, int64_t wg,
-        int64_t wt, float *vpage, const int SRC) {
-    const int64_t G = j->H / j->H_kv, D_v = j->D_v;
+pv_block(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64_t v0, int64_t vt,
+         int64_t n, int64_t D_v, int64_t g0, int64_t d, const int NH, const int SRC) {
+    vf x[4 * 4]; /* NH ≤ 4 heads × 4 vectors (a fixed size: registers, not a stack array) */
+    for (int g = 0; g < NH; g++)
+        for (int c = 0; c < 4; c++) x[g * 4 + c] = vload(acc + (g0 + g) * D_v + d + 16 * c);
     for (int64_t t = 0; t < n; t++) {
-        const int64_t at = page * j->vs[0] + t * j->vs[1] + hk * j->vs[2];
-        const vf s = vset1(row_scale(j, 0, page, t, hk));
-        for (int64_t d = 0; d < D_v; d += 16)
-            vstore(vpage + t * D_v + d, vmul(vload_src(j->v, at + d, SRC), s));
-    }
-    for (int64_t g = 0; g < G; g++) {
-        float *a = acc + g * D_v;
-        const float *wg_ = w + g * wg;
-        int64_t d = 0;
-        for (; d + 64 <= D_v; d += 64) {
-            vf x[4];
-            for (int c = 0; c < 4; c++) x[c] = vload(a + d + 16 * c);
-            for (int64_t t = 0; t < n; t++) {
-                const vf p = vset1(wg_[t * wt]);
-                for (int c = 0; c < 4; c++)
-                    x[c] = vfma(p, vload(vpage + t * D_v + d + 16 * c), x[c]);
-            }
-            for (int c = 0; c < 4; c++) vstore(a + d + 16 * c, x[c]);
+        const int64_t at = v0 + t * vt + d;
+        if (NH == 1) { /* the values read by the FMAs, as AVX2's registers need */
+            const vf p = vset1(w[g0 * wg + t * wt]);
+            for (int c = 0; c < 4; c++) x[c] = vfma(p, vload_src(v, at + 16 * c, SRC), x[c]);
+            continue;
         }
-        for (; d < D_v; d += 16) {
-            vf x = vload(a + d);
+        vf vv[4]; /* read (widened) once for the block's heads */
+        for (int c = 0; c < 4; c++) vv[c] = vload_src(v, at + 16 * c, SRC);
+        for (int g = 0; g < NH; g++) {
+            const vf p = vset1(w[(g0 + g) * wg + t * wt]);
+            for (int c = 0; c < 4; c++) x[g * 4 + c] = vfma(p, vv[c], x[g * 4 + c]);
+        }
+    }
+    for (int g = 0; g < NH; g++)
+        for (int c = 0; c < 4; c++) vstore(acc + (g0 + g) * D_v + d + 16 * c, x[g * 4 + c]);
+}
+
+/* P·V of all G heads, value rows as in pv_block: 64 columns at a time in registers, then
+   the last columns 16 at a time. */
+TARGET static inline __attribute__((always_inline)) void
+pv_rows(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64_t v0, int64_t vt,
+        int64_t n, int64_t G, int64_t D_v, const int SRC) {
+    const int64_t D64 = D_v / 64 * 64; /* columns in whole blocks of 64 */
+#define PV_BLOCK(g, NH)                                                                            \
+    for (int64_t d = 0; d < D64; d += 64) pv_block(acc, w, wg, wt, v, v0, vt, n, D_v, g, d, NH, SRC)
+    HEAD_BLOCKS(G, PAGED_HEADS, PV_BLOCK);
+#undef PV_BLOCK
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = D64; d < D_v; d += 16) {
+            vf x = vload(acc + g * D_v + d);
             for (int64_t t = 0; t < n; t++)
-                x = vfma(vset1(wg_[t * wt]), vload(vpage + t * D_v + d), x);
-            vstore(a + d, x);
+                x = vfma(vset1(w[g * wg + t * wt]), vload_src(v, v0 + t * vt + d, SRC), x);
+            vstore(acc + g * D_v + d, x);
+        }
+}
+
+/* P·V for one page of n keys: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t, hk]. Where V is
+   not float32 and one register block holds every head, V's rows are read in place, a
+   quantized row's scale folded into its weights (w changes); otherwise they are widened and
+   scaled once into vpage, and each block reads them there (for float32 rows this copy ran
+   faster on Zen 4 than reading them in place). */
+TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, int64_t page,
+                                                                 int64_t n, int64_t hk, float *acc,
+                                                                 float *w, int64_t wg, int64_t wt,
+                                                                 float *vpage, const int SRC) {
+    const int64_t G = j->H / j->H_kv, D_v = j->D_v, v0 = page * j->vs[0] + hk * j->vs[2];
+    if (SRC != SRC_F32 && G <= PAGED_HEADS) {
+        if (SRC == SRC_I8 || SRC == SRC_E4M3)
+            for (int64_t t = 0; t < n; t++) {
+                const float sc = row_scale(j, 0, page, t, hk);
+                for (int64_t g = 0; g < G; g++) w[g * wg + t * wt] *= sc;
+            }
+        pv_rows(acc, w, wg, wt, j->v, v0, j->vs[1], n, G, D_v, SRC);
+        return;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        const vf sc = vset1(row_scale(j, 0, page, t, hk));
+        for (int64_t d = 0; d < D_v; d += 16)
+            vstore(vpage + t * D_v + d, vmul(vload_src(j->v, v0 + t * j->vs[1] + d, SRC), sc));
+    }
+    pv_rows(acc, w, wg, wt, vpage, 0, D_v, n, G, D_v, SRC_F32);
+}
+
+/* The scores of NH heads from head g0 against keys t..t+3 (read as SRC from element
+   k0 + t·kt of k), times the keys' scales ks, into s (a head's row every SP floats). */
+TARGET static inline __attribute__((always_inline)) void
+score_block(const void *k, int64_t k0, int64_t kt, int64_t t, const float *ks, const float *qf,
+            int64_t D, int64_t g0, float *s, int64_t SP, const int NH, const int SRC) {
+    vf a[4 * 4]; /* NH ≤ 4 heads × 4 keys */
+    for (int g = 0; g < NH; g++)
+        for (int u = 0; u < 4; u++) a[g * 4 + u] = vzero();
+    for (int64_t d = 0; d < D; d += 16) {
+        if (NH == 1) { /* the keys read by the FMAs, as AVX2's registers need */
+            const vf qv = vload(qf + g0 * D + d);
+            for (int u = 0; u < 4; u++)
+                a[u] = vfma(qv, vload_src(k, k0 + (t + u) * kt + d, SRC), a[u]);
+            continue;
+        }
+        vf kv[4];
+        for (int u = 0; u < 4; u++) kv[u] = vload_src(k, k0 + (t + u) * kt + d, SRC);
+        for (int g = 0; g < NH; g++) {
+            const vf qv = vload(qf + (g0 + g) * D + d);
+            for (int u = 0; u < 4; u++) a[g * 4 + u] = vfma(qv, kv[u], a[g * 4 + u]);
+        }
+    }
+    for (int g = 0; g < NH; g++) {
+        float sums[4];
+        vsum4(a[g * 4], a[g * 4 + 1], a[g * 4 + 2], a[g * 4 + 3], sums);
+        for (int u = 0; u < 4; u++) s[(g0 + g) * SP + t + u] = sums[u] * ks[u];
+    }
+}
+
+/* The G × n scores of one page into s (a head's row every SP floats): key t of the page is
+   read as SRC from element k0 + t·kt of k, then multiplied by its row's scale. */
+TARGET static inline __attribute__((always_inline)) void
+page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, int64_t n,
+            int64_t hk, const float *qf, float *s, int64_t SP, const int SRC) {
+    const int64_t G = j->H / j->H_kv, D = j->D;
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) { /* 4 keys at a time, their loads shared by the heads */
+        float ks[4];
+        for (int u = 0; u < 4; u++) ks[u] = row_scale(j, 1, page, t + u, hk); /* once */
+#define SCORE_BLOCK(g, NH) score_block(k, k0, kt, t, ks, qf, D, g, s, SP, NH, SRC)
+        HEAD_BLOCKS(G, SCORE_HEADS(SRC), SCORE_BLOCK);
+#undef SCORE_BLOCK
+    }
+    for (; t < n; t++) {
+        const float ks = row_scale(j, 1, page, t, hk);
+        for (int64_t g = 0; g < G; g++) {
+            vf a = vzero();
+            for (int64_t d = 0; d < D; d += 16)
+                a = vfma(vload(qf + g * D + d), vload_src(k, k0 + t * kt + d, SRC), a);
+            s[g * SP + t] = vsum(a) * ks;
         }
     }
 }
 
-/* One (sequence b, kv head hk) item, keys and values stored as SRC. work: as item's. */
+/* One (sequence b, kv head hk) item, keys and values stored as SRC. work: as item's. Where
+   more heads share float8 keys than one register block holds, the page's key rows are
+   widened once into `page_buf` (e4m3 has no hardware conversion here, so widening them once
+   per block costs more than the store) and scored from there; `page_buf` then takes the
+   page's values. */
 TARGET static inline __attribute__((always_inline)) void
 paged_item(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
     const int64_t SP = (P + 15) / 16 * 16; /* a head's scores, padded to whole vectors */
-    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *vpage = s + G * SP;
+    const int64_t DM = D > D_v ? D : D_v;
+    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *page_buf = s + G * SP;
     float m[G], l[G];
-    begin(j, b, hk, qf, acc, m, l, vpage + P * D_v); /* (D floats past vpage) */
+    begin(j, b, hk, qf, acc, m, l, page_buf + P * DM); /* (D floats past page_buf) */
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) { /* 4 keys at a time: Q's loads and the sums shared */
-            int64_t at[4];
-            float ks[4], sums[4];
-            for (int u = 0; u < 4; u++) {
-                at[u] = page * j->ks[0] + (t + u) * j->ks[1] + hk * j->ks[2];
-                ks[u] = row_scale(j, 1, page, t + u, hk); /* the row's scale, once */
-            }
-            for (int64_t g = 0; g < G; g++) {
-                vf a[4] = {vzero(), vzero(), vzero(), vzero()};
-                for (int64_t d = 0; d < D; d += 16) {
-                    const vf qv = vload(qf + g * D + d);
-                    for (int u = 0; u < 4; u++)
-                        a[u] = vfma(qv, vload_src(j->k, at[u] + d, SRC), a[u]);
-                }
-                vsum4(a[0], a[1], a[2], a[3], sums);
-                for (int u = 0; u < 4; u++) s[g * SP + t + u] = sums[u] * ks[u];
-            }
-        }
-        for (; t < n; t++) {
-            const int64_t at = page * j->ks[0] + t * j->ks[1] + hk * j->ks[2];
-            const float ks = row_scale(j, 1, page, t, hk);
-            for (int64_t g = 0; g < G; g++) {
-                vf a = vzero();
+        const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
+        if (G > PAGED_HEADS && SRC == SRC_E4M3) {
+            for (int64_t t = 0; t < n; t++)
                 for (int64_t d = 0; d < D; d += 16)
-                    a = vfma(vload(qf + g * D + d), vload_src(j->k, at + d, SRC), a);
-                s[g * SP + t] = vsum(a) * ks;
-            }
-        }
+                    vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
+            page_scores(j, page_buf, 0, D, page, n, hk, qf, s, SP, SRC_F32);
+        } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, s, SP, SRC);
         for (int64_t g = 0; g < G; g++) {
             float *sg = s + g * SP, mx = m[g];
             for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
@@ -107,7 +204,7 @@ paged_item(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
             }
             l[g] += vsum(sum);
         }
-        pv_page(j, page, n, hk, acc, s, SP, 1, vpage, SRC);
+        pv_page(j, page, n, hk, acc, s, SP, 1, page_buf, SRC);
     }
     finish(j, b, hk, acc, m, l);
 }
