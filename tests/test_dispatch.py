@@ -313,23 +313,26 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
     verdicts = [
         profile.Probe(1.0, 2.0),  # float32 not measured natively
         profile.Probe(2.0, 1.0),
-        profile.Probe(0.95, 1.0),  # within the margin: not faster
+        profile.Probe(1.0, 1.0),  # as fast: not faster
         profile.Probe(1.0, 2.0, 2.1),  # float32 native within its margin (1.1×)
         profile.Probe(1.5, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
         profile.Probe(1.0, 1.0, 1.2),  # float32 native slower
+        # slower than float32's native step, faster than the widened one bfloat16 takes
+        profile.Probe(1.8, 3.0, 1.7, native_widen_ms=2.0),
     ]
     for verdict in verdicts:
         monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
-        assert verdict.float32 == (verdict in verdicts[3:5])
-        assert verdict.faster == (verdict in (verdicts[0], verdicts[3]))
+        assert verdict.float32 == (verdict in (*verdicts[3:5], verdicts[6]))
+        assert verdict.faster == (verdict in (verdicts[0], verdicts[3], verdicts[6]))
         f = qkv.dispatch(q32, k32, v32, mask=window)
         assert f.path == ("tiled-native" if verdict.float32 else "tiled-flash")
         assert _ran(monkeypatch, lambda: qkv.attention(q32, k32, v32, mask=window)) == f.path
         d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
         w = qkv.dispatch(qb, kb, vb, mask=window)
-        if verdict.faster:  # (0.95 of float32's time is within the margin: not faster)
+        if verdict.faster:
             assert (d.path, d.rule) == ("tiled-native", "native bfloat16")
-            assert f"1.00 ms against float32's {verdict.float32_ms:.2f} ms" in d.reason
+            said = f"{verdict.native_ms:.2f} ms against float32's {verdict.float32_ms:.2f} ms"
+            assert said in d.reason
             assert w.path == "tiled-native"
         else:
             # bfloat16 then runs as float32 does: natively on float32 copies, or torch's

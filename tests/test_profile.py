@@ -41,7 +41,8 @@ def counting(monkeypatch, *probes):
 
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
-    calls = counting(monkeypatch, profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0))
+    measured = profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6)
+    calls = counting(monkeypatch, measured)
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
     again, where = profile.load()

@@ -66,8 +66,8 @@ class Tuning:
             bfloat16 (off: torch's flash kernel call by call, half precision on float32
             copies).
         native_probe: run the native kernel only where a measurement on this CPU says it
-            is worth it (float32: within 1.1× of torch's flash kernel; bfloat16: under 0.9×
-            of float32's path; ``qkv.kernels.tiled.profile.probe``: measured once per
+            is worth it (float32: within 1.1× of torch's flash kernel; bfloat16: faster than
+            the path it takes otherwise; ``qkv.kernels.tiled.profile.probe``: measured once per
             machine and stored, ``qkv doctor`` shows it; ``qkv.dispatch`` reports it);
             off: wherever the CPU has the instructions (pinned, as the tests do).
         p_parts: P enters ·V as this many bfloat16 parts in the native kernel: 2 (hi + lo,

@@ -50,7 +50,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(
             f"  probe (4 heads, 256 queries over 1,024 keys, D = 64): native bfloat16 "
             f"{found.native_ms:.2f} ms, float32 through torch's kernel {found.float32_ms:.2f} ms, "
-            f"native float32 {found.native32_ms:.2f} ms"
+            f"native float32 {found.native32_ms:.2f} ms, native float32 on bfloat16 inputs "
+            f"{found.native_widen_ms:.2f} ms"
         )
         print(
             f"  float32 runs {'natively' if found.float32 else 'through torch'}; bfloat16 "

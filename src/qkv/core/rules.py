@@ -292,7 +292,8 @@ def _rule_native(a: Call) -> Dispatch | None:
         found = profile.probe()
         measured = (
             f"measured once on this machine: {found.native_ms:.2f} ms against float32's "
-            f"{found.float32_ms:.2f} ms through torch's kernel, {found.native32_ms:.2f} ms native"
+            f"{found.float32_ms:.2f} ms through torch's kernel, {found.native32_ms:.2f} ms native, "
+            f"{found.native_widen_ms:.2f} ms widening bfloat16"
         )
     else:
         measured = "pinned by Tuning.native_probe=False, not measured"

@@ -43,22 +43,29 @@ from .torch_ops import FLASH
 #: relative margin a re-measurement must clear to change a stored choice
 MARGIN = 0.1
 FILE = "native-profile.json"
-#: the file's format: 2 holds the half-precision SDPA measurements too (a file of an
-#: older format is measured again, silently)
-FORMAT = 2
+#: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
+#: kernel's widened float32 step on bfloat16 inputs (a file of an older format is measured
+#: again, silently)
+FORMAT = 3
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
 #: on copies: a margin, as copies cost memory and within it the two are noise apart
 WIDEN_AT = 1.1
 
+#: the native bfloat16 step ÷ the path bfloat16 takes otherwise under which bfloat16 runs
+#: the bfloat16 step: the faster of the two (near the line, :data:`MARGIN` keeps a stored
+#: choice and a first one is a median of three)
+BFLOAT16_AT = 1.0
+
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
-    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — three ways: the
+    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — four ways: the
     native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
     (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
-    float32 (``native32_ms``; nan where this CPU cannot run it). And torch's fused kernel
+    float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
+    widened as it loads them (``native_widen_ms``). And torch's fused kernel
     (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
@@ -73,6 +80,7 @@ class Probe(NamedTuple):
     sdpa_bfloat16_fwd_ms: float = float("nan")
     sdpa_float16_fwd_ms: float = float("nan")
     sdpa_widened_fwd_ms: float = float("nan")
+    native_widen_ms: float = float("nan")
     #: the choices as a stored profile made them (:func:`load`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
@@ -107,14 +115,22 @@ class Probe(NamedTuple):
             return self.use_float32
         return self.native32_ms <= 1.1 * self.float32_ms
 
+    def bfloat16_ratio(self, float32: bool | None = None) -> float:
+        """The native bfloat16 step's time ÷ that of the path bfloat16 takes otherwise:
+        the native float32 step widening the inputs as it loads them where float32 runs
+        natively (``float32``: that choice; by default this probe's), else torch's flash
+        kernel in float32. (A probe stored without the widened step: float32's own time.)"""
+        native32 = self.float32 if float32 is None else float32
+        widened = self.native32_ms if math.isnan(self.native_widen_ms) else self.native_widen_ms
+        return self.native_ms / (widened if native32 else self.float32_ms)
+
     @property
     def faster(self) -> bool:
-        """bfloat16 runs natively: under 0.9× the time of the float32 path it would take
-        otherwise (a margin, so that noise does not pick a kernel that is not faster)."""
+        """bfloat16 runs natively: under :data:`BFLOAT16_AT` × the time of the path it
+        would take otherwise (:meth:`bfloat16_ratio`)."""
         if self.use_bfloat16 is not None:
             return self.use_bfloat16
-        float32 = min(self.float32_ms, self.native32_ms if self.float32 else math.inf)
-        return self.native_ms < 0.9 * float32
+        return self.bfloat16_ratio() < BFLOAT16_AT
 
 
 def measure() -> Probe:
@@ -138,9 +154,15 @@ def measure() -> Probe:
             for backward in (True, False)
         },
     }
-    for name, dtype in (("native", torch.bfloat16), ("native32", torch.float32)):
-        if native.available(dtype):
-            q5, packed = q.to(dtype).view(1, 4, 1, 256, 64), native.pack(k.to(dtype), v.to(dtype))
+    steps = (
+        ("native", torch.bfloat16, torch.bfloat16),
+        ("native32", torch.float32, torch.float32),
+        ("native_widen", torch.bfloat16, torch.float32),
+    )
+    for name, dtype, compute in steps:
+        if native.available(compute):
+            q5 = q.to(dtype).view(1, 4, 1, 256, 64)
+            packed = native.pack(k.to(dtype), v.to(dtype), compute)
             calls[name] = functools.partial(native.attend, q5, packed, 0, 1024, None, 0.125)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
@@ -154,6 +176,7 @@ def measure() -> Probe:
         median.get("native", math.nan),
         median["float32"],
         median.get("native32", math.nan),
+        native_widen_ms=median.get("native_widen", math.nan),
         sdpa_bfloat16_ms=median["sdpa_bfloat16"],
         sdpa_float16_ms=median["sdpa_float16"],
         sdpa_widened_ms=median["sdpa_widened"],
@@ -244,14 +267,14 @@ def _near(ratio: float, threshold: float) -> bool:
 
 def _ratios(p: Probe) -> list[float]:
     """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: native ÷ torch in
-    float32, native bfloat16 ÷ the float32 path, torch's half precision ÷ float32 copies."""
-    base = min(p.float32_ms, p.native32_ms if p.float32 else math.inf)
+    float32, native bfloat16 ÷ the path bfloat16 takes otherwise, torch's half precision ÷
+    float32 copies."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
-    return [p.native32_ms / p.float32_ms, p.native_ms / base, *widen]
+    return [p.native32_ms / p.float32_ms, p.bfloat16_ratio(), *widen]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (1.1, 0.9, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
+THRESHOLDS = (1.1, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -263,14 +286,13 @@ def _median(probes: list[Probe]) -> Probe:
 def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
-    float32, bf16 = new.float32, new.faster
-    if old is not None:
-        r32 = new.native32_ms / new.float32_ms
-        if old.float32 != float32 and _near(r32, 1.1):
-            float32 = old.float32
-        base = min(new.float32_ms, new.native32_ms if float32 else float("inf"))
-        if old.faster != bf16 and _near(new.native_ms / base, 0.9):
-            bf16 = old.faster
+    float32 = new.float32
+    if old is not None and old.float32 != float32 and _near(new.native32_ms / new.float32_ms, 1.1):
+        float32 = old.float32
+    r16 = new.bfloat16_ratio(float32)
+    bf16 = r16 < BFLOAT16_AT
+    if old is not None and old.faster != bf16 and _near(r16, BFLOAT16_AT):
+        bf16 = old.faster
     widen = {}
     for dtype in (torch.bfloat16, torch.float16):
         for backward in (True, False):
