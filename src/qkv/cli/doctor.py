@@ -48,7 +48,8 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"profile: {where}")
         print(f"  machine: {profile.machine_key()}")
         print(
-            f"  probe (4 heads, 256 queries over 1,024 keys, D = 64): native bfloat16 "
+            f"  probe (4 heads, D = 64, 2,048 queries over the 256 keys before each, as tiles): "
+            f"native bfloat16 "
             f"{found.native_ms:.2f} ms, float32 through torch's kernel {found.float32_ms:.2f} ms, "
             f"native float32 {found.native32_ms:.2f} ms, native float32 on bfloat16 inputs "
             f"{found.native_widen_ms:.2f} ms"

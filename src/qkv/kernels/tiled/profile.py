@@ -35,18 +35,22 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from . import native
-from .torch_ops import FLASH
+from ...masks import FULL
+from ...tuning import Tuning
+from ..contract import Lowered
+from . import forward, native
+from .plan import dense_to_sparse, make_plan
 
 #: relative margin a re-measurement must clear to change a stored choice
 MARGIN = 0.1
 FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
-#: kernel's widened float32 step on bfloat16 inputs (a file of an older format is measured
-#: again, silently)
-FORMAT = 3
+#: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass (a file of
+#: an older format is measured again, silently)
+FORMAT = 4
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -61,7 +65,10 @@ BFLOAT16_AT = 1.0
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
-    runs each. One call — 4 heads, 256 queries over 1,024 keys, D = 64 — four ways: the
+    runs each. One forward pass of the tiled kernel over :data:`BANDED` — 4 heads, D = 64,
+    2,048 queries, each over the 256 keys before it, in the kernel's tiles: the many small
+    calls of the masked calls it decides, where the native kernel's one parallel region per
+    pass tells as much as its arithmetic — four ways: the
     native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
     (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
     float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
@@ -141,9 +148,10 @@ def measure() -> Probe:
     bfloat16 path ran slower than float32, on the AMD EPYC of this project's sessions
     faster — the instruction-set flag alone does not say which wins."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 4, n, 64, generator=g) for n in (256, 1024, 1024))
+    x32 = [torch.randn(1, 4, BANDED[0], 64, generator=g) for _ in range(3)]
+    x16 = [x.to(torch.bfloat16) for x in x32]
     calls: dict[str, Callable[[], object]] = {
-        "float32": lambda: FLASH(q, k, v, 0.0, False, scale=0.125),
+        "float32": banded_pass("tiled-flash", *x32),
         **{
             f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
             for name, dtype, widen in (
@@ -155,15 +163,13 @@ def measure() -> Probe:
         },
     }
     steps = (
-        ("native", torch.bfloat16, torch.bfloat16),
-        ("native32", torch.float32, torch.float32),
-        ("native_widen", torch.bfloat16, torch.float32),
+        ("native", "tiled-native", x16, torch.bfloat16),
+        ("native32", "tiled-native", x32, torch.float32),
+        ("native_widen", "tiled-native-widen", x16, torch.float32),
     )
-    for name, dtype, compute in steps:
+    for name, path, xs, compute in steps:
         if native.available(compute):
-            q5 = q.to(dtype).view(1, 4, 1, 256, 64)
-            packed = native.pack(k.to(dtype), v.to(dtype), compute)
-            calls[name] = functools.partial(native.attend, q5, packed, 0, 1024, None, 0.125)
+            calls[name] = banded_pass(path, *xs)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -184,6 +190,32 @@ def measure() -> Probe:
         sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
         sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
     )
+
+
+#: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
+#: itself, in the tiled kernel's blocks, every tile whole (a sliding window's tiles without
+#: its partial ones' masking).
+BANDED = (2048, 256)
+
+
+def banded_pass(
+    path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], object]:
+    """The probe's pass (:data:`BANDED`) over q, k, v (B, H, T, D) as the tiled kernel runs it
+    forward on ``path`` ("tiled-flash", "tiled-native", "tiled-native-widen"): every call of
+    the pass, with the merging and writing of their results, as a masked call pays them."""
+    T, W = BANDED
+    tuning = Tuning()
+    bq, bk = tuning.block_q, tuning.block_k
+    nq, nk = -(-T // bq), -(-T // bk)
+    first = np.maximum(0, np.arange(nq) * bq - W) // bk  # each query block's first key block
+    last = np.minimum(nk - 1, ((np.arange(nq) + 1) * bq - 1) // bk)
+    codes = np.zeros((nq, nk), np.int8)
+    for i in range(nq):
+        codes[i, first[i] : last[i] + 1] = FULL
+    plan = make_plan(*dense_to_sparse(codes), T, T, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
+    call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan)
+    return functools.partial(forward, call)
 
 
 def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
