@@ -171,7 +171,10 @@ def relative_position_bucket(
     to ``max_distance``; farther keys share the last bucket. Computed from a table made once
     in float32, as T5 computes it, so NumPy and torch agree bucket for bucket.
     """
-    table = _bucket_table(bool(bidirectional), int(num_buckets), int(max_distance))
+    # While compiling, the table's function itself: dynamo traces through the cache wrapper
+    # anyway, and warns that it does.
+    make = _bucket_table.__wrapped__ if torch.compiler.is_compiling() else _bucket_table
+    table = make(bool(bidirectional), int(num_buckets), int(max_distance))
     idx = relative_position.clip(-max_distance, max_distance) + max_distance
     if _numpy(relative_position):
         return table[idx]
