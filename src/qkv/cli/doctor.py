@@ -47,8 +47,9 @@ def run_doctor(args: argparse.Namespace) -> int:
         found, where = profile.load(remeasure=args.remeasure)
         print(f"profile: {where}")
         print(f"  machine: {profile.machine_key()}")
+        T, W = profile.BANDED
         print(
-            f"  probe (4 heads, D = 64, 2,048 queries over the 256 keys before each, as tiles): "
+            f"  probe (4 heads, D = 64, {T:,} queries over the {W} keys before each, as tiles): "
             f"native bfloat16 "
             f"{found.native_ms:.2f} ms, float32 through torch's kernel {found.float32_ms:.2f} ms, "
             f"native float32 {found.native32_ms:.2f} ms, native float32 on bfloat16 inputs "

@@ -16,7 +16,8 @@
 #else
 #define PAGED_HEADS 1
 #endif
-#define SCORE_HEADS(SRC) ((SRC) == SRC_I8 || (SRC) == SRC_E4M3 ? PAGED_HEADS : 1)
+#define QUANTIZED(SRC) ((SRC) == SRC_I8 || (SRC) == SRC_E4M3) /* rows with a scale each */
+#define SCORE_HEADS(SRC) (QUANTIZED(SRC) ? PAGED_HEADS : 1)
 
 /* Runs BLOCK(g, NH) over heads 0..G-1 in blocks of MAX heads (MAX at most 4) and one block
    of the heads left over, NH a constant in each. */
@@ -85,7 +86,7 @@ TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, i
                                                                  float *vpage, const int SRC) {
     const int64_t G = j->H / j->H_kv, D_v = j->D_v, v0 = page * j->vs[0] + hk * j->vs[2];
     if (SRC != SRC_F32 && G <= PAGED_HEADS) {
-        if (SRC == SRC_I8 || SRC == SRC_E4M3)
+        if (QUANTIZED(SRC))
             for (int64_t t = 0; t < n; t++) {
                 const float sc = row_scale(j, 0, page, t, hk);
                 for (int64_t g = 0; g < G; g++) w[g * wg + t * wt] *= sc;

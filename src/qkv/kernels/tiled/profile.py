@@ -57,6 +57,11 @@ FORMAT = 4
 #: on copies: a margin, as copies cost memory and within it the two are noise apart
 WIDEN_AT = 1.1
 
+#: the native float32 step ÷ torch's flash kernel at most which float32 runs natively: a
+#: margin toward it (quiet, the two are close; beside other work, the native one call per
+#: pass slows far less)
+FLOAT32_AT = 1.1
+
 #: the native bfloat16 step ÷ the path bfloat16 takes otherwise under which bfloat16 runs
 #: the bfloat16 step: the faster of the two (near the line, :data:`MARGIN` keeps a stored
 #: choice and a first one is a median of three)
@@ -115,12 +120,15 @@ class Probe(NamedTuple):
 
     @property
     def float32(self) -> bool:
-        """Float32 runs natively: the native kernel takes at most 1.1× torch's time here
-        (a margin toward it: quiet, the two are close; beside other work, the native one
-        call per pass slows far less — docs/benchmarks.md#on-a-busy-machine-issue-25)."""
+        """Float32 runs natively: the native kernel takes at most :data:`FLOAT32_AT` ×
+        torch's time here (docs/benchmarks.md#on-a-busy-machine-issue-25)."""
         if self.use_float32 is not None:
             return self.use_float32
-        return self.native32_ms <= 1.1 * self.float32_ms
+        return self.float32_ratio() <= FLOAT32_AT
+
+    def float32_ratio(self) -> float:
+        """The native float32 step's time ÷ torch's flash kernel's."""
+        return self.native32_ms / self.float32_ms
 
     def bfloat16_ratio(self, float32: bool | None = None) -> float:
         """The native bfloat16 step's time ÷ that of the path bfloat16 takes otherwise:
@@ -151,7 +159,7 @@ def measure() -> Probe:
     x32 = [torch.randn(1, 4, BANDED[0], 64, generator=g) for _ in range(3)]
     x16 = [x.to(torch.bfloat16) for x in x32]
     calls: dict[str, Callable[[], object]] = {
-        "float32": banded_pass("tiled-flash", *x32),
+        "float32": _banded_pass("tiled-flash", *x32),
         **{
             f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
             for name, dtype, widen in (
@@ -169,7 +177,7 @@ def measure() -> Probe:
     )
     for name, path, xs, compute in steps:
         if native.available(compute):
-            calls[name] = banded_pass(path, *xs)
+            calls[name] = _banded_pass(path, *xs)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -198,7 +206,7 @@ def measure() -> Probe:
 BANDED = (2048, 256)
 
 
-def banded_pass(
+def _banded_pass(
     path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> Callable[[], object]:
     """The probe's pass (:data:`BANDED`) over q, k, v (B, H, T, D) as the tiled kernel runs it
@@ -302,11 +310,11 @@ def _ratios(p: Probe) -> list[float]:
     float32, native bfloat16 ÷ the path bfloat16 takes otherwise, torch's half precision ÷
     float32 copies."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
-    return [p.native32_ms / p.float32_ms, p.bfloat16_ratio(), *widen]
+    return [p.float32_ratio(), p.bfloat16_ratio(), *widen]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (1.1, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
+THRESHOLDS = (FLOAT32_AT, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -319,7 +327,7 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
     float32 = new.float32
-    if old is not None and old.float32 != float32 and _near(new.native32_ms / new.float32_ms, 1.1):
+    if old is not None and old.float32 != float32 and _near(new.float32_ratio(), FLOAT32_AT):
         float32 = old.float32
     r16 = new.bfloat16_ratio(float32)
     bf16 = r16 < BFLOAT16_AT
