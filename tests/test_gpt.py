@@ -79,7 +79,7 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    from qkv.models.sampling import sample as _sample
+    from qkv.serving import sample as _sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     g = torch.Generator().manual_seed(0)

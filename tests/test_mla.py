@@ -262,7 +262,7 @@ def test_a_paged_latent_cache_decodes_like_the_whole_forward(dtype):
     """Two sequences in one pool of pages: a prompt each, then one token at a time, each
     step's rows read where they lie (dispatch says so); float32 equals the causal forward
     to rounding, int8 and e4m3 within their rounding of the latents."""
-    from qkv.nn import PagedLatentCache
+    from qkv.serving import PagedLatentCache
 
     torch.manual_seed(0)
     mla = make(sizes=dict(SMALL, qk_rope_head_dim=16), E=48, dtype=torch.float32)
@@ -284,7 +284,7 @@ def test_a_ragged_paged_latent_batch_keeps_each_sequence_to_its_own_rows():
     """Sequences of 3 and 6 rows (one forked from a shared prompt) decode together, a
     token and then a chunk of two (gathered, each to its own rows): each equals decoding
     alone. The expanded form over a ragged batch is refused, as are bad rows."""
-    from qkv.nn import PagedLatentCache
+    from qkv.serving import PagedLatentCache
 
     torch.manual_seed(1)
     mla = make(sizes=dict(SMALL, qk_rope_head_dim=16), E=48, dtype=torch.float32)

@@ -192,7 +192,7 @@ def test_sampling_is_reproducible_from_a_generator():
 
 
 def test_requests_join_between_steps_and_pages_are_reused():
-    from qkv.models import Batcher
+    from qkv.serving import Batcher
 
     model = small_gpt()
     batcher = Batcher(model, num_pages=6, page_size=4)
@@ -282,9 +282,9 @@ def test_shared_prefixes_nested_are_read_once_and_equal_each_alone(monkeypatch, 
             history[i] = [prompt, more, x] if i < 2 else [prompt, x]
         step = torch.randn(4, T, 16, generator=g, dtype=torch.float64).to(dtype)
         read = []
-        real = qkv.nn.paged._shared
+        real = qkv.serving.paged._shared
         monkeypatch.setattr(
-            qkv.nn.paged,
+            qkv.serving.paged,
             "_shared",
             lambda q, pool, pages: read.append(len(pages)) or real(q, pool, pages),
         )
@@ -365,4 +365,4 @@ def test_the_layers_of_a_model_share_one_book_of_pages():
     with pytest.raises(ValueError, match="went out of step"):
         batch[1].store(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
     with pytest.raises(ValueError, match="empty pools of one number and size of pages"):
-        qkv.nn.PagedCaches([pool(num_pages=4), pool(num_pages=5)])
+        qkv.serving.PagedCaches([pool(num_pages=4), pool(num_pages=5)])

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: private modules of the ground floor whose public names the layers below the apps may use
 GROUND_PRIVATE = {"_checks", "_lift", "_recipes"}
 #: from this floor up, a unit is an app: public names only
-APPS_FLOOR = 8
+APPS_FLOOR = 9
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,14 @@ from . import masks as masks
 from . import models as models
 from . import numpy as numpy
 from . import scores as scores
+from . import serving as serving
 from .cascade import cascade_attention
 from .functional import Dispatch, attention, dispatch
 from .learn import Trace, explain
 from .learn import tutorial as tutorial
 from .lse import attention_weights, merge_attention
-from .nn import KVCache, MultiHeadAttention, PagedKVCache, RoPE
+from .nn import KVCache, MultiHeadAttention, RoPE
+from .serving import PagedKVCache
 from .tuning import Tuning, tuned, tuning
 from .varlen import paged_attention, varlen_attention
 

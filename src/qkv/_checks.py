@@ -267,3 +267,38 @@ def check_dense_mask(mask: Any, p: Problem, *, like: Any, additive: bool = False
         )
     if _device(mask) != _device(like):
         raise ValueError(f"mask is on {mask.device} but query is on {like.device}")
+
+
+def check_sizes(**sizes: object) -> None:
+    """Every size an int >= 1, or a ValueError naming it."""
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {n!r}")
+
+
+def check_appended(
+    key: Any,
+    value: Any,
+    B: int,
+    H_kv: int,
+    D: int,
+    D_v: int,
+    like: Any,
+    holder: str,
+    what: str = "",
+) -> None:
+    """Keys (B, H_kv, T, D) and values (B, H_kv, T, D_v) of ``like``'s dtype and device, or
+    a ValueError/TypeError saying which and why (``what`` qualifies B in the message)."""
+    for name, x, last, letter in (("key", key, D, "D"), ("value", value, D_v, "D_v")):
+        if x.ndim != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H_kv, last):
+            raise ValueError(
+                f"{name} must have shape (B, H_kv, T, {letter}) with B={B}{what}, "
+                f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}"
+            )
+        if x.dtype != like.dtype or x.device != like.device:
+            raise TypeError(
+                f"{name} is {x.dtype} on {x.device} but {holder} holds "
+                f"{like.dtype} on {like.device}"
+            )
+    if value.shape[2] != key.shape[2]:
+        raise ValueError(f"value must have T={key.shape[2]} tokens like key; got {value.shape[2]}")

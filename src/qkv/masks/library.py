@@ -379,6 +379,22 @@ def causal() -> Mask:
     return _Causal()
 
 
+def with_causal(
+    mask: Mask | torch.Tensor | np.ndarray | None, is_causal: bool
+) -> Mask | torch.Tensor | np.ndarray | None:
+    """A module's mask: the caller's (a qkv mask, or a bool (T_q, T_k) / (B, T_q, T_k) /
+    (B, H, T_q, T_k) tensor), and-ed with causal() for a causal module. A dense
+    (B, T_q, T_k) mask gains a head dim to fit the (B, H, T_q, T_k) layout."""
+    if isinstance(mask, torch.Tensor) and mask.ndim == 3:
+        mask = mask[:, None]  # (B, 1, T_q, T_k)
+    if not is_causal:
+        return mask
+    if mask is None or isinstance(mask, Mask):
+        return _Causal() if mask is None else _Causal() & mask
+    T_q, T_k = mask.shape[-2:]
+    return mask & _Causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
+
+
 def sliding_window(window: int) -> Mask:
     """Causal, limited to the last ``window`` keys: ``p - window < kv <= p``.
 

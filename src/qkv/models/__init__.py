@@ -1,7 +1,6 @@
-"""Models built from qkv's public modules: a GPT (:class:`GPT`, :class:`GPTConfig`), and
-continuous batching of prompts of different lengths on it (:class:`Batcher`)."""
+"""Models built from qkv's public modules: a GPT (:class:`GPT`, :class:`GPTConfig`). Its
+continuous batching is :class:`qkv.serving.Batcher`."""
 
-from .batching import Batcher
 from .gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "Batcher", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig"]

@@ -26,13 +26,12 @@ from ..distributed import Layout
 from ..nn.cache import Cache, KVCache
 from ..nn.mha import MultiHeadAttention
 from ..nn.mla import LatentCache, MultiHeadLatentAttention
-from ..nn.paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
 from ..nn.rope import RoPE
 from ..nn.streaming import StreamingCache
-from .batching import Batcher
+from ..serving import Batcher, PackedBatch, PagedBatch, PagedCaches, PagedKVCache
+from ..serving.sampling import sample
 from .config import GPTConfig
 from .gpt2 import config_from_gpt2, copy_gpt2_weights
-from .sampling import sample
 
 
 class UniformAttention(MultiHeadAttention):
@@ -417,7 +416,7 @@ class GPT(nn.Module):
 
         Given a list of prompts ((T_i,) tensors of different lengths), they are prefilled
         together, packed (varlen), and decoded together on a paged KV cache
-        (:class:`qkv.models.Batcher`), each at its own positions, each stopping at its own
+        (:class:`qkv.serving.Batcher`), each at its own positions, each stopping at its own
         ``stop_token`` or after max_new_tokens; the result is a list of (T_i + new_i,)
         tensors, the same greedy tokens as generating each alone. The prompt and its new
         tokens must fit the context window there.

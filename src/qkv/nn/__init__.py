@@ -1,12 +1,11 @@
 """PyTorch modules built on :func:`qkv.attention`: the seeds' attention classes, multi-head
-attention with GQA, RoPE and a KV cache, multi-head latent attention and its cache."""
+attention with GQA, RoPE and a KV cache, multi-head latent attention and its cache. The
+paged caches a server uses are in :mod:`qkv.serving`."""
 
 from .cache import Cache, KVCache
 from .mha import MultiHeadAttention
 from .mla import LatentCache, MultiHeadLatentAttention
 from .modules import CausalAttention, CrossAttention, MultiHeadAttentionWrapper, SelfAttention
-from .paged import PackedBatch, PagedBatch, PagedCaches, PagedKVCache
-from .paged_latent import PagedLatentBatch, PagedLatentCache
 from .rope import RoPE
 from .streaming import StreamingCache
 
@@ -19,12 +18,6 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "MultiHeadLatentAttention",
-    "PackedBatch",
-    "PagedBatch",
-    "PagedCaches",
-    "PagedKVCache",
-    "PagedLatentBatch",
-    "PagedLatentCache",
     "RoPE",
     "SelfAttention",
     "StreamingCache",

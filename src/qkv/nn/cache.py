@@ -14,9 +14,10 @@ from typing import Protocol
 
 import torch
 
+from .._checks import check_appended, check_sizes
 from ..functional import MaskLike, attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
-from ..masks import Mask, causal
+from ..masks.library import with_causal
 from ..varlen import paged_attention
 
 
@@ -47,20 +48,6 @@ class Cache(Protocol):
         """Store k (B, H_kv, T, D) and v (…, D_v), then attend q (B, H, T, D) over every key
         held: (B, H, T, D_v). ``mask`` is the caller's (or None), ``causal`` the module's."""
         ...
-
-
-def with_causal(mask: MaskLike, is_causal: bool) -> MaskLike:
-    """A module's mask: the caller's (a qkv mask, or a bool (T_q, T_k) / (B, T_q, T_k) /
-    (B, H, T_q, T_k) tensor), and-ed with causal() for a causal module. A dense
-    (B, T_q, T_k) mask gains a head dim to fit the (B, H, T_q, T_k) layout."""
-    if isinstance(mask, torch.Tensor) and mask.ndim == 3:
-        mask = mask[:, None]  # (B, 1, T_q, T_k)
-    if not is_causal:
-        return mask
-    if mask is None or isinstance(mask, Mask):
-        return causal() if mask is None else causal() & mask
-    T_q, T_k = mask.shape[-2:]
-    return mask & causal().dense(1, 1, T_q, T_k, device=mask.device)[0, 0]
 
 
 class KVCache:
@@ -227,38 +214,3 @@ class KVCache:
             f"KVCache(batch={B}, num_kv_heads={H_kv}, length={self.length}, "
             f"max_len={max_len}, head_dim={D}, dtype={self.keys.dtype})"
         )
-
-
-def check_sizes(**sizes: object) -> None:
-    """Every size an int >= 1, or a ValueError naming it."""
-    for name, n in sizes.items():
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {n!r}")
-
-
-def check_appended(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    B: int,
-    H_kv: int,
-    D: int,
-    D_v: int,
-    like: torch.Tensor,
-    holder: str,
-    what: str = "",
-) -> None:
-    """Keys (B, H_kv, T, D) and values (B, H_kv, T, D_v) of ``like``'s dtype and device, or
-    a ValueError/TypeError saying which and why (``what`` qualifies B in the message)."""
-    for name, x, last, letter in (("key", key, D, "D"), ("value", value, D_v, "D_v")):
-        if x.ndim != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H_kv, last):
-            raise ValueError(
-                f"{name} must have shape (B, H_kv, T, {letter}) with B={B}{what}, "
-                f"H_kv={H_kv}, {letter}={last}; got {tuple(x.shape)}"
-            )
-        if x.dtype != like.dtype or x.device != like.device:
-            raise TypeError(
-                f"{name} is {x.dtype} on {x.device} but {holder} holds "
-                f"{like.dtype} on {like.device}"
-            )
-    if value.shape[2] != key.shape[2]:
-        raise ValueError(f"value must have T={key.shape[2]} tokens like key; got {value.shape[2]}")

@@ -154,7 +154,7 @@ class MultiHeadAttention(AttentionModule):
                 (B, T_q, T_k) / (B, H, T_q, T_k) tensor, True = may attend.
             cache: a :class:`qkv.KVCache` (see :meth:`new_cache`), or a batch of a
                 :class:`qkv.PagedKVCache`, to decode token by token or in chunks: x holds
-                only the new tokens. A :class:`qkv.nn.PackedBatch`: x (1, total, E) holds
+                only the new tokens. A :class:`qkv.serving.PackedBatch`: x (1, total, E) holds
                 the prompts of new sequences one after another, each attending its own.
             layout: context parallelism: x holds this rank's positions of a sequence split
                 by a :class:`qkv.distributed.Layout` (RoPE rotates them at their absolute

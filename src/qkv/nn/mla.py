@@ -29,12 +29,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from .._checks import check_sizes
 from ..core.call import Dispatch
 from ..functional import MaskLike, attention, dispatch
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
-from .cache import check_sizes, with_causal
+from ..masks.library import with_causal
+from ..serving.latent import PagedLatentBatch, attend_in_place, check_rows, check_values_view
 from .modules import check_input
-from .paged_latent import PagedLatentBatch, attend_in_place, check_rows, check_values_view
 from .rope import RoPE
 
 FORMS = ("expanded", "absorbed")
@@ -385,7 +386,7 @@ class MultiHeadLatentAttention(nn.Module):
             mask: a qkv mask or a bool (T_q, T_k) / (B, T_q, T_k) / (B, H, T_q, T_k)
                 tensor, True = may attend; and-ed with causal() for a causal module.
             cache: a :class:`LatentCache` (:meth:`new_cache`), or a batch of a
-                :class:`qkv.nn.PagedLatentCache` (sequences at their own positions): x
+                :class:`qkv.serving.PagedLatentCache` (sequences at their own positions): x
                 holds the new tokens only.
             form: "expanded" or "absorbed"; None: :meth:`choose` picks.
         """

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..functional import MaskLike, attention
-from .cache import with_causal
+from ..masks.library import with_causal
 
 
 def check_input(name: str, x: torch.Tensor, d_in: int, weight: torch.Tensor | None = None) -> None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_appended, check_sizes
 from ..functional import MaskLike, attention
 from ..masks import causal as causal_mask
-from .cache import check_appended, check_sizes
 from .rope import RoPE
 
 

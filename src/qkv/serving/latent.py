@@ -15,13 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
+from .._checks import check_sizes
 from ..functional import MaskLike, attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..masks import Mask
+from ..masks.library import with_causal
 from ..varlen import paged_attention
-from .book import Book, Pass
-from .cache import check_sizes, with_causal
 from .paged import _ragged_mask, _raw
+from .pages import PageAllocator, Pass
 
 
 def check_rows(rows: torch.Tensor, B: int, width: int, like: torch.Tensor, holder: str) -> None:
@@ -94,7 +95,8 @@ class PagedLatentCache:
         >>> import torch, qkv
         >>> mla = qkv.nn.MultiHeadLatentAttention(
         ...     64, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-        >>> pool = qkv.nn.PagedLatentCache(num_pages=8, page_size=4, kv_lora_rank=32, rope_dim=8)
+        >>> pool = qkv.serving.PagedLatentCache(
+        ...     num_pages=8, page_size=4, kv_lora_rank=32, rope_dim=8)
         >>> a, b = pool.new_sequence(), pool.new_sequence()
         >>> _ = mla(torch.randn(2, 3, 64), cache=pool.batch([a, b]))   # a prompt each
         >>> _ = mla(torch.randn(2, 1, 64), cache=pool.batch([a, b]))   # one step each
@@ -124,7 +126,7 @@ class PagedLatentCache:
         if is_quantized(dtype):
             self.scales = torch.zeros(num_pages, page_size, 1, device=device)
             self._like = torch.empty(0, dtype=compute_dtype, device=device)
-        self._book = Book(num_pages, page_size)
+        self._allocator = PageAllocator(num_pages, page_size)
 
     @property
     def page_size(self) -> int:
@@ -132,7 +134,7 @@ class PagedLatentCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.rows.shape[0] - len(self._book.free)
+        return self.rows.shape[0] - len(self._allocator.free)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What the pool stores, by name: its rows, and a quantized pool's scales."""
@@ -140,15 +142,15 @@ class PagedLatentCache:
 
     def new_sequence(self) -> int:
         """A new, empty sequence's id."""
-        return self._book.new_sequence()
+        return self._allocator.new_sequence()
 
     def free(self, seq: int) -> None:
         """End a sequence: its pages go back to the pool once no fork holds them."""
-        self._book.release(seq)
+        self._allocator.release(seq)
 
     def fork(self, seq: int) -> int:
         """A new sequence starting as a copy of ``seq``: full pages shared, the last copied."""
-        child, copy = self._book.fork(seq)
+        child, copy = self._allocator.fork(seq)
         if copy is not None:
             source, target = copy
             for x in (self.rows, self.scales):
@@ -158,7 +160,7 @@ class PagedLatentCache:
 
     def lengths(self, seqs: Sequence[int]) -> torch.Tensor:
         """Tokens held by each sequence, (B,)."""
-        return torch.tensor([self._book.length(s) for s in seqs], dtype=torch.long)
+        return torch.tensor([self._allocator.length(s) for s in seqs], dtype=torch.long)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows (B, 1, T, w) into their reserved slots (page · P + offset, (B · T,))."""
@@ -174,7 +176,7 @@ class PagedLatentCache:
         row padded with page 0's), dequantized where quantized."""
         P, L = self.page_size, int(lengths.max()) if len(seqs) else 0
         n = -(-L // P)
-        index = [(t + [0] * n)[:n] for t in self._book.block_tables(seqs, 0)]
+        index = [(t + [0] * n)[:n] for t in self._allocator.block_tables(seqs, 0)]
         pages = torch.tensor(index, dtype=torch.long, device=self.rows.device)
         rows = self.rows[pages]  # (B, n, P, 1, w)
         if self.scales is not None:
@@ -183,7 +185,7 @@ class PagedLatentCache:
 
     def batch(self, seqs: Sequence[int]) -> PagedLatentBatch:
         """These sequences as one batch's cache for :class:`MultiHeadLatentAttention`."""
-        return PagedLatentBatch(self, list(seqs), Pass(self._book, list(seqs)))
+        return PagedLatentBatch(self, list(seqs), Pass(self._allocator, list(seqs)))
 
     def __repr__(self) -> str:
         return (
@@ -265,7 +267,7 @@ class PagedLatentBatch:
         self.store(k)
         lengths = self.row_lengths
         if self.reads_in_place(q.shape[2], mask, dropout_p):
-            tables = torch.tensor(self.pool._book.block_tables(self.seqs), dtype=torch.int32)
+            tables = torch.tensor(self.pool._allocator.block_tables(self.seqs), dtype=torch.int32)
             pool = self.pool
             return attend_in_place(q, pool.rows, pool.scales, tables, lengths, r, scale, sinks)
         rows = self.pool.gather(self.seqs, lengths)

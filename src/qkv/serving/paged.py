@@ -16,15 +16,16 @@ from typing import Any
 
 import torch
 
+from .._checks import check_appended, check_sizes
 from ..functional import attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..lse import merge_attention
 from ..masks import Mask, MaskLike, padding, predicate
 from ..masks import causal as causal_mask
+from ..masks.library import with_causal
 from ..varlen import paged_attention
-from .book import Book, Pass
-from .cache import check_appended, check_sizes, with_causal
 from .packed import PackedBatch
+from .pages import PageAllocator, Pass
 
 
 def _like(data: Any, ref: Any) -> Any:
@@ -85,7 +86,7 @@ class PagedKVCache:
             self.key_scale, self.value_scale = scales[0], scales[1]
             self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
-        self._book = Book(num_pages, page_size)
+        self._allocator = PageAllocator(num_pages, page_size)
 
     @property
     def page_size(self) -> int:
@@ -97,27 +98,27 @@ class PagedKVCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._book.free)
+        return self.num_pages - len(self._allocator.free)
 
     @property
     def tokens(self) -> int:
         """Tokens held by every live sequence together."""
-        return sum(self._book.lengths.values())
+        return sum(self._allocator.lengths.values())
 
     def new_sequence(self) -> int:
         """A new, empty sequence's id (it holds no page until it holds a token)."""
-        return self._book.new_sequence()
+        return self._allocator.new_sequence()
 
     def free(self, seq: int) -> None:
         """End a sequence: each of its pages goes back to the pool, to be reused, once no
         other sequence holds it (pages shared by :meth:`fork` are counted)."""
-        self._book.release(seq)
+        self._allocator.release(seq)
 
     def fork(self, seq: int) -> int:
         """A new sequence that starts as a copy of ``seq`` (a shared prompt): its full pages
         are shared, not copied (counted, freed with the last holder); a partly filled last
         page is copied, so that each sequence appends to a page of its own."""
-        child, copy = self._book.fork(seq)
+        child, copy = self._allocator.fork(seq)
         if copy is not None:
             self._copy_page(*copy)
         return child
@@ -129,22 +130,22 @@ class PagedKVCache:
 
     def shared_prefix(self, seqs: Sequence[int]) -> int:
         """How many leading pages every one of these sequences holds in common (each full)."""
-        return self._book.shared_prefix(seqs)
+        return self._allocator.shared_prefix(seqs)
 
     def block_table(self, seq: int) -> list[int]:
         """The pages of a sequence, in order."""
-        return list(self._book.table(seq))
+        return list(self._allocator.table(seq))
 
     def lengths(self, seqs: Sequence[int]) -> torch.Tensor:
         """Tokens held by each sequence, (B,)."""
-        return torch.tensor([self._book.length(s) for s in seqs], dtype=torch.long)
+        return torch.tensor([self._allocator.length(s) for s in seqs], dtype=torch.long)
 
     def append(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after each sequence's
         cached tokens, row b for sequence ``seqs[b]``; pages are taken from the pool as
         needed. A pool too small raises (nothing is stored), never truncates."""
         self._check(seqs, key, value)
-        slots = self._book.reserve(seqs, [key.shape[2]] * len(seqs))
+        slots = self._allocator.reserve(seqs, [key.shape[2]] * len(seqs))
         self.write(torch.tensor(slots, dtype=torch.long, device=self.keys.device), key, value)
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -183,7 +184,7 @@ class PagedKVCache:
         L, P, B = (int(lengths.max()) if len(seqs) else 0), self.page_size, len(seqs)
         n = -(-L // P)
         # Each sequence's pages, padded with page 0 (read past its length, masked there).
-        index = [(t + [0] * n)[:n] for t in self._book.block_tables(seqs, skips)]
+        index = [(t + [0] * n)[:n] for t in self._allocator.block_tables(seqs, skips)]
         flat = torch.tensor(index, dtype=torch.long, device=self.keys.device).reshape(-1)
 
         def pages(pool: torch.Tensor, scales: torch.Tensor | None, name: str) -> torch.Tensor:
@@ -214,7 +215,7 @@ class PagedKVCache:
         """The sequences' block tables as one (B, max_pages) tensor (short tables padded
         with page 0, never read) and their lengths (B,); ``skip`` leaves out each
         sequence's first pages, as in :meth:`gather`."""
-        index = self._book.block_tables(seqs, skip)
+        index = self._allocator.block_tables(seqs, skip)
         table = torch.tensor(index, dtype=torch.long, device=self.keys.device)
         return table.view(len(seqs), -1), self.lengths(seqs) - skip * self.page_size
 
@@ -235,22 +236,22 @@ class PagedKVCache:
     def batch(self, seqs: Sequence[int]) -> PagedBatch:
         """These sequences as one cache of a batch, the interface of :class:`qkv.KVCache`
         (``length``, ``append``): what :class:`qkv.MultiHeadAttention` and the GPT take."""
-        return PagedBatch(self, list(seqs), Pass(self._book, list(seqs)))
+        return PagedBatch(self, list(seqs), Pass(self._allocator, list(seqs)))
 
     def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> PackedBatch:
         """New sequences of these lengths as one packed prefill's cache
         (:class:`PackedBatch`): :class:`qkv.MultiHeadAttention` takes their tokens one
         after another, (1, sum(lengths), E)."""
-        return PackedBatch(self, list(seqs), list(lengths), Pass(self._book, list(seqs)))
+        return PackedBatch(self, list(seqs), list(lengths), Pass(self._allocator, list(seqs)))
 
     def _check(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a sequence appears twice in {list(seqs)}")
         for s in seqs:
-            self._book.table(s)
+            self._allocator.table(s)
 
         def where(b: int, t: int) -> tuple[int, int]:
-            return seqs[b], self._book.length(seqs[b]) + t
+            return seqs[b], self._allocator.length(seqs[b]) + t
 
         self.check_rows(key, value, len(seqs), where, " sequences")
 
@@ -277,7 +278,7 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(pages={self.pages_in_use}/{self.num_pages} in use, "
-            f"page_size={self.page_size}, sequences={len(self._book.tables)}, "
+            f"page_size={self.page_size}, sequences={len(self._allocator.tables)}, "
             f"tokens={self.tokens})"
         )
 
@@ -416,7 +417,7 @@ class PagedBatch:
 
 
 class PagedCaches:
-    """One :class:`PagedKVCache` per layer of a model, used in step: one book of pages for
+    """One :class:`PagedKVCache` per layer of a model, used in step: one page allocator for
     all of them (a sequence holds the same pages in every layer), so a sequence is created,
     forked and freed once, and a forward pass reserves its tokens' slots once for every
     layer (:meth:`qkv.models.GPT.new_paged_caches`). Use the pools through it, not apart."""
@@ -427,23 +428,23 @@ class PagedCaches:
             raise ValueError("PagedCaches needs at least one pool")
         first = self.pools[0]
         if any(
-            (p.num_pages, p.page_size) != (first.num_pages, first.page_size) or p._book.tables
+            (p.num_pages, p.page_size) != (first.num_pages, first.page_size) or p._allocator.tables
             for p in self.pools
         ):
             raise ValueError("PagedCaches takes empty pools of one number and size of pages")
-        self._book = first._book
+        self._allocator = first._allocator
         for pool in self.pools:
-            pool._book = self._book
+            pool._allocator = self._allocator
 
     def new_sequence(self) -> int:
-        return self._book.new_sequence()
+        return self._allocator.new_sequence()
 
     def free(self, seq: int) -> None:
-        self._book.release(seq)
+        self._allocator.release(seq)
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing ``seq``'s pages in every layer (:meth:`PagedKVCache.fork`)."""
-        child, copy = self._book.fork(seq)
+        child, copy = self._allocator.fork(seq)
         if copy is not None:
             for pool in self.pools:
                 pool._copy_page(*copy)
@@ -451,13 +452,13 @@ class PagedCaches:
 
     def batch(self, seqs: Sequence[int]) -> list[PagedBatch]:
         """These sequences as a model's caches: one batch per layer, sharing one pass."""
-        plan = Pass(self._book, list(seqs))
+        plan = Pass(self._allocator, list(seqs))
         return [PagedBatch(pool, list(seqs), plan) for pool in self.pools]
 
     def packed(self, seqs: Sequence[int], lengths: Sequence[int]) -> list[PackedBatch]:
         """New sequences of these lengths as a model's caches for one packed prefill: the
         model takes their prompts concatenated, (1, sum(lengths))."""
-        plan = Pass(self._book, list(seqs))
+        plan = Pass(self._allocator, list(seqs))
         return [PackedBatch(pool, list(seqs), list(lengths), plan) for pool in self.pools]
 
     @property

@@ -14,7 +14,7 @@ import torch
 
 from ..masks import MaskLike
 from ..varlen import varlen_attention
-from .book import Pass
+from .pages import Pass
 
 
 class Pool(Protocol):
@@ -44,7 +44,7 @@ class PackedBatch:
     prefill of many prompts in one forward pass (:meth:`PagedCaches.packed`)."""
 
     def __init__(self, pool: Pool, seqs: list[int], lengths: list[int], plan: Pass) -> None:
-        held = [plan.book.length(s) for s in seqs]
+        held = [plan.allocator.length(s) for s in seqs]
         if any(held):
             raise ValueError(
                 f"a packed prefill starts new sequences; these already hold {held} tokens"

@@ -1,11 +1,11 @@
-"""Continuous batching: prompts of different lengths decoded together on a paged KV cache.
+"""The scheduler of continuous batching: prompts of different lengths decoded together on a
+paged KV cache.
 
 A :class:`Batcher` holds the requests in flight. :meth:`Batcher.add` prefills a prompt into
-its own pages, :meth:`Batcher.extend` many prompts packed in one forward pass (requests can
-join between any two steps); :meth:`Batcher.step` gives every
-request in flight its next token in one forward pass over the ragged batch, each sequence at
-its own positions; a request leaves at its own end token or length, and its pages go back to
-the pool for the next one.
+its own pages, and :meth:`Batcher.extend` many prompts packed in one forward pass. Requests
+can join between any two steps. :meth:`Batcher.step` gives every request in flight its next
+token in one forward pass over the ragged batch, each sequence at its own positions. A
+request leaves at its own end token or length, and its pages go back to the pool.
 
 Legend: B requests in flight · V vocabulary · T tokens.
 """
@@ -20,9 +20,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..nn.paged import PagedCaches
-from .config import GPTConfig
+from .paged import PagedCaches
 from .sampling import sample
+
+
+class Context(Protocol):
+    """A model's config as far as a :class:`Batcher` reads it: the longest context."""
+
+    @property
+    def block_size(self) -> int: ...
 
 
 class Decoder(Protocol):
@@ -30,8 +36,10 @@ class Decoder(Protocol):
     config's ``block_size``, the head whose device the tokens go to, paged caches for its
     layers, and a forward pass over tokens with those caches."""
 
-    config: GPTConfig
     lm_head: nn.Linear
+
+    @property
+    def config(self) -> Context: ...
 
     def new_paged_caches(
         self, num_pages: int, page_size: int = 16, kv_dtype: torch.dtype | None = None
@@ -67,7 +75,8 @@ class Batcher:
 
     Example:
         >>> import torch, qkv
-        >>> from qkv.models import GPT, GPTConfig, Batcher
+        >>> from qkv.models import GPT, GPTConfig
+        >>> from qkv.serving import Batcher
         >>> model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=1, n_head=2,
         ...                       n_embd=16)).eval()
         >>> batcher = Batcher(model)
@@ -107,7 +116,7 @@ class Batcher:
     @torch.no_grad()
     def extend(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[int]:
         """Prefill prompts ((T_i,) token ids, each T_i >= 1) together, packed in one forward
-        pass (:class:`qkv.nn.PackedBatch`: each attends its own tokens); their ids."""
+        pass (:class:`qkv.serving.PackedBatch`: each attends its own tokens); their ids."""
         window = self.model.config.block_size
         for prompt in prompts:
             if not isinstance(prompt, torch.Tensor) or prompt.ndim != 1 or len(prompt) == 0:

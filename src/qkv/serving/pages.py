@@ -1,11 +1,11 @@
-"""The bookkeeping of a paged KV cache: which pages each sequence holds, and what one forward
-pass appends.
+"""The page allocator of a paged KV cache: which pages each sequence holds, and what one
+forward pass appends.
 
-A :class:`Book` is one pool's block tables, lengths, page reference counts and free list —
-or every layer's pool of a model at once, since their sequences hold the same pages in every
-layer. A :class:`Pass` is a forward pass over a batch of sequences: each of its appends is
-reserved in the book once (an :class:`Append`: slots, lengths before and after, the prefix
-tree and block tables attention reads) and used by every layer.
+A :class:`PageAllocator` holds one pool's block tables, lengths, page reference counts and
+free list. It serves every layer's pool of a model at once, since their sequences hold the
+same pages in every layer. A :class:`Pass` is a forward pass over a batch of sequences. Each
+of its appends is reserved once (an :class:`Append` holds the slots, the lengths before and
+after, and the prefix tree and block tables attention reads) and used by every layer.
 
 Legend: B sequences in a batch · P page size.
 """
@@ -19,10 +19,10 @@ import torch
 Node = tuple[list[int], list[int]]  # rows of a batch, the full pages they all hold there
 
 
-class Book:
-    """Which pages each sequence holds — block tables, lengths, reference counts and the
-    free list — for one pool, or for the pools of every layer of a model at once (they move
-    in step, so one book serves them all: :class:`PagedCaches`)."""
+class PageAllocator:
+    """Which pages each sequence holds: block tables, lengths, reference counts and the
+    free list. One allocator serves one pool, or the pools of every layer of a model at
+    once, since they move in step (:class:`PagedCaches`)."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages, self.page_size = num_pages, page_size
@@ -157,22 +157,22 @@ def _common(tables: list[list[int]], depth: int, end: int) -> int:
 
 
 class Append:
-    """One append of ``counts[b]`` tokens to each sequence b, reserved in the book once for
+    """One append of ``counts[b]`` tokens to each sequence b, reserved once for
     every layer: the lengths before and after, the slots the tokens go to, and (made when
     first asked) the block tables attention reads."""
 
-    def __init__(self, book: Book, seqs: list[int], counts: tuple[int, ...]) -> None:
-        self.book, self.seqs, self.counts = book, seqs, counts
-        self.before = torch.tensor([book.length(s) for s in seqs], dtype=torch.long)
-        self.slots = torch.tensor(book.reserve(seqs, counts), dtype=torch.long)
+    def __init__(self, allocator: PageAllocator, seqs: list[int], counts: tuple[int, ...]) -> None:
+        self.allocator, self.seqs, self.counts = allocator, seqs, counts
+        self.before = torch.tensor([allocator.length(s) for s in seqs], dtype=torch.long)
+        self.slots = torch.tensor(allocator.reserve(seqs, counts), dtype=torch.long)
         self.after = self.before + torch.tensor(counts, dtype=torch.long)
         self._tree: tuple[list[Node], list[int]] | None = None
         self._own: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tree(self) -> tuple[list[Node], list[int]]:
-        """:meth:`Book.prefix_tree` of the batch after this append (made once)."""
+        """:meth:`PageAllocator.prefix_tree` of the batch after this append (made once)."""
         if self._tree is None:
-            self._tree = self.book.prefix_tree(self.seqs)
+            self._tree = self.allocator.prefix_tree(self.seqs)
         return self._tree
 
     def own(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +180,8 @@ class Append:
         and their tokens (B,); int32, made once for every layer."""
         if self._own is None:
             _, starts = self.tree()
-            table = torch.tensor(self.book.block_tables(self.seqs, starts), dtype=torch.int32)
-            held = self.after - torch.tensor(starts) * self.book.page_size
+            table = torch.tensor(self.allocator.block_tables(self.seqs, starts), dtype=torch.int32)
+            held = self.after - torch.tensor(starts) * self.allocator.page_size
             self._own = table.view(len(self.seqs), -1), held.to(torch.int32)
         return self._own
 
@@ -189,10 +189,10 @@ class Append:
 class Pass:
     """The bookkeeping of a forward pass over a paged batch, done once for every layer:
     each layer's k-th append uses the k-th :class:`Append` (made by the first layer that
-    gets there), so the layers' pools, which share one book, stay in step."""
+    gets there), so the layers' pools, which share one allocator, stay in step."""
 
-    def __init__(self, book: Book, seqs: list[int]) -> None:
-        self.book, self.seqs = book, seqs
+    def __init__(self, allocator: PageAllocator, seqs: list[int]) -> None:
+        self.allocator, self.seqs = allocator, seqs
         self.appends: list[Append] = []
 
     def append(self, k: int, counts: tuple[int, ...]) -> Append:
@@ -204,11 +204,11 @@ class Pass:
                     f"{sum(done.counts)} tokens in one layer and {sum(counts)} in another"
                 )
             return done
-        self.appends.append(Append(self.book, self.seqs, counts))
+        self.appends.append(Append(self.allocator, self.seqs, counts))
         return self.appends[-1]
 
     def held(self, k: int) -> torch.Tensor:
         """The tokens each sequence holds in a layer that has made k appends."""
         if k < len(self.appends):
             return self.appends[k].before
-        return torch.tensor([self.book.length(s) for s in self.seqs], dtype=torch.long)
+        return torch.tensor([self.allocator.length(s) for s in self.seqs], dtype=torch.long)
