@@ -53,7 +53,12 @@ API: dict[str, tuple[str, str, list[str]]] = {
         "PyTorch modules: the seeds' stages, multi-head attention, caches, RoPE.",
         ["qkv.nn"],
     ),
-    "models": ("qkv.models", "The GPT and continuous batching.", ["qkv.models"]),
+    "serving": (
+        "qkv.serving",
+        "The serving runtime: paged caches, the page allocator, continuous batching.",
+        ["qkv.serving"],
+    ),
+    "models": ("qkv.models", "The GPT.", ["qkv.models"]),
     "heads": (
         "qkv.heads",
         "What heads do: recording, head scores, losses by position, copying, ablation.",
