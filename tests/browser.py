@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -17,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def find_chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
@@ -24,6 +27,19 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
+
+
+needs_browser = pytest.mark.skipif(
+    find_chromium() is None and not os.environ.get("QKV_REQUIRE_BROWSER"),
+    reason="no chromium on PATH (.ci/run installs Debian's and sets QKV_REQUIRE_BROWSER)",
+)
+
+
+def page_data(html: str) -> Any:
+    """The data the viewer's page carries (its ``qkv-data`` script), as Python."""
+    found = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', html, re.S)
+    assert found, "the page holds no qkv-data script"
+    return json.loads(found.group(1))
 
 
 class Browser:

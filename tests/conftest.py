@@ -1,6 +1,6 @@
 """Shared fixtures: ``tune`` (qkv's knobs changed for one test), the native kernel pinned
 (``Tuning.native_probe=False`` for every test: which code runs must not hang on a timing
-made on a busy CI machine; tests/test_dispatch.py tests the probe itself), and the
+made on a busy CI machine; tests/core/test_dispatch.py tests the probe itself), and the
 hypothesis profiles: the default run stays fast; `--hypothesis-profile=slow` runs thousands
 of examples per property."""
 

@@ -52,9 +52,9 @@ TARGETS = [
 # Tests of the apps (training loop, command line, benchmark harness): they exercise none of
 # the core files' logic that the rest of the suite does not, and take half its time.
 APP_TESTS = [
-    "--ignore=tests/test_train.py",
-    "--ignore=tests/test_cli.py",
-    "--ignore=tests/test_bench.py",
+    "--ignore=tests/training/test_train.py",
+    "--ignore=tests/cli/test_cli.py",
+    "--ignore=tests/cli/test_bench.py",
 ]
 SWAPS = {
     ast.Lt: ast.LtE,

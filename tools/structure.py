@@ -1,6 +1,6 @@
 """The import structure of ``src/qkv``: units, the arrows between them, circles, imports that
 run up a floor, and private names imported across units. Checked against the floors of
-``docs/architecture.md`` when that page exists (``tests/test_architecture.py`` runs it).
+``docs/architecture.md`` when that page exists (``tests/repo/test_architecture.py`` runs it).
 
     python tools/structure.py                 # this checkout
     python tools/structure.py --root OTHER    # another checkout's src/qkv (e.g. a worktree)

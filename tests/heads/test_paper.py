@@ -10,7 +10,7 @@ import torch
 from qkv.heads import ablate, icl_score, per_token_loss
 from qkv.training import PRESETS, load_checkpoint, train, validation_windows
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "induction_paper.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "induction_paper.py"
 
 
 @pytest.fixture(scope="module")

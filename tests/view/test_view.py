@@ -4,7 +4,6 @@ qkv heads / qkv view on checkpoints; the induction preset at a size CI can affor
 import base64
 import io
 import json
-import os
 import re
 
 import numpy as np
@@ -16,7 +15,7 @@ from qkv.cli import main
 from qkv.models import GPT, GPTConfig
 from qkv.training import PRESETS, TrainConfig, load_checkpoint, snapshots, train
 from qkv.view import byte_labels, view
-from tests.browser import Browser, find_chromium
+from tests.browser import Browser, needs_browser, page_data
 
 PROMPT = b"def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
@@ -24,13 +23,6 @@ PROMPT = b"def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 def small_gpt(block_size=128, n_layer=2, n_head=4):
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=32)).eval()
-
-
-def page_data(html):
-    payload = re.search(
-        r'<script type="application/json" id="qkv-data">(.*?)</script>', html, re.S
-    ).group(1)
-    return json.loads(payload)
 
 
 def test_the_page_is_self_contained_and_holds_what_it_shows():
@@ -73,12 +65,6 @@ def test_bad_requests_get_clear_errors():
         view(model, [1, 2, 3], query=3)
     with pytest.raises(ValueError, match="at most 65535 tokens"):
         view(torch.nn.Identity(), list(range(65536)))
-
-
-needs_browser = pytest.mark.skipif(
-    find_chromium() is None and not os.environ.get("QKV_REQUIRE_BROWSER"),
-    reason="no chromium on PATH (.ci/run installs Debian's and sets QKV_REQUIRE_BROWSER)",
-)
 
 
 @needs_browser

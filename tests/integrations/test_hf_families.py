@@ -1,8 +1,8 @@
 """No Hugging Face family gives a different answer on qkv without an error.
 
 Every family of transformers' causal-LM, masked-LM and seq2seq mappings is built from a
-tiny random config and compared with eager (``tests/hf_families.py`` says how). The full
-sweep (~250 families, about two minutes here) runs in CI as its own step
+tiny random config and compared with eager (``tests/integrations/hf_families.py`` says how).
+The full sweep (~250 families, about two minutes here) runs in CI as its own step
 (``-m sweep``); the default run takes one family per mechanism the integration has —
 so a change that breaks one shows in seconds, and the sweep catches the rest."""
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests import hf_families
+from tests.integrations import hf_families
 
 #: One family per mechanism: plain interface (llama), sliding window and softcap (gemma2),
 #: learned sinks (gpt_oss), sinks per row (inkling2_text), DSA indices (glm_moe_dsa),

@@ -105,7 +105,7 @@ def test_issue_25_benchmarks_run_and_print_their_tables(script, args, rows):
     import subprocess
     import sys
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / script
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / script
     done = subprocess.run(
         [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
     )
@@ -151,7 +151,7 @@ def test_the_head_shape_and_cache_benchmarks_run(script, args, lines):
     import subprocess
     import sys
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / script
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / script
     done = subprocess.run(
         [sys.executable, str(path), *args], capture_output=True, text=True, timeout=300
     )
@@ -167,7 +167,7 @@ def test_the_streaming_paper_script_runs(tmp_path):
     import subprocess
     import sys
 
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "streaming_paper.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "streaming_paper.py"
     plot = tmp_path / "s.png"
     args = ["--out", str(tmp_path / "runs"), "--steps", "4", "--stream", "300", "--plot", str(plot)]
     done = subprocess.run(

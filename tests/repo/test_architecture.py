@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +91,18 @@ def test_every_module_uses_the_one_legend():
             for letter in re.split(r"[/,]\s*", letters.group(1)):
                 assert letter in table, f"{path.relative_to(ROOT)}: {letter!r} not in the legend"
     assert found > 50
+
+
+def test_the_tests_are_laid_out_like_the_package():
+    """Each folder of tests/ names a unit of src/qkv, a package or a module with many tests
+    (``functional``: qkv.attention's), but for ``repo``, the repository's own checks; a test
+    file at the top names a module of src/qkv, then maybe a part of it."""
+    src, tests = ROOT / "src" / "qkv", ROOT / "tests"
+    units = {p.stem for p in src.glob("*.py")} | {p.parent.name for p in src.glob("*/__init__.py")}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"repo"} <= units, sorted(folders - {"repo"} - units)
+    for path in tests.glob("test_*.py"):
+        module = path.stem[5:].split("_")[0]  # test_varlen_paged.py: varlen.py's paged part
+        assert (src / f"{module}.py").exists(), f"{path.name} names no module of src/qkv"
+    for folder in folders:
+        assert (tests / folder / "__init__.py").exists(), f"tests/{folder} is no package"

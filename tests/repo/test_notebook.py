@@ -8,7 +8,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "learning_path.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "learning_path.ipynb"
 
 
 def test_the_notebook_is_committed_without_outputs():

@@ -3,14 +3,14 @@
    table, keys and values stored as float32, bfloat16, int8 or float8 e4m3 (the last two
    with a scale per row), GQA, a sequence with no token, for every vector item this machine
    runs (x86-64: AVX-512 and AVX2 where the CPU has them; ARM64: NEON, under qemu-user in
-   tests/test_toolchains.py). Prints a line per case and exits 1 if any is out of
+   tests/kernels/test_toolchains.py). Prints a line per case and exits 1 if any is out of
    tolerance. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../src/qkv/kernels/_paged.h"
+#include "../../../src/qkv/kernels/_paged.h"
 
 static uint64_t state = 2463534242ull;
 

@@ -20,7 +20,7 @@ generated greedily with the cache; the family is then one of
 
 Run as a script it writes the table of docs/huggingface.md::
 
-    python -m tests.hf_families --write docs/huggingface.md
+    python -m tests.integrations.hf_families --write docs/huggingface.md
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def table(results: dict[str, list[Outcome]]) -> str:
 
     lines = [
         f"Measured with transformers {transformers.__version__} and torch "
-        f"{torch.__version__.split('+')[0]} by `python -m tests.hf_families --write "
+        f"{torch.__version__.split('+')[0]} by `python -m tests.integrations.hf_families --write "
         "docs/huggingface.md`.",
         "",
     ]

@@ -4,7 +4,7 @@ import importlib.util
 from pathlib import Path
 
 spec = importlib.util.spec_from_file_location(
-    "commit_msg", Path(__file__).resolve().parents[1] / "tools" / "commit_msg.py"
+    "commit_msg", Path(__file__).resolve().parents[2] / "tools" / "commit_msg.py"
 )
 commit_msg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(commit_msg)

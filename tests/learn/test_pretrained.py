@@ -15,7 +15,7 @@ from qkv.cli import main
 from qkv.learn import trained
 from qkv.learn.trained import RECIPES, Recipe, pretrained, pretrained_run
 from qkv.training import load_checkpoint, read_config, read_state
-from tests.test_view import needs_browser, page_data
+from tests.browser import needs_browser, page_data
 
 
 @pytest.fixture(scope="module")

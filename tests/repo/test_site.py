@@ -17,9 +17,9 @@ from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 import pytest
 
-from tests.browser import Browser, find_chromium
+from tests.browser import Browser, needs_browser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 mkdocs = pytest.importorskip("mkdocs", reason="the docs site needs the dev extras (mkdocs)")
 
@@ -107,12 +107,6 @@ def test_every_internal_link_reaches_a_page_and_an_anchor(site):
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
-
-
-needs_browser = pytest.mark.skipif(
-    find_chromium() is None and not os.environ.get("QKV_REQUIRE_BROWSER"),
-    reason="no chromium on PATH (.ci/run installs Debian's and sets QKV_REQUIRE_BROWSER)",
-)
 
 
 @needs_browser

@@ -1,6 +1,7 @@
-"""qkv.flash_attn: FlashAttention 2's API on a CPU, every function against a float64 reference
-written from FlashAttention's documented semantics (tests/flash_ref.py), gradients included;
-the KV cache contiguous and paged, rotary, left padding; its errors; and ``install()``."""
+"""qkv.flash_attn: FlashAttention 2's API on a CPU, every function against a float64
+reference written from FlashAttention's documented semantics (tests/flash_attn/flash_ref.py),
+gradients included; the KV cache contiguous and paged, rotary, left padding; its errors; and
+``install()``."""
 
 import sys
 import types
@@ -11,7 +12,7 @@ import torch
 
 import qkv
 from qkv import flash_attn as fa
-from tests.flash_ref import attention_ref
+from tests.flash_attn.flash_ref import attention_ref
 from tests.tolerances import FLOAT64
 
 WINDOWS = [(-1, -1), (3, 2), (4, 0), (0, 3), (-1, 2), (2, -1)]

@@ -234,7 +234,7 @@ def test_the_torchrun_example_runs_on_two_processes():
     import subprocess
     import sys
 
-    example = pathlib.Path(__file__).parents[1] / "examples" / "context_parallel.py"
+    example = pathlib.Path(__file__).parents[2] / "examples" / "context_parallel.py"
     r = subprocess.run(
         [
             sys.executable,

@@ -14,7 +14,7 @@ import torch
 import qkv.flash_attn
 from qkv.cli.bench import PeakRSS
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flash_attn_gpt.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flash_attn_gpt.py"
 
 
 @pytest.fixture(scope="module")

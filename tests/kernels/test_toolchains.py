@@ -1,7 +1,7 @@
 """The native step on every CPU and compiler qkv builds for, checked by its own C-level tests
-(tests/c/test_step.c: the tiled step's forward and backward of one call against float64
+(tests/kernels/c/test_step.c: the tiled step's forward and backward of one call against float64
 references, float32 and half-precision inputs, head dims on and off the vectors, masks and
-modifications; tests/c/test_paged.c: the paged decode step's vector item over float32,
+modifications; tests/kernels/c/test_paged.c: the paged decode step's vector item over float32,
 bfloat16, int8 and float8 pages), with no Python in between:
 
 - in the default run, for the steps of this machine's CPU (x86-64: AVX-512 and AVX2);
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src/qkv/kernels"
 TILED = KERNELS / "tiled"
 #: each C test, the sources it links per instruction set, and its cases per one
@@ -62,7 +62,8 @@ def tool(name: str, package: str) -> str:
 def built(cc: str, test: str, isas: tuple[int, ...], exe: Path, *flags: str) -> Path:
     """The C test ``test`` linked with its sources for ``isas``, by ``cc``."""
     per_isa, _ = TESTS[test]
-    sources = [ROOT / f"tests/c/{test}.c", *(KERNELS / s for isa in isas for s in per_isa[isa])]
+    kernels = (KERNELS / s for isa in isas for s in per_isa[isa])
+    sources = [ROOT / "tests" / "kernels" / "c" / f"{test}.c", *kernels]
     subprocess.run([cc, "-O2", *flags, *map(str, sources), "-lm", "-o", str(exe)], check=True)
     return exe
 

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../src/qkv/kernels/tiled/_kernel.h"
+#include "../../../src/qkv/kernels/tiled/_kernel.h"
 
 typedef void (*Forward)(const Job *, int64_t);
 typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, float *, float *, float *,
