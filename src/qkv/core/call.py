@@ -288,7 +288,7 @@ def plain(query: Any, key: Any, value: Any, mask: Any, scale: Any, tuning: Tunin
         dtype is torch.bfloat16
         and (query.requires_grad or key.requires_grad or value.requires_grad)
         and torch.is_grad_enabled()
-    ):  # the rules decide whether torch's kernel runs it on float32 copies (rules._widened)
+    ):  # the rules decide whether torch's kernel runs it on float32 copies (paths.widened)
         return None
     return fast_scale(scale, D)
 

@@ -64,9 +64,10 @@ import torch
 from ..kernels import paged as paged_kernel
 from ..scores import ScoreMod
 from .call import Call, Dispatch, Rule, fast_scale
+from .paths import sdpa_mode, sdpa_takes, tiled_path
 from .planning import block_codes, make_tiled_plan
 from .record import editors, listeners
-from .rules import RULES, sdpa_mode, sdpa_takes, tiled_path
+from .rules import RULES
 
 __all__ = [
     "BACKENDS",
