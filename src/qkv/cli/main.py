@@ -165,8 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--preset",
         default=None,
-        help="model and recipe: tiny (seconds), cpu-10min (the default: 398 s measured on a "
-        "2-core CPU, docs/training.md) or induction (docs/induction.md); on "
+        help="model and recipe: tiny (seconds), cpu-10min (the default: about ten minutes "
+        "on a 2-core CPU, docs/training.md) or induction (docs/induction.md); on "
         "--resume, the checkpoint's",
     )
     tr.add_argument("--text", type=Path, help="a UTF-8 file or folder to train on instead")

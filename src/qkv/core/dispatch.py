@@ -24,8 +24,8 @@ For ``backend="auto"``:
    ``reference`` with dropout; an additive one continues below as a float mask;
 6. ``native bfloat16`` (eager): bfloat16 on a CPU that runs qkv's native kernel, no dropout
    or modification, a qkv mask or none, at least :attr:`qkv.Tuning.native_scores` scores →
-   ``tiled`` (measured from T = 1024: forward 1.26–1.38×, forward + backward 1.07–1.16×
-   faster than SDPA, which computes bfloat16 at float32's speed on the CPU);
+   ``tiled`` (faster than SDPA from T = 1024, forward and backward: SDPA computes bfloat16
+   at float32's speed on the CPU; docs/benchmarks.md);
 7. ``head dims differ`` (eager): D_v != D on the CPU, a qkv mask, no dropout, at least
    :attr:`qkv.Tuning.unequal_scores` scores, a call the native kernel runs → ``tiled``
    (torch's fused CPU kernel takes D_v == D only; its math path builds the weights);

@@ -170,11 +170,11 @@ class PagedKVCache:
         """The sequences' keys and values as (B, H_kv, L, D) and (…, D_v) tensors, L the
         longest length, and ``lengths`` (B,): past its own length a row holds whatever its
         pages (or page 0) hold — attend with ``qkv.masks.padding(lengths)``, as
-        :class:`PagedBatch` does. One gather from the pool per call, nothing more (zeroing
-        the padding cost a tenth of a ragged decode step). Without autograd the gather
-        writes into a buffer the pool keeps and reuses (a fresh 10 MB each step was a page
-        fault per 4 KB: a decode step took 4× as long): the tensors returned are then valid
-        until the pool's next gather. ``skip`` leaves out each sequence's first pages (a
+        :class:`PagedBatch` does. One gather from the pool per call, nothing more: zeroing
+        the padding would cost time in every decode step. Without autograd the gather
+        writes into a buffer the pool keeps and reuses, since a fresh buffer each step
+        faults in every page of its memory. The tensors returned are then valid until the
+        pool's next gather. ``skip`` leaves out each sequence's first pages (a
         shared prefix read apart; one number, or one per sequence): lengths then count what
         is left. ``lengths`` (what each sequence holds, by default all of it) reads fewer
         tokens."""

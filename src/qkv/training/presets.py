@@ -86,7 +86,7 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
         GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32),
         TrainConfig(steps=20, batch_size=8, warmup=5, eval_interval=10, eval_windows=8),
     ),
-    # Sized for ten minutes on a 2-core CPU: 398 s measured (docs/training.md).
+    # Sized for ten minutes on a 2-core CPU (docs/training.md has its measured time).
     "cpu-10min": (
         GPTConfig(block_size=256, n_layer=4, n_head=4, n_embd=128, positions="rope"),
         _TEN_MINUTES,

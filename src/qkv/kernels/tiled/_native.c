@@ -17,7 +17,7 @@
 
    Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the kernel
    runs on torch's own thread pool (threads of a second pool would compete with torch's
-   spinning ones for the cores: measured 2× slower calls).
+   spinning ones for the cores and slow every call).
 
    The module builds without AVX-512 or AVX2 flags: each function is compiled for its target
    alone and the CPU is asked at run time (`isa()`), so the same build imports everywhere
