@@ -34,7 +34,7 @@ def sdpa(
     if gqa and mask is None and not is_causal:
         # GQA with no mask (every decode step): the G query heads sharing a key/value head
         # become G·T_q query rows of it, so each head of the cache is read once, not G times
-        # as torch's enable_gqa reads it on the CPU (docs/benchmarks.md#decode).
+        # as torch's enable_gqa reads it on the CPU (docs/benchmarks.md#decode-and-serving).
         rows = q.reshape(B, H_kv, (H // H_kv) * T_q, D)  # query head h = kv_head·G + g
         out = F.scaled_dot_product_attention(rows, k, v, dropout_p=dropout_p, scale=scale)
         return out.view(B, H, T_q, v.shape[-1])

@@ -121,7 +121,7 @@ class Probe(NamedTuple):
     @property
     def float32(self) -> bool:
         """Float32 runs natively: the native kernel takes at most :data:`FLOAT32_AT` ×
-        torch's time here (docs/benchmarks.md#on-a-busy-machine-issue-25)."""
+        torch's time here (docs/benchmarks.md#on-a-busy-machine)."""
         if self.use_float32 is not None:
             return self.use_float32
         return self.float32_ratio() <= FLOAT32_AT
