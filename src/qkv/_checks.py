@@ -96,7 +96,7 @@ def _symbolic(n: Any) -> bool:
 
 
 def _dim(letter: str, n: Any) -> Any:
-    """A dim's size as an int; a symbolic length stays symbolic (one graph for all lengths),
+    """A dim's size as an int. A symbolic length stays symbolic (one graph for all lengths),
     the other dims are specialised."""
     return n if letter in ("T_q", "T_k") and _symbolic(n) else int(n)
 

@@ -31,8 +31,8 @@ def cascade_attention(
 
     Every sequence's keys are the shared prefix followed by its own suffix. The prefix part
     is one call for the whole batch (the B sequences' queries stacked as rows of one
-    sequence against the prefix's keys, which are read once, not B times); the suffix part
-    is a batched call; the two are merged exactly by their log-sum-exps
+    sequence against the prefix's keys, which are read once, not B times). The suffix part
+    is a batched call. The two are merged exactly by their log-sum-exps
     (:func:`qkv.merge_attention`), gradients included (FlashInfer's cascade attention).
 
     Args:

@@ -1,5 +1,5 @@
-"""The functional core: :func:`attention` validates, dispatches to a kernel and restores
-the caller's layout; :func:`dispatch` says which kernel would run, and why.
+"""The functional core. :func:`attention` validates, dispatches to a kernel and restores
+the caller's layout, and :func:`dispatch` says which kernel would run, and why.
 :func:`problem` gives a call's validated sizes. The tools that work from the log-sum-exp
 (exact weights, merging) are in :mod:`qkv.lse`.
 
@@ -215,9 +215,10 @@ def attention(
 
 
 def run(call: Call, choice: Dispatch) -> Result:
-    """The chosen kernel on a call: the decode fast path's one call of torch's fused kernel;
-    zeros for a call with no key (every row fully masked); the compiled tiled op while
-    tracing; else the call lowered for its kernel (:func:`qkv.core.lowering.lower`)."""
+    """Run the chosen kernel on a call. The decode fast path is one call of torch's fused
+    kernel, a call with no key gives zeros (every row is fully masked), and while tracing
+    the compiled tiled op runs. Any other call is lowered for its kernel
+    (:func:`qkv.core.lowering.lower`)."""
     q, k, v, p = call.q, call.k, call.v, call.p
     if call.fast_scale is not None:  # rule "plain"
         return Result(sdpa.sdpa(q, k, v, mask=None, is_causal=False, scale=call.fast_scale))

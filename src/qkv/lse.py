@@ -82,9 +82,9 @@ def row_scores(
     rows: Sequence[int] | slice | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The scores of chosen heads and rows, (B, h, r, T_k) each, in 4-d layout: scaled,
-    then modified (the same tensor without a score modification); the mask there (None
-    for no mask); the head and row indices. O(h · r · T_k) memory."""
+    """The scores of chosen heads and rows, (B, h, r, T_k) each, in 4-d layout, first scaled
+    and then modified (the same tensor without a score modification), with the mask there
+    (None for no mask) and the head and row indices. It takes O(h · r · T_k) memory."""
     mod = as_score_mod(score_mod)
     if mod is not None:
         mod.validate(p.B, p.H, p.T_q, p.T_k)

@@ -4,7 +4,7 @@ Each attention call reads the current :class:`Tuning` once (:func:`tuning`) and 
 what it runs: the dispatch rules, the tiled kernel's plan, its flash calls and its native
 kernel. Nothing reads a module global. :func:`tuned` changes some knobs for a block — for a
 test that shrinks the tiles, a benchmark that turns a path off, or a user pinning a choice —
-and restores them on the way out; the value lives in a :class:`contextvars.ContextVar`, so
+and restores them on the way out. The value lives in a :class:`contextvars.ContextVar`, so
 threads and asyncio tasks each see their own.
 
 The defaults were measured on the 2-core CPUs this project runs on (docs/kernels.md).
@@ -122,7 +122,7 @@ def tuning() -> Tuning:
 @contextlib.contextmanager
 def tuned(tuning: Tuning | None = None, **changes: Any) -> Iterator[Tuning]:
     """Run a block with some knobs changed (or with a whole :class:`Tuning`), restoring the
-    previous ones on exit. Unknown knobs raise ``TypeError``; nested blocks stack."""
+    previous ones on exit. Unknown knobs raise ``TypeError``. Nested blocks stack."""
     base = _CURRENT.get() if tuning is None else tuning
     token = _CURRENT.set(dataclasses.replace(base, **changes))
     try:

@@ -225,7 +225,7 @@ def paged_attention(
     ``dtype=torch.int8``): the native kernel reads them in place, with no dequantized copy.
 
     float32 and bfloat16 run qkv's native kernel (``kernels/_paged.c``), which reads each
-    page where it lies; elsewhere — another dtype, a gradient to record, the kernel not
+    page where it lies. Elsewhere — another dtype, a gradient to record, the kernel not
     built, a :func:`qkv.heads.record` or :func:`qkv.heads.ablate` block open — the pages are
     gathered into one padded tensor and :func:`qkv.attention` runs on it with
     ``masks.padding(lengths)``. Both give the same numbers to rounding (tested against the
@@ -338,8 +338,8 @@ def _one_query_each(query: Any, cu_seq_q: Any, max_q: int) -> bool:
 def _page_shapes(
     query: Any, key_pages: Any, value_pages: Any, block_table: Any, lengths: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A paged call's shapes checked (reading no values); the block table and lengths as
-    tensors."""
+    """Check a paged call's shapes (reading no values), and return the block table and
+    lengths as tensors."""
     if not (isinstance(query, torch.Tensor) and query.ndim == 3):
         raise ValueError(
             f"query must be (B, H, D), one query per sequence; got "

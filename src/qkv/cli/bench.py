@@ -150,7 +150,7 @@ def candidates(
 def flex_candidate(
     mask: masks.Mask, T: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> Callable[[], torch.Tensor]:
-    """Compiled FlexAttention; its first call includes building the block mask and
+    """Compiled FlexAttention. Its first call includes building the block mask and
     compiling, as a user meets them."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -350,7 +350,7 @@ def _mask(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 2 bad usage)."""
+    """Run the CLI. Returns the exit status (0 ok, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # a bare `qkv`: what it can do, not an error
         _parser().print_help()

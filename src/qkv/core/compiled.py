@@ -1,7 +1,7 @@
 """qkv inside ``torch.compile``: one graph, no data-dependent branch.
 
 Eager dispatch reads values (is a key finite?) and plans blocks with NumPy from concrete
-lengths; neither can happen while dynamo traces, and the tiled kernel's Python loops would
+lengths. Neither can happen while dynamo traces, and the tiled kernel's Python loops would
 unroll into a graph that grows with T². So, while compiling:
 
 - the dispatch (:mod:`qkv.core.dispatch`) applies the rules that read neither tensor

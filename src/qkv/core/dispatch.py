@@ -1,56 +1,63 @@
 """Dispatch: the one place that decides which code runs an attention call, and says why.
 
-:func:`choose` applies :data:`RULES` in order; the first that matches decides. Each rule is
-named and marked with when it applies: ``always``, ``eager`` (it reads tensor values or
-the lengths' values, which a ``torch.compile`` trace must not: under ``dynamic=True`` a
-length is symbolic and reading it would specialise the graph) or ``tracing`` (its stand-in
-while a graph is traced). The same list runs eagerly and while tracing.
+:func:`choose` applies :data:`RULES` in order, and the first that matches decides. Each
+rule is named and marked with when it applies. ``always`` rules apply everywhere. ``eager``
+rules read tensor values or the values of lengths, which a ``torch.compile`` trace must not
+do: under ``dynamic=True`` a length is symbolic, and reading it would specialise the graph.
+``tracing`` rules stand in for them while a graph is traced. The same list runs eagerly and
+while tracing.
 
-For ``backend="auto"``:
+For ``backend="auto"``, in order:
 
-0. ``plain``: a decode step that :meth:`qkv.core.call.Call.of` checked by
-   :func:`qkv.core.call.plain` alone (4-d tensors of one dtype, no mask or causal over one
-   query, no option set) → ``sdpa`` without a mask, what rules 8 and 9 would choose;
-1. ``materialised``: weights, dropout from a ``torch.Generator``, or dropout together with
-   the log-sum-exp → ``reference`` (the only kernel that materialises them);
+0. ``plain``: a decode step that :meth:`qkv.core.call.Call.of` checked alone (4-d tensors
+   of one dtype, no mask or causal over one query, no option set) goes to ``sdpa`` without
+   a mask, as rules 8 and 9 would choose.
+1. ``materialised``: the weights, dropout from a ``torch.Generator``, or dropout together
+   with the log-sum-exp go to ``reference``, the only kernel that materialises them.
 2. ``user function while tracing``: a score function qkv cannot rebuild inside the compiled
-   tiled op → ``reference``, traced into the graph;
-3. ``sinks`` → ``tiled`` (it applies attention sinks from its log-sum-exp, exactly;
-   ``flex`` on CUDA; ``reference`` with dropout or while tracing);
-4. ``log-sum-exp`` → ``tiled`` (it returns it without materialising T_q × T_k; ``flex`` on
-   CUDA);
+   tiled op goes to ``reference``, traced into the graph.
+3. ``sinks`` go to ``tiled``, which applies them exactly from its log-sum-exp (``flex`` on
+   CUDA, ``reference`` with dropout or while tracing).
+4. ``log-sum-exp`` goes to ``tiled``, which returns it without materialising T_q × T_k
+   (``flex`` on CUDA).
 5. ``modification sdpa cannot take`` (not additive, or reading a tensor that needs a
-   gradient; any modification while tracing) → ``tiled``, ``flex`` on CUDA, or
-   ``reference`` with dropout; an additive one continues below as a float mask;
-6. ``native bfloat16`` (eager): bfloat16 on a CPU that runs qkv's native kernel, no dropout
-   or modification, a qkv mask or none, at least :attr:`qkv.Tuning.native_scores` scores →
-   ``tiled`` (faster than SDPA from T = 1024, forward and backward: SDPA computes bfloat16
-   at float32's speed on the CPU; docs/benchmarks.md);
-7. ``head dims differ`` (eager): D_v != D on the CPU, a qkv mask, no dropout, at least
-   :attr:`qkv.Tuning.unequal_scores` scores, a call the native kernel runs → ``tiled``
-   (torch's fused CPU kernel takes D_v == D only; its math path builds the weights);
-8. ``no mask`` → ``sdpa`` without a mask;
-9. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here (eager; while
-   tracing: causal for one query at the end of the keys) → ``sdpa`` without a mask;
-10. ``non-finite key`` (eager): a key holding NaN/inf under a mask or modification → ``tiled``
-   (sdpa would spread it into rows that mask it), or ``reference`` with dropout;
-11. ``dropout`` → ``sdpa`` with the mask, drawing from torch's global generator (while
-   tracing, where a key's finiteness cannot be read: ``reference``);
-12. ``causal square`` → ``sdpa`` with ``is_causal`` (T_q == T_k, no offset);
-13. ``small`` (eager): T_q·T_k < :attr:`qkv.Tuning.small_scores` → ``sdpa``, the mask lowered
-    densely (planning blocks would cost more than skipping them saves);
+   gradient, or any modification while tracing) goes to ``tiled``, to ``flex`` on CUDA, or
+   to ``reference`` with dropout. An additive one continues below as a float mask.
+6. ``native bfloat16`` (eager): bfloat16 on a CPU that runs qkv's native kernel, with no
+   dropout or modification, a qkv mask or none, and at least
+   :attr:`qkv.Tuning.native_scores` scores, goes to ``tiled``. SDPA computes bfloat16 at
+   float32's speed on the CPU, so the native kernel is faster from T = 1024, forward and
+   backward (docs/benchmarks.md).
+7. ``head dims differ`` (eager): D_v != D on the CPU with a qkv mask, no dropout, at least
+   :attr:`qkv.Tuning.unequal_scores` scores and a call the native kernel runs goes to
+   ``tiled``. torch's fused CPU kernel takes D_v == D only, and its math path builds the
+   weights.
+8. ``no mask`` goes to ``sdpa`` without a mask.
+9. ``mask allows everything``: a qkv mask with no EMPTY or PARTIAL position here goes to
+   ``sdpa`` without a mask (eager; while tracing, causal for one query at the end of the
+   keys).
+10. ``non-finite key`` (eager): a key holding NaN or inf under a mask or modification goes
+    to ``tiled``, since SDPA would spread it into rows that mask it (``reference`` with
+    dropout).
+11. ``dropout`` goes to ``sdpa`` with the mask, drawing from torch's global generator (to
+    ``reference`` while tracing, where a key's finiteness cannot be read).
+12. ``causal square`` goes to ``sdpa`` with ``is_causal`` (T_q == T_k, no offset).
+13. ``small`` (eager): fewer than :attr:`qkv.Tuning.small_scores` scores go to ``sdpa``
+    with the mask lowered densely. Planning blocks would cost more than skipping them
+    saves.
 14. ``sparse or long`` (eager): a qkv mask leaving less than
-    :attr:`qkv.Tuning.sparse_density` of the scores, or T_q·T_k >=
-    :attr:`qkv.Tuning.long_scores` → ``tiled`` (``flex`` on CUDA for a qkv mask);
-15. ``otherwise`` → ``sdpa`` with the mask lowered densely; while tracing → ``tiled`` as one
-    opaque op.
+    :attr:`qkv.Tuning.sparse_density` of the scores, or at least
+    :attr:`qkv.Tuning.long_scores` scores, goes to ``tiled`` (``flex`` on CUDA for a qkv
+    mask).
+15. ``otherwise`` goes to ``sdpa`` with the mask lowered densely, or while tracing to
+    ``tiled`` as one opaque op.
 
 Where the tiled kernel runs, :func:`tiled_path` names its code: the PyTorch loop, torch's
 flash kernel call by call, qkv's native kernel (float32, bfloat16), or (while tracing) the
 compiled op, which applies the same rules at run time.
 
-On CPU ``flex`` runs only when asked for: it compiles for seconds per mask structure and has
-neither a backward nor the log-sum-exp there. The thresholds were measured with
+On CPU ``flex`` runs only when asked for. It compiles for seconds per mask structure, and
+there it has neither a backward nor the log-sum-exp. The thresholds were measured with
 ``benchmarks/bench_attention.py`` (docs/kernels.md).
 """
 

@@ -31,7 +31,7 @@ from .recipe import dense_mask
 
 def lower(call: Call, choice: Dispatch) -> Lowered:
     """The call as the kernel ``choice`` names receives it: q, k, v in (B, H|H_kv, T, D)
-    layout, and the mask and modification in that kernel's forms only; the sinks as given
+    layout, the mask and modification in that kernel's forms only, and the sinks as given
     (every kernel applies them)."""
     p, q, k, v, mask, mod = call.p, call.q, call.k, call.v, call.mask, call.mod
     base = Lowered(

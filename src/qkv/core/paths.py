@@ -1,6 +1,6 @@
 """Which code runs a call once a rule has picked its kernel: how torch's fused kernel takes
 the mask (:func:`sdpa_mode`) and whether it runs half precision on float32 copies
-(:func:`widened`); which code of the tiled kernel runs the plan (:func:`tiled_path`: qkv's
+(:func:`widened`). Which code of the tiled kernel runs the plan (:func:`tiled_path`: qkv's
 native kernel, the same widening its inputs, torch's flash kernel call by call, or the PyTorch
 loop), from what each kernel can take and what the machine's profile measured.
 
@@ -84,13 +84,14 @@ def widened(a: Call) -> bool:
 
 
 def tiled_path(a: Call) -> tuple[str, str]:
-    """Which code of the tiled kernel runs this call, and why: "tiled-op" while tracing (the
-    op decides at run time, by this function); the PyTorch loop where a score modification
-    the native kernel does not apply (:func:`native_mod`) is applied, the fused calls are
-    turned off or torch's flash kernel cannot take the call; qkv's native kernel for float32
-    and bfloat16 where it can run it and the probe found it worth it; else torch's flash
-    kernel, call by call, or the loop for a modification. Reads K (and for the native kernel
-    Q and V) once, to know they are finite."""
+    """Which code of the tiled kernel runs this call, and why. While tracing it is
+    "tiled-op", and the op decides at run time by this function. The PyTorch loop runs
+    where a score modification the native kernel does not apply (:func:`native_mod`) is
+    applied, where the fused calls are turned off, or where torch's flash kernel cannot
+    take the call. qkv's native kernel runs float32 and bfloat16 where it can and the probe
+    found it worth it. Otherwise torch's flash kernel runs call by call, or the loop for a
+    modification. This reads K (and for the native kernel Q and V) once, to know they are
+    finite."""
     if a.tracing:
         return "tiled-op", "the tiled kernel as one opaque op, which picks its code at run time"
     loop = "the PyTorch loop applies the score modification tile by tile"
@@ -138,9 +139,9 @@ def native_mod(mod: ScoreMod | None) -> str | None:
 
 
 def native_wins(a: Call, dtype: torch.dtype) -> bool:
-    """Whether the native kernel is worth it in ``dtype`` here — in bfloat16, faster than
-    the float32 path; in float32, not slower than torch's flash kernel (see
-    :class:`qkv.kernels.tiled.profile.Probe`): measured once per machine and stored
+    """Whether the native kernel is worth it in ``dtype`` here: in bfloat16 it must be
+    faster than the float32 path, in float32 no slower than torch's flash kernel (see
+    :class:`qkv.kernels.tiled.profile.Probe`). This is measured once per machine and stored
     (:func:`qkv.kernels.tiled.profile.probe`), or taken as given when the probe is off."""
     if not a.tuning.native_probe:
         return True

@@ -1,11 +1,11 @@
-"""Recording attention calls: who is listening. :func:`qkv.heads.record` opens a block;
+"""Recording attention calls: who is listening. :func:`qkv.heads.record` opens a block, and
 :func:`qkv.attention` hands every call it makes inside one to each open block.
 
 Editing them: inside an :func:`editing` block (:func:`qkv.heads.ablate` opens one) every call's
-output passes through each open editor before it is returned — the public hook on attention
-output that ablations use, with no model code patched.
+output passes through each open editor before it is returned. This is the public hook on
+attention output that ablations use, with no model code patched.
 
-The open blocks live in a :class:`contextvars.ContextVar`: a block opened in one thread (or
+The open blocks live in a :class:`contextvars.ContextVar`. A block opened in one thread (or
 asyncio task) records that thread's calls only, nested blocks each get every call, and a
 block closed by an exception is closed all the same.
 """
@@ -89,7 +89,7 @@ _OPEN_EDITS = {"blocks": 0}
 @contextlib.contextmanager
 def editing(editor: Editor) -> Iterator[Editor]:
     """Pass the output of every attention call made in this block (this thread, this task)
-    through ``editor``; nested blocks apply outermost first."""
+    through ``editor``. Nested blocks apply outermost first."""
     token = _EDITORS.set((*_EDITORS.get(), editor))
     _OPEN_EDITS["blocks"] += 1
     try:

@@ -53,7 +53,7 @@ class Layout:
 
     @classmethod
     def contiguous(cls, T: int, world_size: int) -> Layout:
-        """One run per rank; the first ``T % world_size`` ranks hold one position more."""
+        """One run per rank. The first ``T % world_size`` ranks hold one position more."""
         _check(T, world_size)
         sizes = [T // world_size + (r < T % world_size) for r in range(world_size)]
         starts = np.cumsum([0, *sizes])
@@ -147,7 +147,7 @@ def _rank(rank: int | None, group: dist.ProcessGroup | None = None) -> int:
 
 class _Gather(torch.autograd.Function):
     """all_gather of unevenly sized parts (padded to the largest), placed at their
-    positions; the backward all-reduces the full gradient and keeps this rank's positions
+    positions. The backward all-reduces the full gradient and keeps this rank's positions
     (gloo has no reduce_scatter)."""
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The ring schedule of context-parallel attention: each rank's keys and values travel around
 the ring in pieces while every rank attends its queries to them, empty shard pairs skipped,
-partial results merged exactly by their log-sum-exps; the backward sends the pieces around
+partial results merged exactly by their log-sum-exps. The backward sends the pieces around
 again with a dK/dV accumulator.
 
 Legend: B batch · H query heads · H_kv key/value heads · T the whole sequence · D head dim ·
@@ -86,13 +86,13 @@ class _RingAttention(torch.autograd.Function):
     its log-sum-exp.
 
     Forward, for each piece p: step s attends this rank's query runs to piece p of rank
-    (r - s) mod W, then passes it on to rank r + 1; pairs the mask leaves empty are skipped,
+    (r - s) mod W, then passes it on to rank r + 1. Pairs the mask leaves empty are skipped,
     and each query run's partial results are merged by their log-sum-exps. Backward, for each
-    piece: the piece travels the ring again with a dK/dV accumulator; every rank adds the
+    piece: the piece travels the ring again with a dK/dV accumulator. Every rank adds the
     gradients of its queries against it (the tiled kernel's backward against the merged
     output and log-sum-exp, FlashAttention-2 style), and one last pass brings the
     accumulator home. Sinks are applied to the merged result, so the saved output and
-    log-sum-exp include them and the backward is unchanged (a sink has no value); their
+    log-sum-exp include them and the backward is unchanged (a sink has no value). Their
     gradient is this rank's rows' share."""
 
     @staticmethod
@@ -237,7 +237,7 @@ def _pairs(
 ) -> Iterator[tuple[int, tuple[int, int, int], tuple[Any, ...]]]:
     """(query run index, key run, (q, k, v, mask, scale)) for every pair of this rank's
     query runs with the key runs in piece ``bounds`` = (lo, hi) of ``owner``'s local
-    positions (held in kv) that the mask leaves non-empty; key runs as (start, stop, where
+    positions (held in kv) that the mask leaves non-empty. A key run is (start, stop, where
     the run starts in kv)."""
     lo, hi = bounds
     for ka, kb, kl in runs_of(layout, owner):

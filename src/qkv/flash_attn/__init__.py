@@ -1,11 +1,11 @@
 """FlashAttention 2's API on a CPU: its function names, signatures and (batch, seqlen, nheads,
 headdim) layout, computed by qkv. Code written for ``flash_attn`` runs unchanged, on windows,
-soft-capping, ALiBi, varlen, a KV cache and pages, forward and backward;
+soft-capping, ALiBi, varlen, a KV cache and pages, forward and backward.
 :func:`install` makes ``import flash_attn`` resolve here.
 
-Semantics are FlashAttention's: ``causal`` is bottom-right (query ``i`` sits at
-``i + seqlen_k − seqlen_q``); ``window_size=(left, right)`` lets that query see keys
-``p − left .. p + right`` with -1 unbounded (``causal`` sets ``right`` to 0); ``softcap``
+Semantics are FlashAttention's. ``causal`` is bottom-right (query ``i`` sits at
+``i + seqlen_k − seqlen_q``). ``window_size=(left, right)`` lets that query see keys
+``p − left .. p + right``, with -1 unbounded (``causal`` sets ``right`` to 0). ``softcap``
 squashes the scaled scores (``softcap · tanh(s / softcap)``), then ALiBi adds
 ``−slope · |p − j|``. Inputs of any floating dtype (FlashAttention itself takes float16 and
 bfloat16 only). ``docs/flash-attn.md`` maps every argument.
@@ -112,7 +112,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
     **extra: Any,
 ) -> Any:
-    """:func:`flash_attn_func` on qkv (B, T, 3, H, D) packed; gradients reach ``qkv``."""
+    """:func:`flash_attn_func` on qkv (B, T, 3, H, D) packed. Gradients reach ``qkv``."""
     check_packed("qkv", qkv, 5, 3, "(B, T, 3, H, D)")
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(
@@ -166,7 +166,7 @@ def flash_attn_varlen_func(
 ) -> Any:
     """``flash_attn.flash_attn_varlen_func``: sequences packed one after the other, q
     (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv, D_v), sequence ``s`` from
-    ``cu_seqlens[s]`` to ``cu_seqlens[s + 1]``; each attends within itself at its own
+    ``cu_seqlens[s]`` to ``cu_seqlens[s + 1]``. Each attends within itself at its own
     bottom-right positions (:func:`qkv.varlen_attention` underneath).
 
     ``alibi_slopes`` (H,) or (N, H): one row per sequence. With ``block_table``

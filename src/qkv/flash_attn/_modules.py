@@ -19,7 +19,7 @@ def install() -> None:
     """Make ``import flash_attn`` (and ``from flash_attn import flash_attn_func``, and
     ``flash_attn.flash_attn_interface``) give :mod:`qkv.flash_attn`, so code written for
     the GPU runs on a CPU unchanged. Warns when a real ``flash_attn`` is already imported:
-    modules that imported it keep it; imports after this get qkv's. Undone by
+    modules that imported it keep it. Imports after this get qkv's. Undone by
     :func:`uninstall`. Calling it twice is the same as once."""
     ours = importlib.import_module("qkv.flash_attn")
     present = sys.modules.get(NAMES[0])

@@ -1,11 +1,12 @@
 """What each head does and what it contributes.
 
-``patterns``: attention recorded through qkv (:func:`record`) and the scores that name heads
-by where they look (:func:`head_scores`: previous-token, duplicate-token, induction — the
-paper's prefix matching — and first-token). ``circuits``: what heads contribute, as Olsson
-et al. (2022) measure it — the loss at each position (:func:`per_token_loss`), the
-in-context-learning score (:func:`icl_score`), copying (:func:`copying_scores`) and
-ablation (:func:`ablate`, through qkv's public hook on attention output).
+``patterns`` records attention through qkv (:func:`record`) and scores heads by where they
+look (:func:`head_scores`). The scores are previous-token, duplicate-token, induction (the
+paper's prefix matching) and first-token. ``circuits`` measures what heads contribute, as
+Olsson et al. (2022) measure it. It gives the loss at each position
+(:func:`per_token_loss`), the in-context-learning score (:func:`icl_score`), copying
+(:func:`copying_scores`) and ablation (:func:`ablate`, through qkv's public hook on
+attention output).
 """
 
 from .circuits import (

@@ -1,15 +1,15 @@
 """What heads contribute, measured as Olsson et al. (2022) measure it: the loss at each
 position, the in-context-learning score, each head's copying score, and ablations.
 
-- :func:`per_token_loss`: the next-token loss at each position, averaged over windows —
-  the curve whose late end drops when a model learns in context.
-- :func:`icl_score`: the loss at a late position minus the loss at an early one (the
-  paper's token 500 − token 50); negative when later tokens are predicted better.
-- :func:`copying_scores`: per layer and head, whether the head's OV circuit raises the
-  logit of the token it attends to — the eigenvalue score of W_U W_O W_V W_E.
-- :func:`ablate`: a block in which chosen heads' outputs are zeroed or replaced by their
-  mean, through qkv's public hook on attention output (:func:`qkv.core.record.editing`):
-  no model code is patched.
+- :func:`per_token_loss`, the next-token loss at each position averaged over windows. Its
+  late end drops when a model learns in context.
+- :func:`icl_score`, the loss at a late position minus the loss at an early one (the
+  paper's token 500 − token 50). It is negative when later tokens are predicted better.
+- :func:`copying_scores`, per layer and head, says whether the head's OV circuit raises the
+  logit of the token it attends to (the eigenvalue score of W_U W_O W_V W_E).
+- :func:`ablate` opens a block in which chosen heads' outputs are zeroed or replaced by
+  their mean, through qkv's public hook on attention output
+  (:func:`qkv.core.record.editing`). No model code is patched.
 
 "Layer" here is the index of the :func:`qkv.attention` call within one forward pass of the
 model, which is the layer for a :class:`qkv.models.GPT` and for a Hugging Face model with
@@ -148,7 +148,7 @@ def copying_scores(model: Any) -> torch.Tensor:
     Computed from the D × D matrix W_V^h · W_E · W_U · W_O^h, which has the same nonzero
     eigenvalues, in float64. A layer norm before the head and the one before the
     unembedding are folded in as the linear maps they are up to a positive scale per token
-    (centring, then the gain: RMSNorm's gain alone); biases are left out.
+    (centring, then the gain: RMSNorm's gain alone). Biases are left out.
 
     Args:
         model: a :class:`qkv.models.GPT`, or a Hugging Face model whose attention modules
@@ -172,7 +172,7 @@ def copying_scores(model: Any) -> torch.Tensor:
 
 def _norm_map(norm: Any, width: int) -> torch.Tensor:
     """The (E, E) linear part of a norm, up to its positive per-token scale: LayerNorm
-    centres then multiplies by its gain, RMSNorm only multiplies; anything else (none,
+    centres then multiplies by its gain, RMSNorm only multiplies. Anything else (none,
     Identity) is the identity."""
     eye = torch.eye(width, dtype=torch.float64)
     weight = getattr(norm, "weight", None)

@@ -1,20 +1,21 @@
 """What each head does: attention recorded through qkv, and the scores that name heads.
 
 Inside a :func:`record` block every :func:`qkv.attention` call keeps its inputs and its
-log-sum-exp — a :class:`qkv.models.GPT`, any :class:`qkv.MultiHeadAttention`, or a Hugging
-Face model with qkv registered as its attention — so no ``output_attentions`` is needed.
+log-sum-exp, whether it comes from a :class:`qkv.models.GPT`, any
+:class:`qkv.MultiHeadAttention`, or a Hugging Face model with qkv registered as its
+attention. No ``output_attentions`` is needed.
 Weights are recomputed afterwards from the log-sum-exp for the rows asked for
 (:func:`qkv.attention_weights`), so a long prompt never holds T × T per layer.
 
 :func:`head_scores` feeds a model a random token sequence repeated twice and scores every
 layer and head on what it attends to from the second copy (Olsson et al. 2022):
 
-- ``previous_token``: the token just before (i - 1);
-- ``duplicate_token``: the earlier occurrence of the same token (i - M);
-- ``induction``: the token after that earlier occurrence (i - M + 1), what a head that
-  copies a repeated sequence forward looks at;
-- ``first_token``: position 0, where heads park attention they do not need (an
-  "attention sink").
+- ``previous_token``, the token just before (i - 1).
+- ``duplicate_token``, the earlier occurrence of the same token (i - M).
+- ``induction``, the token after that earlier occurrence (i - M + 1). A head that copies a
+  repeated sequence forward looks there.
+- ``first_token``, position 0, where heads park attention they do not need (an "attention
+  sink").
 
 Each is a mean attention weight in [0, 1]: 1 means the head puts all of its attention there.
 
@@ -286,7 +287,7 @@ def head_scores(
 
 @contextlib.contextmanager
 def evaluating(model: Any) -> Iterator[None]:
-    """The block runs ``model`` in eval mode without gradients; its mode is restored after."""
+    """The block runs ``model`` in eval mode without gradients. Its mode is restored after."""
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()

@@ -1,1 +1,1 @@
-"""Integrations with other libraries; each imports its library only when used."""
+"""Integrations with other libraries. Each imports its library only when used."""

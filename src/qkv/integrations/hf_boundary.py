@@ -18,7 +18,7 @@ NAME = "qkv"
 
 
 class Unsupported(ValueError):
-    """A model, or an argument it passes, that qkv cannot run exactly; the message says why
+    """A model, or an argument it passes, that qkv cannot run exactly. The message says why
     and what to use instead."""
 
 
@@ -63,7 +63,7 @@ def refused_keywords(kwargs: dict[str, Any]) -> list[str]:
     """The keywords of an attention call that qkv cannot honour, by one rule: a keyword
     concerns the attention if one of transformers' attention functions takes it by name,
     or if it carries a tensor (other than the positions transformers has already built into
-    the mask); those qkv does not take are refused. Every other keyword (flags such as
+    the mask). Those qkv does not take are refused. Every other keyword (flags such as
     ``output_router_logits``, ints such as ``logits_to_keep``, cache objects) passes through
     every transformers backend unread, and qkv ignores it as they do."""
     concern = _backend_keywords()

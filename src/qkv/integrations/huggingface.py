@@ -13,7 +13,7 @@ queries' place in the key buffer (:class:`StructuralMask`: block-sparse, never T
 others are transformers' dense bool masks (``sdpa_mask``: ``True`` = may attend, qkv's
 polarity). The score modifications models pass to the
 attention function become :mod:`qkv.scores` modifications: Gemma 2's ``softcap``, T5's
-``position_bias``, a model's own additive float mask; gpt-oss's ``s_aux`` (and Inkling's
+``position_bias``, a model's own additive float mask. Gpt-oss's ``s_aux`` (and Inkling's
 ``sinks``) become qkv's ``sinks``, DeepSeek's sparse ``indices`` a
 :func:`qkv.masks.key_indices` mask. A keyword qkv cannot honour (:func:`refused_keywords`)
 and a family that computes attention in its own code (:func:`check`) raise
@@ -191,7 +191,7 @@ def _densified(x: Any) -> Any:
 
 class StructuralMask(torch.Tensor):
     """The (B, 1, T_q, T_k) bool mask transformers asked for, held as a qkv mask: the qkv
-    attention function reads the mask underneath (block-sparse, never T_q × T_k); any torch
+    attention function reads the mask underneath (block-sparse, never T_q × T_k). Any torch
     operation on it — transformers preparing it for generation, another implementation —
     sees the dense bool mask it stands for, built then. So it is never wrong, only lazy."""
 

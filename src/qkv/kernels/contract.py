@@ -5,7 +5,7 @@ A :class:`Lowered` call is one validated attention problem in the canonical layo
 mask and the score modification already in the form the chosen kernel eats — a dense bool
 mask, a float mask, SDPA's ``is_causal``, a function over whole score matrices, tile objects
 and a plan, or FlexAttention's block mask and ``score_mod`` — made in one stage,
-:func:`qkv.core.lowering.lower`. A kernel reads only the fields of its form; it neither
+:func:`qkv.core.lowering.lower`. A kernel reads only the fields of its form. It neither
 validates, nor chooses between paths, nor lowers.
 
 Legend: B batch · H query heads · H_kv key/value heads · G = H / H_kv · T_q/T_k query/key
@@ -114,9 +114,10 @@ class Lowered:
 
 @dataclass(frozen=True)
 class Result:
-    """What a kernel returns: out (B, H, T_q, D_v) in q's dtype; the (B, H, T_q) log-sum-exp
-    (accumulation dtype) and the (B, H, T_q, T_k) weights where the kernel gives them, else
-    None. Fully masked rows: out 0, weights 0, lse -inf (with sinks: the sink's logit)."""
+    """What a kernel returns: out (B, H, T_q, D_v) in q's dtype, with the (B, H, T_q)
+    log-sum-exp (accumulation dtype) and the (B, H, T_q, T_k) weights where the kernel
+    gives them, else None. Fully masked rows give out 0, weights 0 and lse -inf (with
+    sinks, the sink's logit)."""
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
@@ -129,7 +130,7 @@ def sink_factor(lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, t
     A sink is a key with logit ``sinks[h]`` and no value: it joins each row's softmax
     denominator and adds nothing to the output. So, exactly, ``lse' = logaddexp(lse, sink)``
     and every weight (hence the output) is multiplied by ``exp(lse - lse')``. A fully
-    masked row (lse -inf) keeps out 0 and gets lse' = sink; a sink of +inf takes the whole
+    masked row (lse -inf) keeps out 0 and gets lse' = sink. A sink of +inf takes the whole
     row (factor 0, lse' +inf). Both hold with their gradients: never ``inf - inf``.
 
     Args:
@@ -163,7 +164,7 @@ def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, d_lse: torch.Tensor) -> to
     """The sinks' gradient, from the log-sum-exp that includes them: each row's sink weight
     ``exp(sink − lse)`` times what reaches that row's lse through the sink
     (``d_lse`` = dlse − rowsum(dout ∘ out)), summed to the sinks' shape. A row whose lse and
-    sink are both -inf contributes 0; a sink of +inf has weight 1 (it is the whole row)."""
+    sink are both -inf contributes 0. A sink of +inf has weight 1 (it is the whole row)."""
     rows = sink_rows(sinks, lse.dtype)
     takes_all = rows == float("inf")
     weight = torch.exp(rows - lse).masked_fill(lse == float("-inf"), 0.0)

@@ -14,7 +14,7 @@ is what FlexAttention consumes (:func:`qkv.core.lowering.lower` makes both):
   same positions).
 
 ``torch.compile(flex_attention)`` is compiled once per mask structure (kind and constants:
-a window's width, a prefix's length), score modification, dtype and device; dynamo's cache
+a window's width, a prefix's length), score modification, dtype and device. Dynamo's cache
 keeps each. On CPU that takes seconds per structure and torch 2.13 gives neither the
 log-sum-exp nor a backward pass there (``NotImplementedError``), so on CPU this backend runs
 inference only and says so when asked for more.
@@ -43,7 +43,7 @@ _COMPILED: Any = None
 
 def run(call: Lowered) -> Result:
     """The contract's entry: the compiled FlexAttention over the call's block mask and
-    score_mod; the log-sum-exp when the call needs it."""
+    score_mod, with the log-sum-exp when the call needs it."""
     global _COMPILED
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -83,7 +83,7 @@ def run(call: Lowered) -> Result:
 
 
 def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a compiled flex_attention. Each mask structure is a compiled variant; past
+    """Call a compiled flex_attention. Each mask structure is a compiled variant. Past
     dynamo's default limit of 8, torch would fall back to flex's unfused eager path, which
     materialises T_q × T_k scores (at T = 16K in bfloat16 that ran this machine out of
     memory): raise the limit, and fail rather than fall back past it."""

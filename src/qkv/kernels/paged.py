@@ -1,7 +1,7 @@
 """qkv's native decode step over a paged KV cache (``_paged.c``, built at install): one query
 per sequence attends its keys in their pages, read through the block table, with no gather
 into a contiguous copy. float32 and bfloat16 (accumulated in float32), and pages quantized
-to int8 or float8 e4m3 with a float32 scale per row (:mod:`.quant`), read in place; where
+to int8 or float8 e4m3 with a float32 scale per row (:mod:`.quant`), read in place. Where
 it is not built,
 :func:`qkv.paged_attention` gathers the pages and calls :func:`qkv.attention` instead
 (docs/ragged.md#attention-over-pages).

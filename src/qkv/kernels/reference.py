@@ -40,7 +40,7 @@ def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 class _Scores(torch.autograd.Function):
     """``Q Kᵀ`` whose backward reads non-finite entries of Q and K as 0. A score that the
     mask removes gets ``dS = 0``, and ``0 · NaN`` must not carry a NaN key (or query) into
-    the gradients of rows that mask it out; a row that does attend to it is NaN through dS."""
+    the gradients of rows that mask it out. A row that does attend to it is NaN through dS."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ def sdpa(
 
 def run(call: Lowered) -> Result:
     """The contract's entry: the call's float mask if it has one, else its bool mask or
-    ``is_causal``; with sinks, :func:`with_sink_key`. On path "sdpa-float32", half-precision
+    ``is_causal``. With sinks, :func:`with_sink_key`. On path "sdpa-float32", half-precision
     inputs run on float32 copies and the output is rounded back (the gradients flow back
     through the copies in the inputs' dtypes): where the CPU has no bfloat16 dot product,
     torch's half-precision backward runs several times slower than float32's."""

@@ -117,7 +117,7 @@ class Trace:
         }
 
     def heatmap(self, path: str | Path | None = None) -> Any:
-        """A heatmap of the weights, one panel per head; written as PNG if ``path`` given."""
+        """A heatmap of the weights, one panel per head. Written as PNG if ``path`` given."""
         from .viz import heatmap
 
         return heatmap(

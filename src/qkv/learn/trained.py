@@ -5,7 +5,7 @@ qkv ships no weights: a model is its recipe (a preset, a seed, a number of steps
 scores that recipe reached when it was recorded. The first call trains the recipe once —
 exactly ``qkv train --preset induction --seed 0 --steps 1200``, about 40 seconds on a 2-core
 CPU — into ``QKV_CACHE_DIR`` (else ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv``), under
-``pretrained/``; every later call loads that run. The run is an ordinary ``qkv train``
+``pretrained/``. Every later call loads that run. The run is an ordinary ``qkv train``
 directory, snapshots included, so ``qkv heads``, ``qkv view`` and ``qkv explain`` read it as
 they read any run (and do so when given no ``--checkpoint``).
 

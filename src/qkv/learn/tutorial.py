@@ -1,6 +1,6 @@
 """The seeds' stages of attention as small, readable pieces, in the order a learner meets them.
 
-1. :func:`simplified_attention`: no weights; scores are dot products of the inputs.
+1. :func:`simplified_attention`: no weights. Scores are dot products of the inputs.
 2. :func:`naive_softmax` beside :func:`stable_softmax`: why we subtract the max.
 3. :class:`SelfAttention_v1`: trainable ``nn.Parameter`` weights, scaled scores.
 4. :func:`dot_product_variance`: why the scores are divided by ``sqrt(d_k)``.
@@ -85,9 +85,10 @@ class SelfAttention_v1(nn.Module):
     """Self-attention with ``nn.Parameter(torch.rand(d_in, d_out))`` weights (seeds 000 and
     004), created in the order query, key, value.
 
-    queries ``x W_q``, keys ``x W_k``, values ``x W_v``; weights ``softmax(Q Kᵀ / sqrt(d_out))``;
-    context ``weights · V``. (The trainable-weights notebook's version computed the
-    context from a global variable instead of its own weights; this one does not.)
+    The queries are ``x W_q``, the keys ``x W_k`` and the values ``x W_v``. The weights are
+    ``softmax(Q Kᵀ / sqrt(d_out))`` and the context is ``weights · V``. (The
+    trainable-weights notebook's version computed the context from a global variable
+    instead of its own weights. This one does not.)
 
     Example:
         >>> _ = torch.manual_seed(123)

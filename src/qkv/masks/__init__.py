@@ -1,7 +1,7 @@
 """Masks as predicates over absolute positions: ``mask(b, h, q_idx, kv_idx) -> bool``.
 
 ``True`` means *may attend*. Query ``i`` sits at absolute position ``q_offset + i`` and key
-``j`` at position ``j``; the default ``q_offset`` is ``T_k - T_q`` (bottom-right, what a KV
+``j`` at position ``j``. The default ``q_offset`` is ``T_k - T_q`` (bottom-right, what a KV
 cache needs), so for ``T_q == T_k`` :func:`causal` is the usual lower triangle.
 
 Masks compose with ``&``, ``|`` and ``~`` and lower to a dense bool tensor for given shapes.

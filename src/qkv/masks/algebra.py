@@ -172,7 +172,7 @@ class Mask:
 
     def _reach(self, t: _Tiles) -> tuple[np.ndarray, np.ndarray]:
         """Per query block, the keys [lo, hi) (absolute positions) outside which every tile is
-        EMPTY; unknown structure reaches every key."""
+        EMPTY. Unknown structure reaches every key."""
         return np.full(len(t.qa), -_FAR), np.full(len(t.qa), _FAR)
 
     def intervals(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

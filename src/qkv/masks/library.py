@@ -404,7 +404,7 @@ def sliding_window(window: int) -> Mask:
 
 
 def padding(lengths: Any) -> Mask:
-    """Batch row ``b`` may attend only to its first ``lengths[b]`` keys; shape (B,)."""
+    """Batch row ``b`` may attend only to its first ``lengths[b]`` keys. Shape (B,)."""
     return _Padding(lengths)
 
 
@@ -412,7 +412,7 @@ def document(ids: Any) -> Mask:
     """Packed sequences: attend only to keys of the same document.
 
     ``ids`` gives the document id of every key position, shape (T_k,) or (B, T_k).
-    Bidirectional within a document; combine with :func:`causal` for decoders.
+    Bidirectional within a document. Combine with :func:`causal` for decoders.
     """
     return _Document(ids)
 

@@ -127,7 +127,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
-        """The inverse of :meth:`to_dict`; unknown keys are an error, not ignored."""
+        """The inverse of :meth:`to_dict`. Unknown keys are an error, not ignored."""
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown GPTConfig fields: {', '.join(sorted(unknown))}")

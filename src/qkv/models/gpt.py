@@ -174,7 +174,7 @@ class GPT(nn.Module):
 
     def _init_weights(self) -> None:
         """GPT-2's initialisation: N(0, 0.02) weights, zero biases, and the projections
-        that write into the residual stream scaled by 1/sqrt(their number); or "fan_in"
+        that write into the residual stream scaled by 1/sqrt(their number), or "fan_in"
         (:class:`GPTConfig`)."""
         fan_in = self.config.init == "fan_in"
         for module in self.modules():
@@ -417,12 +417,12 @@ class GPT(nn.Module):
         Given a list of prompts ((T_i,) tensors of different lengths), they are prefilled
         together, packed (varlen), and decoded together on a paged KV cache
         (:class:`qkv.serving.Batcher`), each at its own positions, each stopping at its own
-        ``stop_token`` or after max_new_tokens; the result is a list of (T_i + new_i,)
+        ``stop_token`` or after max_new_tokens. The result is a list of (T_i + new_i,)
         tensors, the same greedy tokens as generating each alone. The prompt and its new
         tokens must fit the context window there.
 
         With ``use_cache`` the prompt is prefilled into one KV cache per layer and every
-        later step feeds one token; without, every step recomputes the whole context (the
+        later step feeds one token. Without, every step recomputes the whole context (the
         nanoGPT way). Both give the same tokens.
 
         The context window: each prediction sees the last ``block_size`` tokens at most.

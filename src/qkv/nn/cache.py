@@ -182,7 +182,7 @@ class KVCache:
     ) -> torch.Tensor:
         """Append k and v, then attend q over every cached key (:class:`Cache`). A quantized
         cache's decode step (one query, no mask or dropout) reads the stored rows in place
-        (:func:`qkv.paged_attention`, each sequence one page); anything else attends over
+        (:func:`qkv.paged_attention`, each sequence one page). Anything else attends over
         the rows :meth:`append` gives back."""
         ks, vs = self.key_scale, self.value_scale
         if ks is not None and vs is not None and q.shape[2] == 1 and mask is None and not dropout_p:

@@ -104,7 +104,7 @@ class MultiHeadAttention(AttentionModule):
         context: torch.Tensor | None = None,
         positions: torch.Tensor | int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries (B, H, T_q, d_head) from x; keys and values (B, H_kv, T_k, d_head) from
+        """Queries (B, H, T_q, d_head) from x. Keys and values (B, H_kv, T_k, d_head) from
         x or context, rotated by RoPE. ``positions`` are the absolute positions of x's tokens
         when they are not 0, 1, …: the first one's (after a cache's tokens), (T_q,) (a shard
         of a context-parallel sequence) or (B, T_q) (each row of a ragged batch its own)."""
@@ -214,7 +214,7 @@ class MultiHeadAttention(AttentionModule):
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
         """The same attention as ``m``, its weights copied. Translate its masks with
-        :func:`qkv.masks.from_torch`; its inputs are (T, B, E) unless ``batch_first``."""
+        :func:`qkv.masks.from_torch`. Its inputs are (T, B, E) unless ``batch_first``."""
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn have no qkv equivalent")
         if m.kdim != m.vdim:

@@ -116,7 +116,7 @@ class LatentCache:
         return dequantize(rows, self.scales[:, :, : self.length], self._like.dtype)
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Store rows (B, 1, T, r + rope) after the cached ones; return all cached rows,
+        """Store rows (B, 1, T, r + rope) after the cached ones, and return all cached rows
         (B, 1, length, r + rope): a view, or dequantized."""
         self.store(rows)
         return self.held()
@@ -287,10 +287,11 @@ class MultiHeadLatentAttention(nn.Module):
 
     def choose(self, T_q: int, cache: LatentCache | PagedLatentBatch | None) -> tuple[str, str]:
         """The form that computes T_q new tokens with fewer multiplications, and why.
-        Without a cache (training, a whole sequence): expanded. With one: expanding costs
-        r · H · (nope + v) per cached token whatever T_q is; absorbing costs
-        H · T_q · (2r + rope − nope − rope − v) more per cached token in the attention; so
-        absorbed while T_q · (2r − nope − v) < r · (nope + v) (DeepSeek V3: T_q < 171)."""
+        Without a cache (training, a whole sequence) the form is expanded. With one,
+        expanding costs r · H · (nope + v) per cached token whatever T_q is, and absorbing
+        costs H · T_q · (2r + rope − nope − rope − v) more per cached token in the
+        attention. So the form is absorbed while T_q · (2r − nope − v) < r · (nope + v)
+        (DeepSeek V3: T_q < 171)."""
         if cache is None:
             return "expanded", "no cache: keys and values expanded from the latents"
         r, H, nope, v = self.kv_lora_rank, self.num_heads, self.nope, self.v_head_dim

@@ -172,8 +172,8 @@ class CrossAttention(nn.Module):
         x_v: torch.Tensor | None = None,
         mask: MaskLike = None,
     ) -> torch.Tensor:
-        """x_q: (T_q, d_in) or (B, T_q, d_in); x_k, x_v: (T_k, d_kv) or (B, T_k, d_kv), in
-        the layout of x_q. Returns (…, T_q, d_out)."""
+        """Queries from x_q, (T_q, d_in) or (B, T_q, d_in), keys and values from x_k and x_v,
+        (T_k, d_kv) or (B, T_k, d_kv) in the layout of x_q. Returns (…, T_q, d_out)."""
         x_v = x_k if x_v is None else x_v
         check_input("x_q", x_q, self.d_in, self.W_query.weight)
         check_input("x_k", x_k, self.d_kv, self.W_key.weight)

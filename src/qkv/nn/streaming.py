@@ -2,7 +2,7 @@
 Sinks*, 2023): the first ``sinks`` tokens and the last ``window`` ones, so that a model
 reads a stream far longer than its context in fixed memory.
 
-When the cache is full, each new token evicts the oldest token of the window; the first
+When the cache is full, each new token evicts the oldest token of the window. The first
 tokens stay, because trained models park attention on them (the "attention sinks") and
 lose their footing when they go. Positions are the paper's: a token's position is its slot
 in the cache, not in the text — keys are kept before their rotary embedding and rotated
@@ -116,9 +116,9 @@ class StreamingCache:
         dropout_p: float,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Store k and v, then attend q over the tokens kept (:class:`qkv.nn.Cache`): q and k
-        arrive rotated at :meth:`positions`' slots; k is stored unrotated and every kept key
-        rotated at its slot for this step. A mask of the caller's is refused: the kept
+        """Store k and v, then attend q over the tokens kept (:class:`qkv.nn.Cache`). q and k
+        arrive rotated at :meth:`positions`' slots. The keys are stored unrotated, and every
+        kept key is rotated at its slot for this step. A mask of the caller's is refused: the kept
         tokens are not the text's positions."""
         if mask is not None:
             raise ValueError("a StreamingCache takes no mask: its tokens are not the text's")

@@ -12,7 +12,7 @@ NumPy in :mod:`qkv.numpy` and torch in :func:`qkv.attention`.
 Modifications compose in order with :func:`chain` (or ``first.then(second)``):
 ``chain(alibi(s), softcap(50.0))`` adds the ALiBi bias, then caps. An additive modification
 (:func:`alibi`, :func:`relative_bias`, :func:`bias`) is ``score + term(b, h, q_idx, kv_idx)``,
-which torch's fused kernel takes as a float mask; the others run on the kernels that apply
+which torch's fused kernel takes as a float mask. The others run on the kernels that apply
 them tile by tile.
 
 Legend: B batch · H query heads · T_q/T_k query/key length.

@@ -153,7 +153,7 @@ class ScoreMod:
         return self
 
     def stages(self) -> list[ScoreMod]:
-        """The modifications applied in order: a chain's, flattened; else this one."""
+        """The modifications applied in order: a chain's, flattened, or this one alone."""
         return [self]
 
     def recipe(self, tensors: list[Any], ints: list[Any]) -> list[str] | None:

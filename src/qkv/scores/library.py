@@ -167,8 +167,8 @@ def relative_position_bucket(
     """T5's bucket of each relative position ``kv_idx - q_idx`` (NumPy or torch integers).
 
     Half the buckets (all of them if not ``bidirectional``, where future keys share bucket 0)
-    hold exact distances up to ``num_buckets // 4`` (// 2); the rest grow logarithmically up
-    to ``max_distance``; farther keys share the last bucket. Computed from a table made once
+    hold exact distances up to ``num_buckets // 4`` (// 2). The rest grow logarithmically up
+    to ``max_distance``. Farther keys share the last bucket. Computed from a table made once
     in float32, as T5 computes it, so NumPy and torch agree bucket for bucket.
     """
     # While compiling, the table's function itself: dynamo traces through the cache wrapper
@@ -327,7 +327,7 @@ class _Bias(ScoreMod):
 
 def alibi_slopes(heads: int) -> torch.Tensor:
     """ALiBi's standard slopes for ``heads`` heads (Press et al., 2022): a geometric sequence
-    starting at ``2^(-8/n)`` for the power of two ``n``; for other head counts, those of the
+    starting at ``2^(-8/n)`` for the power of two ``n``. For other head counts, those of the
     largest power of two below, then every other slope of the next power of two. (H,) float32.
     """
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:

@@ -197,7 +197,7 @@ class PagedLatentCache:
 
 class PagedLatentBatch:
     """Sequences of a :class:`PagedLatentCache` seen as one batch's cache: each at its own
-    positions (:meth:`positions`); a decode step (one query each, no mask or dropout) is
+    positions (:meth:`positions`). A decode step (one query each, no mask or dropout) is
     attended where the rows lie (:func:`qkv.paged_attention`), longer steps over the
     gathered rows with each sequence kept to its own."""
 
@@ -228,7 +228,7 @@ class PagedLatentBatch:
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """Store rows, then every cached row (B, 1, L, w): for sequences of one length (the
-        expanded form's prefill); a ragged batch attends through :meth:`attend`."""
+        expanded form's prefill). A ragged batch attends through :meth:`attend`."""
         self.store(rows)
         lengths = self.row_lengths
         if bool((lengths != lengths[0]).any()):

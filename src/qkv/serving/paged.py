@@ -1,7 +1,7 @@
 """A paged KV cache: keys and values in fixed-size pages taken from one pool per layer.
 
 A contiguous :class:`qkv.KVCache` reserves ``batch × max_len`` tokens up front. A paged cache
-reserves a pool of pages; a sequence takes a page when its last one is full and gives all of
+reserves a pool of pages. A sequence takes a page when its last one is full and gives all of
 them back when it ends, so the memory held follows the tokens actually cached. Each sequence
 has a block table (its pages, in order).
 
@@ -116,7 +116,7 @@ class PagedKVCache:
 
     def fork(self, seq: int) -> int:
         """A new sequence that starts as a copy of ``seq`` (a shared prompt): its full pages
-        are shared, not copied (counted, freed with the last holder); a partly filled last
+        are shared, not copied (counted, freed with the last holder). A partly filled last
         page is copied, so that each sequence appends to a page of its own."""
         child, copy = self._allocator.fork(seq)
         if copy is not None:
@@ -142,7 +142,7 @@ class PagedKVCache:
 
     def append(self, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Store (B, H_kv, T, D) keys and (B, H_kv, T, D_v) values after each sequence's
-        cached tokens, row b for sequence ``seqs[b]``; pages are taken from the pool as
+        cached tokens, row b for sequence ``seqs[b]``. Pages are taken from the pool as
         needed. A pool too small raises (nothing is stored), never truncates."""
         self._check(seqs, key, value)
         slots = self._allocator.reserve(seqs, [key.shape[2]] * len(seqs))
@@ -150,8 +150,8 @@ class PagedKVCache:
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """(B, H_kv, T, ·) keys and values into the slots (page · P + offset, (B · T,),
-        row-major) reserved for them; quantized with their scales in a quantized pool
-        (checked finite and gradient-free first, by :meth:`_check`)."""
+        row-major) reserved for them. A quantized pool stores them quantized, with their
+        scales (checked finite and gradient-free first, by :meth:`_check`)."""
         H_kv, pages, P = self.keys.shape[:3]
         rows = [(self.keys, self.key_scale, key), (self.values, self.value_scale, value)]
         for pool, scales, x in rows:
@@ -220,7 +220,7 @@ class PagedKVCache:
         return table.view(len(seqs), -1), self.lengths(seqs) - skip * self.page_size
 
     def _select(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
-        """pool's pages ``flat``, (H_kv, len(flat), P, ·); into a reused buffer when no
+        """The pool's pages ``flat``, (H_kv, len(flat), P, ·), in a reused buffer when no
         gradient is recorded."""
         if torch.is_grad_enabled():
             return pool.index_select(1, flat)
@@ -264,9 +264,9 @@ class PagedKVCache:
         what: str,
     ) -> None:
         """Keys (rows, H_kv, T, D) and values (…, D_v) the pool can store, or an error
-        saying why (``what`` qualifies the rows in it); for a quantized pool also no gradient
-        to record and finite values — an error naming the sequence and position
-        (``where(row, t)``) before anything is stored."""
+        saying why (``what`` qualifies the rows in it). A quantized pool also takes no
+        gradient to record and finite values only: an error names the sequence and
+        position (``where(row, t)``) before anything is stored."""
         H_kv, D, D_v = self.keys.shape[0], self.keys.shape[3], self.values.shape[3]
         check_appended(key, value, rows, H_kv, D, D_v, self._like, "the pool", what)
         if self.key_scale is None:
@@ -332,8 +332,8 @@ class PagedBatch:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Store k and v, then attend q over each sequence's keys (:class:`qkv.nn.Cache`):
-        read where they lie (:meth:`attend_stored`) without a mask or dropout; else gathered,
-        with each row's own keys as a mask beside the caller's."""
+        read where they lie (:meth:`attend_stored`) without a mask or dropout, and gathered
+        otherwise, with each row's own keys as a mask beside the caller's."""
         if mask is None and dropout_p == 0:  # stored, then attended where they lie
             self.store(k, v)
             return self.attend_stored(q, causal, sinks)
@@ -355,7 +355,7 @@ class PagedBatch:
         last T of its tokens, over the keys it holds (``causal``: each up to itself), where
         they lie. A prefix of pages sequences share (:meth:`PagedKVCache.fork`; nested:
         a system prompt for all, more for some) is read once for all who share it, its part
-        merged by log-sum-exp (cascade attention); the rest of each sequence's keys are read
+        merged by log-sum-exp (cascade attention). The rest of each sequence's keys are read
         in place for a decode step (:func:`qkv.paged_attention`), gathered for T > 1.
         (B, H, T, D_v)."""
         if not self._appends:

@@ -60,7 +60,7 @@ class PageAllocator:
         return page
 
     def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]:
-        """A child sharing seq's full pages; and (from, to) when its partly filled last
+        """A child sharing seq's full pages, and (from, to) when its partly filled last
         page must be copied into a page of the child's own."""
         table, length = self.table(seq), self.length(seq)
         full = length // self.page_size
@@ -85,8 +85,9 @@ class PageAllocator:
         return _common([self.table(s) for s in seqs], 0, full)
 
     def reserve(self, seqs: Sequence[int], counts: Sequence[int]) -> list[int]:
-        """counts[b] more tokens for sequence seqs[b]: pages taken as needed, lengths
-        advanced; the slots (page · P + offset) the new tokens go to, sequence by sequence.
+        """Reserve counts[b] more tokens for sequence seqs[b], taking pages as needed and
+        advancing lengths, and return the slots (page · P + offset) the new tokens go to,
+        sequence by sequence.
         A pool too small raises and changes nothing."""
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a sequence appears twice in {list(seqs)}")
@@ -177,7 +178,7 @@ class Append:
 
     def own(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's pages past the prefixes it shares, as a (B, max_pages) block table,
-        and their tokens (B,); int32, made once for every layer."""
+        and their tokens (B,), both int32 and made once for every layer."""
         if self._own is None:
             _, starts = self.tree()
             table = torch.tensor(self.allocator.block_tables(self.seqs, starts), dtype=torch.int32)

@@ -110,13 +110,14 @@ class Batcher:
         self._next = 0
 
     def add(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
-        """Prefill a prompt ((T,) token ids, T >= 1) into its own pages; its id."""
+        """Prefill a prompt ((T,) token ids, T >= 1) into its own pages, and return its id."""
         return self.extend([prompt], max_new_tokens)[0]
 
     @torch.no_grad()
     def extend(self, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> list[int]:
         """Prefill prompts ((T_i,) token ids, each T_i >= 1) together, packed in one forward
-        pass (:class:`qkv.serving.PackedBatch`: each attends its own tokens); their ids."""
+        pass (:class:`qkv.serving.PackedBatch`: each attends its own tokens), and return
+        their ids."""
         window = self.model.config.block_size
         for prompt in prompts:
             if not isinstance(prompt, torch.Tensor) or prompt.ndim != 1 or len(prompt) == 0:
@@ -157,7 +158,7 @@ class Batcher:
     @torch.no_grad()
     def step(self) -> dict[int, int]:
         """One token for every request in flight: {id: token}. Requests that reach their
-        end leave (their pages are freed); the others are run forward together."""
+        end leave (their pages are freed). The others are run forward together."""
         live = [self._requests[rid] for rid in self.active]
         if not live:
             return {}

@@ -5,7 +5,7 @@ A checkpoint is written as a set: its four files go into a new *generation* dire
 (``out/gen-NNNNNN-K``), made complete and flushed to disk, and then swapped in with one
 rename — the symbolic link ``out/latest`` replaced by one pointing at it. Only then is the
 previous generation removed. A kill at any instant leaves ``latest`` pointing at a whole
-generation (the new one, or the one before); readers go through :func:`checkpoint_dir`. A
+generation (the new one, or the one before). Readers go through :func:`checkpoint_dir`. A
 checkpoint written before generations (its files directly in ``out``) is read as it is.
 
 Every way a checkpoint can be damaged or mismatched — a missing, empty or truncated file,
@@ -39,10 +39,10 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_dir(out: str | Path) -> Path:
-    """Where the checkpoint files of a run directory are: the generation ``out/latest``
-    points at; ``out/latest`` itself where it is a folder (a run copied with ``cp -rL``,
-    which copies what a link points at); or ``out`` for a checkpoint written before
-    generations."""
+    """Where the checkpoint files of a run directory are. They are in the generation
+    ``out/latest`` points at, or in ``out/latest`` itself where it is a folder (a run copied
+    with ``cp -rL``, which copies what a link points at), or in ``out`` for a checkpoint
+    written before generations."""
     out = Path(out)
     link = out / LATEST
     if link.is_symlink():
@@ -199,7 +199,7 @@ def save_checkpoint(
     plot: bool = True,
 ) -> Path:
     """Write a checkpoint (the files of :mod:`qkv.training.loop`'s docstring) as a new
-    generation of ``out`` and swap it in with one rename; returns its directory. ``fault``
+    generation of ``out`` and swap it in with one rename. Returns its directory. ``fault``
     (tests) is called with the name of each stage, so a test can stop a save anywhere.
     ``plot``: redraw ``loss.png`` (a tenth of a second; the loop redraws it at evaluations
     and at the end, not at every save of a run saving every step)."""
@@ -292,7 +292,7 @@ def _load_training_state(
 
 
 def load_checkpoint(path: str | Path, step: int | None = None) -> GPT:
-    """The trained :class:`qkv.models.GPT` of a checkpoint directory, in eval mode; with
+    """The trained :class:`qkv.models.GPT` of a checkpoint directory, in eval mode. With
     ``step``, the snapshot kept at that step instead."""
     path = Path(path)
     if not path.is_dir():

@@ -76,7 +76,8 @@ def _stdlib_files(root: Path) -> tuple[Path, ...]:
 
 
 def _text_files(root: Path) -> tuple[list[Path], list[tuple[str, str]]]:
-    """Every file under root that is not hidden and reads as UTF-8; and the others, why."""
+    """Every file under root that is not hidden and reads as UTF-8, and why each other
+    file was skipped."""
     out, skipped = [], []
     for p in sorted(root.rglob("*")):
         if not p.is_file() or any(part.startswith(".") for part in p.relative_to(root).parts):
@@ -237,7 +238,7 @@ def bigram_loss(corpus: Corpus, smoothing: float = 0.5) -> float:
 class RepeatedSegments:
     """Synthetic sequences for the induction experiment: each a uniformly random segment of
     tokens, its length drawn from [min_length, max_length], repeated to fill the window. The
-    first copy cannot be predicted; every later token can, by looking back one segment — what
+    first copy cannot be predicted. Every later token can, by looking back one segment — what
     an induction head learns. Random lengths leave no positional shortcut.
 
     Example:
@@ -292,7 +293,7 @@ UNKNOWN = 0
 @dataclass(frozen=True)
 class Words:
     """A corpus cut into words (:data:`WORD`), each mapped to an id of a vocabulary of the
-    most frequent words of the training split; every other word is :data:`UNKNOWN` (id 0).
+    most frequent words of the training split. Every other word is :data:`UNKNOWN` (id 0).
 
     Closer than bytes to the tokens the induction-heads paper trained on: a name that
     recurs in a file is one token, which an induction head can copy forward.

@@ -3,18 +3,18 @@
 AdamW with linear warm-up and cosine decay, gradient clipping, a seed, validation loss at
 intervals, and checkpoints that resume exactly. A checkpoint directory holds:
 
-- ``model.safetensors``: the weights (safetensors, never pickle);
-- ``optimizer.safetensors``: AdamW's moments and the random generators' states;
-- ``config.json``: the model and training configuration, the preset, the corpus;
-- ``state.json``: the step reached, the run's total, and the loss history;
-- ``loss.png``: the loss curve (when matplotlib is installed), redrawn by the first save
+- ``model.safetensors``, the weights (safetensors, never pickle).
+- ``optimizer.safetensors``, AdamW's moments and the random generators' states.
+- ``config.json``, the model and training configuration, the preset and the corpus.
+- ``state.json``, the step reached, the run's total and the loss history.
+- ``loss.png``, the loss curve (when matplotlib is installed), redrawn by the first save
   after each evaluation and by the last.
 
 The set is written as a new generation and swapped in with one rename
 (:mod:`qkv.training.checkpoint`), every ``save_every`` steps and at the end, so a crash at any
 instant leaves the previous checkpoint whole. Ctrl-C (SIGINT) or SIGTERM (a scheduler, a
-logout, ``docker stop``) finishes the current step, writes a checkpoint and stops; a second
-one stops at once (``KeyboardInterrupt``), the last checkpoint still whole.
+logout, ``docker stop``) finishes the current step, writes a checkpoint and stops. A second
+one stops at once (``KeyboardInterrupt``), and the last checkpoint is still whole.
 
 Legend: B batch · T sequence length (block_size)."""
 
@@ -120,7 +120,7 @@ def _fastest_autocast(model: Any, batch_size: int, mcfg: GPTConfig) -> str:
     """ "bfloat16" where a training step of this model (forward and backward on random
     tokens) runs under 0.9× the float32 step's time on this CPU, else "float32": bfloat16
     is faster only where the CPU has a bfloat16 dot product. Interleaved medians of 3 steps
-    each after a warm-up; the random state, the weights and their gradients are left as
+    each after a warm-up. The random state, the weights and their gradients are left as
     they were."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, mcfg.vocab_size, (batch_size, mcfg.block_size), generator=g)

@@ -11,7 +11,7 @@ from typing import Any
 
 def _catch_stops(stop: dict[str, bool]) -> dict[int, Any]:
     """Make the first Ctrl-C (SIGINT) or SIGTERM ask the loop to stop after its step (it then
-    writes a checkpoint); a second one raises KeyboardInterrupt at once. Returns the previous
+    writes a checkpoint). A second one raises KeyboardInterrupt at once. Returns the previous
     handlers, to put back."""
     if not _main_thread():
         return {}

@@ -1,10 +1,10 @@
 """The tiled kernel: block-sparse attention with its own backward, O(T·D) memory.
 
-``plan`` turns a mask's block map into chunks of keys per query block; ``loop`` is the
-readable PyTorch kernel over them and the fallback; ``flash`` runs the same plan as calls of
-torch's fused CPU flash kernel; ``native`` runs those calls in qkv's own C kernel, in
-float32 or bfloat16. Which of them runs is the dispatch's choice (``call.path``, named by
-:func:`qkv.dispatch`); this module runs it and holds the autograd function.
+``plan`` turns a mask's block map into chunks of keys per query block. ``loop`` is the
+readable PyTorch kernel over them, and the fallback. ``flash`` runs the same plan as calls
+of torch's fused CPU flash kernel, and ``native`` runs it in qkv's own C kernel, in float32
+or bfloat16. Which of them runs is the dispatch's choice (``call.path``, named by
+:func:`qkv.dispatch`). This module runs it and holds the autograd function.
 
 Legend: B batch · H query heads · H_kv key/value heads · T_q/T_k query/key length ·
 D head dim · D_v value head dim.
@@ -56,7 +56,7 @@ def backward(
     Nones) given the forward's out and lse and the gradients reaching them (``dlse`` None:
     nothing reaches the log-sum-exp). The flash calls' backward where the forward ran them
     and nothing reaches the log-sum-exp or a modification's tensors, and the modification
-    is none or one the native kernel applies itself; else the loop; ``delta``
+    is none or one the native kernel applies itself, and the loop's otherwise. ``delta``
     (rowsum(dout ∘ out), accumulation dtype) is computed here unless given."""
     if dlse is None and not need_mod and _fused_mod(call) and call.path in FUSED:
         native = _native_dtype(call)
@@ -125,7 +125,7 @@ class _TiledAttention(torch.autograd.Function):
 
 def run(call: Lowered) -> Result:
     """The contract's entry: block-sparse attention with its own backward, the call's
-    sinks applied. out in q's dtype and lse in the accumulation dtype; gradients flow
+    sinks applied. out in q's dtype and lse in the accumulation dtype. Gradients flow
     through both to q, k, v, the sinks and the tensors the score modification reads."""
     out, lse = _TiledAttention.apply(call, call.sinks, call.q, call.k, call.v, *call.mod_tensors)
     return Result(out, lse)

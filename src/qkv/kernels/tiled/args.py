@@ -102,7 +102,7 @@ def check_call(
 
 def bias_at(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
     """The kernel's view of a float32, contiguous bias: its address and strides over B and
-    H (0 where broadcast) and rows; all 0 for no bias."""
+    H (0 where broadcast) and rows. All 0 for no bias."""
     if bias is None:
         return (0, 0, 0, 0)
     if bias.dtype != torch.float32 or not bias.is_contiguous():

@@ -30,7 +30,7 @@ def calls(plan: Plan, tuning: Tuning) -> list[tuple[int, int, list[Call]]]:
     calls), whose results merge (by log-sum-exp) into the group's rows. Each query block's
     keys are covered exactly once. The key stretch FULL for all the blocks of a group runs as
     one call over their queries (larger calls run nearer the matmul peak) when it has at
-    least ``tuning.shared_min`` keys; a masked span longer than ``tuning.fused_span`` keys is
+    least ``tuning.shared_min`` keys. A masked span longer than ``tuning.fused_span`` keys is
     cut into its FULL stretches (no mask) and its masked stretches."""
     rows, n = plan.rows, tuning.group
     return [
@@ -43,8 +43,8 @@ def _group_calls(group: Sequence[tuple[int, int, tuple[Chunk, ...]]], tuning: Tu
     """The calls for consecutive query blocks: the key stretches FULL for all of them as one
     unmasked call each over all their queries, then the rest the same way for each half of
     the group, down to single blocks (:func:`_segments`). A causal triangle becomes large
-    rectangles and small triangles; a window, whose blocks share no FULL stretch, one call
-    per block."""
+    rectangles and small triangles. A window, whose blocks share no FULL stretch, becomes one
+    call per block."""
     if len(group) == 1:
         q0, q1, chunks = group[0]
         return [
@@ -112,7 +112,7 @@ def _without(chunks: Sequence[Chunk], cut: Sequence[tuple[int, int]]) -> tuple[C
 
 def _segments(chunks: Sequence[Chunk], span: int) -> list[tuple[Chunk, ...]]:
     """A query block's keys as the parts of one call each: all of them when they span at
-    most ``span`` keys (one call, the mask over the span); a longer span cut into its
+    most ``span`` keys (one call, the mask over the span). A longer span cut into its
     FULL stretches (calls with no mask) and its masked stretches (the mask over just those
     keys)."""
     if chunks[-1].k1 - chunks[0].k0 <= span:

@@ -1,6 +1,6 @@
 """The tiled kernel's fused steps, forward and backward, where they win
 (docs/kernels.md#the-tiled-kernel): a pass's calls (:mod:`.calls`) in one call of qkv's
-native kernel, or one by one through torch's CPU flash kernel; each call's mask as per-row
+native kernel, or one by one through torch's CPU flash kernel. Each call's mask as per-row
 bounds or a float bias. The loop of :mod:`qkv.kernels.tiled` runs everything else and
 stays the reference.
 
@@ -61,7 +61,7 @@ def fused_forward(
     whole pass, each query block one job over its key ranges (:func:`_native_ranges`), one
     online softmax across them. Else the calls of :func:`calls`, one by one through torch's
     CPU flash kernel, with their mask as an additive float mask — -inf where the mask blocks
-    and over EMPTY blocks, 0 elsewhere; no mask at all where every key is FULL — the calls of
+    and over EMPTY blocks, 0 elsewhere. No mask at all where every key is FULL — the calls of
     a group of query blocks merged by their log-sum-exps, half precision in float32
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
     reads each key/value head once). out in the accumulation dtype, as lse."""
@@ -140,8 +140,8 @@ def native_jobs(
 ) -> list[_native.Job]:
     """The forward pass as the native kernel's jobs: each query block of the plan one job
     over its key ranges (:func:`_native_ranges`), written into its rows of ``out`` (B, H_kv,
-    G, T_q, D) and ``lse``; q5 (B, H_kv, G, T_q, D); its first query at q_idx ``q_offset``
-    + q0 (for ALiBi)."""
+    G, T_q, D) and ``lse``. The queries q5 are (B, H_kv, G, T_q, D), the first at q_idx
+    ``q_offset`` + q0 (for ALiBi)."""
     H_kv, G = q5.shape[1], q5.shape[2]
     return [
         _native.Job(
@@ -222,9 +222,9 @@ def fused_backward(
     keys once, as the forward's ranges do): each call's share of the gradients, from the
     whole rows' out and lse — dQ of its queries, dK and dV of its keys — summed in the
     accumulation dtype. Used where the forward was fused and nothing reaches the
-    log-sum-exp. With ``native`` (a dtype, as for
-    :func:`fused_forward`) the calls run in one call of qkv's native kernel; half precision
-    otherwise in float32 (:func:`_working`); the gradients come back in the inputs' dtypes.
+    log-sum-exp. With ``native`` (a dtype, as for :func:`fused_forward`) the calls run in
+    one call of qkv's native kernel. Otherwise half precision is computed in float32
+    (:func:`_working`). The gradients come back in the inputs' dtypes.
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
     kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale

@@ -9,11 +9,11 @@ For each query block, consecutive non-empty key blocks are fused into chunks of 
 ``chunk_k`` keys, one matmul each (fewer, larger matmuls run closer to the CPU's peak). The
 running max ``m`` and sum ``l`` of the online softmax are kept in float32 (or float64).
 Where the dispatch chooses them, the same plan runs as calls of a fused kernel instead
-(:mod:`qkv.kernels.tiled.flash`); the loop stays the fallback and the readable reference.
+(:mod:`qkv.kernels.tiled.flash`). The loop stays the fallback and the readable reference.
 
 The backward pass recomputes the probabilities from the saved log-sum-exp, FlashAttention-2
 style: ``P = exp(S - lse)``, ``dV += Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O) + dlse)``,
-``dQ += dS K · scale``, ``dK += dSᵀ Q · scale``; nothing of size T_q × T_k is stored. The
+``dQ += dS K · scale``, ``dK += dSᵀ Q · scale``. Nothing of size T_q × T_k is stored. The
 ``dlse`` term is the gradient that reaches the returned log-sum-exp (``∂lse_i/∂S_ij = P_ij``),
 so split-K attention merged with ``merge_attention`` trains correctly. ``dQ`` and ``dK`` read
 non-finite entries of K and Q as 0: a masked-out score has ``dS = 0``, and ``0 · NaN`` must

@@ -2,9 +2,9 @@
 of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
 no AVX-512) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
 accumulated in float32, P and dS entering their matmul as bfloat16 hi + lo parts, about 16
-bits); the softmax state in float32 either way. The float32 step also takes bfloat16 and
+bits). The softmax state in float32 either way. The float32 step also takes bfloat16 and
 float16 inputs as they are, widening them as it loads them (no float32 copies).
-docs/kernels.md#the-native-kernel gives its measurements; where it is not built or the CPU
+docs/kernels.md#the-native-kernel gives its measurements. Where it is not built or the CPU
 lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · T_k keys · D head dim
@@ -89,7 +89,7 @@ def use_isa(name: str) -> Iterator[None]:
 @functools.cache
 def _pin_from_environment() -> None:
     """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process, read the first
-    time the kernel is asked for (not at import); a name this build or CPU cannot run is
+    time the kernel is asked for (not at import). A name this build or CPU cannot run is
     an error."""
     name = os.environ.get("QKV_NATIVE_ISA")
     if _native is None or not name:
@@ -129,11 +129,11 @@ def supports(
 
 
 def finite(x: torch.Tensor) -> bool:
-    """Whether x holds no NaN/inf: for a contiguous float32 or half tensor on the CPU, by
-    the native module in one thread — no parallel region for a descheduled thread to hold up
-    on a busy machine, where a parallel reduction over Q, K and V stalled the whole dispatch
-    (docs/benchmarks.md, "measurements behind code choices"); else by one reduction
-    (:func:`qkv.kernels.reference.all_finite`)."""
+    """Whether x holds no NaN or inf. A contiguous float32 or half tensor on the CPU is
+    checked by the native module in one thread, so that no parallel region waits on a
+    descheduled thread of a busy machine: a parallel reduction over Q, K and V stalled the
+    whole dispatch (docs/benchmarks.md, "measurements behind code choices"). Any other
+    tensor is checked by one reduction (:func:`qkv.kernels.reference.all_finite`)."""
     if _native is None or x.dtype not in SOURCES or x.device.type != "cpu" or not x.is_contiguous():
         return all_finite(x)
     return bool(_native.finite(x=x.data_ptr(), n=x.numel(), source=source(x.dtype)))
@@ -232,8 +232,8 @@ def attend(
     (with ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query head — the scaled scores
     plus slope · (kv_idx − q_idx) first, kv_idx a key's index in K and q_idx = ``qpos`` + the
     row's; then, with ``softcap`` > 0, soft-capped, cap · tanh(s / cap)):
-    q5 (B, H_kv, G, R, D) with its last dim contiguous; bias float32 (B|1, H_kv|1, G·R,
-    k1 - k0) or None; or, instead of a bias, ``bounds`` as a :class:`Range`'s. A row with no
+    q5 (B, H_kv, G, R, D) with its last dim contiguous, and a float32 bias (B|1, H_kv|1,
+    G·R, k1 - k0), or None, or instead ``bounds`` as a :class:`Range`'s. A row with no
     allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
     (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D_v) and ``lse``
     (B, H_kv, G, R), float32 views, where given."""
@@ -363,8 +363,8 @@ def backward(
     for keys k0..k1-1 ((B, H_kv, k1 - k0, D) and (…, D_v)). q5 (B, H_kv, G, R, D) and do5
     (…, D_v), K (B, H_kv, T_k, D) and V (…, D_v) as they are (each work item packs its own
     keys), all float32, all bfloat16 or all float16 (half precision computed in float32,
-    widened as it is loaded, unless ``dtype`` is bfloat16); bias, or bounds, as a
-    :class:`Range`'s; ``softcap``, ``slopes`` and ``qpos`` as :func:`attend`'s."""
+    widened as it is loaded, unless ``dtype`` is bfloat16). The bias or bounds are a
+    :class:`Range`'s, and ``softcap``, ``slopes`` and ``qpos`` are :func:`attend`'s."""
     job = BackwardJob(q5, do5, k0, k1, bias, lse, delta, dq, dk, dv, bounds, qpos)
     backward_many([job], k, v, scale, softcap, slopes, dtype)
 
@@ -397,7 +397,7 @@ def backward_many(
 ) -> None:
     """Every call of a backward pass (one B and H_kv) in one native call: one parallel region
     whose threads take the calls' work items (a key block of one head each) from one
-    counter; each item's shares of dQ, dK and dV are added in one fixed order (call by
+    counter. Each item's shares of dQ, dK and dV are added in one fixed order (call by
     call, block by block) by whichever thread holds the lock when the share before is in.
     Calls whose keys overlap never race, no thread waits for a slower one, and the bits do
     not depend on the threads. Each item packs its own keys of K and V (no packed copy of

@@ -10,7 +10,7 @@ The profile is one JSON file in the cache directory — ``QKV_CACHE_DIR``, else
 per machine key: the CPU's model and instruction flags, torch's thread count, the versions of
 qkv and torch and the instruction set the kernel is pinned to. A re-measurement
 (``qkv doctor --remeasure``) keeps the stored choice unless the new one clears the
-threshold by :data:`MARGIN`, so noise near the boundary does not flip it; a first
+threshold by :data:`MARGIN`, so noise near the boundary does not flip it. A first
 measurement with a ratio that near a threshold is taken three times, each time the median. A
 directory that
 cannot be written: the process measures for itself and says so once. A damaged or foreign
@@ -81,7 +81,8 @@ class Probe(NamedTuple):
     (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
-    several times slower than float32's; without AVX512-FP16, float16's forward too."""
+    several times slower than float32's, and without AVX512-FP16 float16's forward does
+    too."""
 
     native_ms: float
     float32_ms: float
