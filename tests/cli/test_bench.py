@@ -91,6 +91,7 @@ def test_bench_runs_on_cuda(capsys):
     assert "| sliding_window |" in out and "failed" not in out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "script,args,rows",
     [  # rows: header and rule, then one per call (the native ones where the CPU runs them)
@@ -136,6 +137,7 @@ def test_kv_memory_reads_the_bytes_from_the_caches(capsys):
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "script,args,lines",
     [  # lines: what each prints per row
@@ -160,6 +162,7 @@ def test_the_head_shape_and_cache_benchmarks_run(script, args, lines):
     assert len(rows) >= lines, done.stdout
 
 
+@pytest.mark.e2e
 def test_the_streaming_paper_script_runs(tmp_path):
     """benchmarks/streaming_paper.py at a tiny size (two models of 4 steps, a stream of 300
     bytes): its two tables and the plot (the figures are docs/streaming.md's, not asserted)."""

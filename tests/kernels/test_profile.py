@@ -119,6 +119,7 @@ def test_an_unwritable_cache_directory_measures_in_the_process(tmp_path, monkeyp
     assert where.startswith("measured in this process") and found.float32
 
 
+@pytest.mark.e2e
 @needs_native
 def test_every_process_on_the_machine_names_the_same_path(tmp_path):
     """Three fresh processes, the probe on (the default): one measures and stores, the

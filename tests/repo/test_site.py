@@ -109,6 +109,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.e2e
 @needs_browser
 def test_every_page_opens_in_chromium_offline(site):
     site_dir, _ = site

@@ -196,6 +196,7 @@ def test_cli_errors_are_one_line(argv, match, capsys, tmp_path, monkeypatch):
     assert exit_.value.code == 2 and match in err and err.count("\n") == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_stop_writes_a_checkpoint_and_exits_130(tmp_path, stop):
     # SIGTERM is what a scheduler, a logout or `docker stop` sends: it saves as Ctrl-C does.
@@ -279,6 +280,7 @@ def test_a_crash_at_any_instant_of_any_save_leaves_a_checkpoint_that_resumes_exa
     assert instants == 21
 
 
+@pytest.mark.e2e
 def test_a_kill_9_mid_run_leaves_a_checkpoint_that_resumes_exactly(tmp_path):
     # The real thing: SIGKILL (an out-of-memory kill) at three instants of a run saving every
     # step; each time the checkpoint loads and resumes to the uninterrupted run's weights.
