@@ -9,14 +9,15 @@ D head dim · D_v value head dim.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 import torch
 
 from ._checks import Problem, check_attention
 from .core import compiled
-from .core.call import Call, torch_inputs
+from .core.call import Backend, Call, torch_inputs
 from .core.dispatch import Dispatch, choose
 from .core.lowering import lower
 from .core.record import editors, listeners, served
@@ -25,7 +26,8 @@ from .kernels.contract import with_sinks
 from .masks import MaskLike
 from .scores import ScoreMod
 
-Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "Dispatch",
@@ -39,25 +41,25 @@ __all__ = [
 ]
 
 
-def dispatch(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    mask: MaskLike = None,
-    scale: float | None = None,
-    q_offset: int | None = None,
-    dropout_p: float = 0.0,
-    generator: torch.Generator | None = None,
-    return_weights: bool = False,
-    return_lse: bool = False,
-    backend: Backend = "auto",
-    score_mod: ScoreMod | Callable[..., Any] | None = None,
-    sinks: torch.Tensor | None = None,
-) -> Dispatch:
+def _arguments_of(f: Callable[P, object]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated function ``f``'s parameters: to type checkers (a ParamSpec) and
+    to ``help()`` (its ``__signature__``, with the decorated function's own return type)."""
+
+    def take(g: Callable[..., R]) -> Callable[P, R]:
+        signature = inspect.signature(f)
+        returns = inspect.signature(g).return_annotation
+        g.__signature__ = signature.replace(return_annotation=returns)  # type: ignore[attr-defined]
+        return g
+
+    return take
+
+
+@_arguments_of(Call.of)
+def dispatch(*args: Any, **kwargs: Any) -> Dispatch:
     """Which kernel :func:`attention` would run on these arguments, and why.
 
-    Takes the same arguments as :func:`attention` and validates them the same way. The
+    Takes the same arguments as :func:`attention` (written once, in
+    :meth:`qkv.core.call.Call.of`) and validates them the same way. The
     rules are in :mod:`qkv.core.dispatch` and ``docs/kernels.md``; ``path`` names the code
     that runs (for the tiled kernel: its PyTorch loop, torch's flash calls or qkv's native
     kernel).
@@ -71,12 +73,7 @@ def dispatch(
         reference: the attention weights asked for: only the materialised reference kernel
         provides them
     """
-    call = Call.of(
-        query, key, value, mask=mask, scale=scale, q_offset=q_offset, dropout_p=dropout_p,
-        generator=generator, return_weights=return_weights, return_lse=return_lse,
-        backend=backend, score_mod=score_mod, sinks=sinks,
-    )  # fmt: skip
-    return choose(call)
+    return choose(Call.of(*args, **kwargs))
 
 
 #: the kernels, by the backend the dispatch names
@@ -126,22 +123,8 @@ def attention(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
-def attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    mask: MaskLike = None,
-    scale: float | None = None,
-    q_offset: int | None = None,
-    dropout_p: float = 0.0,
-    generator: torch.Generator | None = None,
-    return_weights: bool = False,
-    return_lse: bool = False,
-    backend: Backend = "auto",
-    score_mod: ScoreMod | Callable[..., Any] | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
+@_arguments_of(Call.of)
+def attention(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(Q Kᵀ · scale, masked) V``.
 
     Args:
@@ -191,24 +174,19 @@ def attention(
         torch.Size([2, 4, 5, 3])
     """
     listening, edits = listeners(), editors()
-    # A qkv.heads.record() block keeps every call's log-sum-exp: there "auto" picks a
-    # backend that returns it (the tiled kernel: no T_q × T_k).
-    recorded_lse = bool(listening and backend == "auto" and dropout_p == 0)
-    call = Call.of(
-        query, key, value, mask=mask, scale=scale, q_offset=q_offset, dropout_p=dropout_p,
-        generator=generator, return_weights=return_weights,
-        return_lse=return_lse or recorded_lse, backend=backend, score_mod=score_mod,
-        sinks=sinks, fast=not (listening or edits),
-    )  # fmt: skip
+    weights, lse = kwargs.get("return_weights", False), kwargs.get("return_lse", False)
+    if listening and kwargs.get("backend", "auto") == "auto" and not kwargs.get("dropout_p"):
+        # A qkv.heads.record() block keeps every call's log-sum-exp: there "auto" picks a
+        # backend that returns it (the tiled kernel: no T_q × T_k).
+        kwargs["return_lse"] = True
+    call = Call.of(*args, **kwargs)
     result = run(call, choose(call))
     out = result.out
     if listening or edits:
-        args = dict(
-            query=query, key=key, value=value, mask=mask, scale=scale, q_offset=q_offset,
-            score_mod=score_mod,
-        )  # fmt: skip
-        out = served(out, result.lse, args, call.p.restore)
-    extras = ([result.weights] if return_weights else []) + ([result.lse] if return_lse else [])
+        given = inspect.signature(Call.of).bind(*args, **kwargs)
+        given.apply_defaults()
+        out = served(out, result.lse, given.arguments, call.p.restore)
+    extras = ([result.weights] if weights else []) + ([result.lse] if lse else [])
     if not extras:
         return call.p.restore(out)
     return tuple(call.p.restore(x) for x in [out, *extras])

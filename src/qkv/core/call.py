@@ -13,7 +13,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from ..masks import Mask, MaskLike
 from ..scores import ScoreMod, as_score_mod
 from ..tuning import Tuning, tuning
 from .recipe import recipe
+from .record import editors, listeners
+
+Backend = Literal["auto", "reference", "sdpa", "tiled", "flex"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,34 +60,35 @@ class Call:
     @classmethod
     def of(
         cls,
-        query: Any,
-        key: Any,
-        value: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         *,
-        mask: Any = None,
+        mask: MaskLike = None,
         scale: float | None = None,
         q_offset: int | None = None,
         dropout_p: float = 0.0,
-        generator: Any = None,
+        generator: torch.Generator | None = None,
         return_weights: bool = False,
         return_lse: bool = False,
-        backend: str = "auto",
-        score_mod: Any = None,
-        sinks: Any = None,
-        fast: bool = True,
+        backend: Backend = "auto",
+        score_mod: ScoreMod | Callable[..., Any] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> Call:
         """The call :func:`qkv.attention` receives, validated: the torch side (tensors, the
         mask's type), the shared checks of :func:`qkv._checks.check_attention`, the score
-        modification's and the sinks' sizes. A decode step with no option set (``fast``:
-        nothing records the call) is checked by :func:`plain` alone."""
+        modification's and the sinks' sizes. A decode step with no option set, which no
+        :func:`qkv.heads.record` or :func:`qkv.heads.ablate` block sees, is checked by
+        :func:`plain` alone. These are the public arguments of :func:`qkv.attention` and
+        :func:`qkv.dispatch`, written here once for both."""
         if (
-            fast
-            and backend == "auto"
+            backend == "auto"
             and not (dropout_p or return_weights or return_lse)
             and score_mod is None
             and q_offset is None
             and sinks is None
             and not torch.compiler.is_compiling()  # (a graph cannot read the knobs)
+            and not (listeners() or editors())
         ):
             knobs = tuning()
             fast_scale = plain(query, key, value, mask, scale, knobs)
