@@ -2,8 +2,8 @@
 
 Each attention call reads the current :class:`Tuning` once (:func:`tuning`) and passes it to
 what it runs: the dispatch rules, the tiled kernel's plan, its flash calls and its native
-kernel. Nothing reads a module global. :func:`tuned` changes some knobs for a block — for a
-test that shrinks the tiles, a benchmark that turns a path off, or a user pinning a choice —
+kernel. Nothing reads a module global. :func:`tuned` changes some knobs for a block (for a
+test that shrinks the tiles, a benchmark that turns a path off, or a user pinning a choice)
 and restores them on the way out. The value lives in a :class:`contextvars.ContextVar`, so
 threads and asyncio tasks each see their own.
 

@@ -1,6 +1,6 @@
-"""``qkv doctor``: what this machine runs — the CPU and its instruction sets, threads, the
-native kernels, the stored profile behind the kernel choice, and which code each dtype and
-mask kind takes."""
+"""``qkv doctor``: what this machine runs. It prints the CPU and its instruction sets, the
+threads, the native kernels, the stored profile behind the kernel choice, and which code
+each dtype and mask kind takes."""
 
 from __future__ import annotations
 

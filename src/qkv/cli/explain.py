@@ -1,6 +1,6 @@
-"""``qkv explain``: one attention computation traced step by step — the teaching
-sentence through a module with random weights, your own tokens and embeddings, or one layer
-of a trained run (``--checkpoint``) — printed, and its weights drawn."""
+"""``qkv explain``: one attention computation traced step by step, printed, and its weights
+drawn. It traces the teaching sentence through a module with random weights, your own
+tokens and embeddings, or one layer of a trained run (``--checkpoint``)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def kv_memory(
 ) -> str:
     """The bytes a KV cache holds per token for one model shape, measured from the caches
     qkv builds (a :class:`qkv.KVCache` per kind of attention, a :class:`qkv.nn.LatentCache`
-    for multi-head latent attention) — their buffers' bytes over their capacity in tokens —
+    for multi-head latent attention): their buffers' bytes over their capacity in tokens,
     and what one sequence of ``context`` tokens then holds over ``layers`` layers. A
     sliding window's cache keeps its last ``window`` tokens alone."""
     n = 64  # tokens of capacity: bytes per token do not depend on it

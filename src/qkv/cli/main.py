@@ -1,6 +1,6 @@
 """The ``qkv`` command (also ``python -m qkv``).
 
-``qkv explain`` — the project's main job — traces attention over the seeds' sentence "Your
+``qkv explain`` (the project's main job) traces attention over the seeds' sentence "Your
 journey starts with one step" step by step and writes a heatmap of the weights.
 ``qkv mask causal --size 8`` prints a mask's picture. ``qkv train`` trains a GPT on bytes
 (the standard library's sources by default) and ``qkv generate`` samples from it.

@@ -7,8 +7,8 @@ unroll into a graph that grows with T². So, while compiling:
 - the dispatch (:mod:`qkv.core.dispatch`) applies the rules that read neither tensor
   values nor a length's value, so ``dynamic=True`` keeps one graph for every length;
 - the tiled kernel runs as the custom op ``qkv::tiled_attention``, opaque to the compiler:
-  it receives the mask and the score modification as a *recipe* — a string of tokens plus
-  the tensors they read — rebuilds them, validates them and plans its blocks at run time,
+  it receives the mask and the score modification as a *recipe* (a string of tokens plus
+  the tensors they read), rebuilds them, validates them and plans its blocks at run time,
   with a fake implementation for tracing and an autograd formula (``qkv::tiled_attention_
   backward``) that carries gradients to q, k, v and the modification's tensors;
 - a mask that cannot be rebuilt from a recipe (a user predicate) is lowered to a dense bool

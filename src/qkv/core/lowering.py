@@ -1,5 +1,5 @@
 """Lowering, in one stage: a mask and a score modification become what the chosen kernel
-eats — a dense bool mask (reference, sdpa), a float mask (sdpa with an additive
+eats. That is a dense bool mask (reference, sdpa), a float mask (sdpa with an additive
 modification), SDPA's ``is_causal``, a function over whole score matrices (reference), tile
 objects that evaluate them one tile at a time (tiled: never the whole T_q × T_k), or
 FlexAttention's ``BlockMask`` and ``score_mod`` (flex). :func:`lower` makes a

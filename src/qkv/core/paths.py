@@ -72,9 +72,9 @@ def causal_at_the_end(a: Call) -> bool:
 def widened(a: Call) -> bool:
     """Whether torch's fused kernel should run this half-precision call on float32 copies:
     on the CPU, where the machine's profile found torch's kernel slower in its dtype than on
-    copies — forward and backward for a call that needs a gradient, the forward for one that
-    does not (:meth:`qkv.kernels.tiled.profile.Probe.widens`; not while the probe is off, nor
-    while tracing)."""
+    copies. That is forward and backward for a call that needs a gradient, the forward for
+    one that does not (:meth:`qkv.kernels.tiled.profile.Probe.widens`). Never while the
+    probe is off, nor while tracing."""
     if a.q.dtype not in (torch.bfloat16, torch.float16) or a.q.device.type != "cpu":
         return False
     if a.tracing or not a.tuning.native_probe:
@@ -126,9 +126,9 @@ def tiled_path(a: Call) -> tuple[str, str]:
 
 
 def native_mod(mod: ScoreMod | None) -> str | None:
-    """The modification the native kernel applies itself, in words — ALiBi whose slopes need
-    no gradient (the kernel computes none for them), a soft-cap, or the two in that order
-    (:attr:`qkv.scores.ScoreMod.alibi`) — else None."""
+    """The modification the native kernel applies itself, in words, else None. It applies
+    ALiBi whose slopes need no gradient (the kernel computes none for them), a soft-cap, or
+    the two in that order (:attr:`qkv.scores.ScoreMod.alibi`)."""
     if mod is None or (mod.alibi is None and mod.softcap is None):
         return None
     if mod.alibi is not None and mod.alibi.requires_grad:

@@ -5,8 +5,8 @@ With the ``"allgather"`` schedule the keys and values are gathered once (one col
 both), each run of this rank's queries attends over all of them through
 :func:`qkv.attention` at its absolute positions (``q_offset`` = the run's start), and the
 backward pass returns every rank's key/value gradients to the ranks that hold them. qkv
-masks are predicates over absolute positions, so every mask — causal, windows, documents,
-padding, prefixes, predicates, and their compositions — splits exactly, whatever the layout.
+masks are predicates over absolute positions, so every mask (causal, windows, documents,
+padding, prefixes, predicates, and their compositions) splits exactly, whatever the layout.
 
 Legend: B batch · H query heads · H_kv key/value heads · T the whole sequence · T_r the
 positions this rank holds · D head dim · D_v value head dim.

@@ -4,8 +4,8 @@ A :class:`Layout` gives every rank a sorted tuple of runs ``(start, stop)`` of a
 positions. ``Layout.contiguous`` cuts the sequence into one run per rank; ``Layout.balanced``
 cuts it into equal chunks and deals them so that each rank scores about the same number of
 (query, key) blocks of the mask: heaviest chunk first, each to the least-loaded rank. For
-causal attention with two chunks per rank that is the head-tail (zigzag) layout — rank r
-holds chunks r and 2W-1-r — and documents, windows and prefixes get their own balance.
+causal attention with two chunks per rank that is the head-tail (zigzag) layout (rank r
+holds chunks r and 2W-1-r) and documents, windows and prefixes get their own balance.
 
 Legend: T sequence length · W world size.
 """

@@ -7,8 +7,8 @@
 ``register`` adds qkv to transformers' ``AttentionInterface`` *and* its mask builder
 (:func:`qkv_mask`) to ``AttentionMaskInterface``: without the second, transformers would
 build no mask for an unknown implementation, and padded batches would silently attend to
-padding. The builder keeps the masks qkv recognises — causal, bidirectional, a causal
-sliding window, with padding that leaves each row one run of keys — as qkv masks at the
+padding. The builder keeps the masks qkv recognises (causal, bidirectional, a causal
+sliding window, with padding that leaves each row one run of keys) as qkv masks at the
 queries' place in the key buffer (:class:`StructuralMask`: block-sparse, never T_q × T_k);
 others are transformers' dense bool masks (``sdpa_mask``: ``True`` = may attend, qkv's
 polarity). The score modifications models pass to the
@@ -192,7 +192,7 @@ def _densified(x: Any) -> Any:
 class StructuralMask(torch.Tensor):
     """The (B, 1, T_q, T_k) bool mask transformers asked for, held as a qkv mask: the qkv
     attention function reads the mask underneath (block-sparse, never T_q × T_k). Any torch
-    operation on it — transformers preparing it for generation, another implementation —
+    operation on it (transformers preparing it for generation, another implementation)
     sees the dense bool mask it stands for, built then. So it is never wrong, only lazy."""
 
     @staticmethod

@@ -2,9 +2,9 @@
 :class:`Result`.
 
 A :class:`Lowered` call is one validated attention problem in the canonical layout, with the
-mask and the score modification already in the form the chosen kernel eats — a dense bool
+mask and the score modification already in the form the chosen kernel eats (a dense bool
 mask, a float mask, SDPA's ``is_causal``, a function over whole score matrices, tile objects
-and a plan, or FlexAttention's block mask and ``score_mod`` — made in one stage,
+and a plan, or FlexAttention's block mask and ``score_mod``), made in one stage by
 :func:`qkv.core.lowering.lower`. A kernel reads only the fields of its form. It neither
 validates, nor chooses between paths, nor lowers.
 

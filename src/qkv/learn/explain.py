@@ -166,8 +166,8 @@ def explain(
         x: (T, E), one sequence of embeddings.
         tokens: a label per row of x (default "0", "1", …).
         module: a qkv module with ``project``/``merge`` (SelfAttention, CausalAttention,
-            MultiHeadAttention — GQA and MQA included, its keys and values then traced
-            per key/value head —, MultiHeadLatentAttention in its absorbed form,
+            MultiHeadAttention (GQA and MQA included, its keys and values then traced
+            per key/value head), MultiHeadLatentAttention in its absorbed form,
             tutorial.SelfAttention_v1); None traces the simplified, weightless attention
             of the first stage (Q = K = V = x, no scaling). A module may name its steps
             (``trace_notes``) and its scale (``scale``).

@@ -171,6 +171,6 @@ def average_past_matmul(x: torch.Tensor) -> torch.Tensor:
 
 def average_past_softmax(x: torch.Tensor) -> torch.Tensor:
     """Way 3, the one attention uses: all scores equal (0), future masked out, softmax.
-    Uniform weights over the past — the same averages — and now the scores can be learned."""
+    Uniform weights over the past (the same averages) and now the scores can be learned."""
     zeros = x.new_zeros(*x.shape[:-1], 1)  # queries and keys whose scores are all 0
     return attention(zeros, zeros, x, mask=causal())

@@ -333,8 +333,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The absorbed form's attention inputs for x (B, T, E) or (T, E), positions from 0:
-        queries (B, H, T, r + rope), keys — the rows — (B, 1, T, r + rope) and values (B, 1,
-        T, r), a view of the keys (:func:`qkv.explain` traces them)."""
+        queries (B, H, T, r + rope), keys (B, 1, T, r + rope), which are the rows, and
+        values (B, 1, T, r), a view of the keys (:func:`qkv.explain` traces them)."""
         x3 = x if x.ndim == 3 else x[None]
         q_nope, q_rope, rows = self._project(x3, 0)
         return self._absorbed_query(q_nope, q_rope), rows, rows[..., : self.kv_lora_rank]

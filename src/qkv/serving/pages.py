@@ -118,9 +118,9 @@ class PageAllocator:
 
     def prefix_tree(self, seqs: Sequence[int]) -> tuple[list[Node], list[int]]:
         """The prefixes these sequences share, as a tree: nodes (rows of seqs, the full pages
-        they all hold there, in order) — all of them sharing a system prompt is one node,
-        groups sharing more below it are nodes of their own — and for each row the page
-        its own keys start at (past every node it is in)."""
+        they all hold there, in order), and for each row the page its own keys start at
+        (past every node it is in). All of them sharing a system prompt is one node, and
+        groups sharing more below it are nodes of their own."""
         P = self.page_size
         tables = [self.table(s) for s in seqs]
         full = [self.lengths[s] // P for s in seqs]  # only full pages are shared

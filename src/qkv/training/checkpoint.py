@@ -8,8 +8,8 @@ previous generation removed. A kill at any instant leaves ``latest`` pointing at
 generation (the new one, or the one before). Readers go through :func:`checkpoint_dir`. A
 checkpoint written before generations (its files directly in ``out``) is read as it is.
 
-Every way a checkpoint can be damaged or mismatched — a missing, empty or truncated file,
-JSON that does not parse, weights that do not fit the configuration — raises
+Every way a checkpoint can be damaged or mismatched (a missing, empty or truncated file,
+JSON that does not parse, weights that do not fit the configuration) raises
 :class:`CheckpointError` with one line naming the file and the problem.
 
 Legend: L layers."""

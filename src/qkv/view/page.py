@@ -5,8 +5,8 @@
 thumbnail of the pattern, each row's strongest keys (all of them up to ``top_k``), the head
 scores of :func:`qkv.heads.head_scores`, and one query's computation step by step. The
 JavaScript and CSS are inlined (no CDN, no require.js, no network request), patterns are drawn
-on canvases (not one DOM node per cell), and several models — the snapshots of a training
-run — become frames under a slider.
+on canvases (not one DOM node per cell), and several models (the snapshots of a training
+run) become frames under a slider.
 
 Weights are recomputed from each call's log-sum-exp a block of rows at a time, so a long
 prompt never holds T × T per layer.
@@ -171,7 +171,7 @@ def view(
         tokens: the prompt's token ids, (T,) or (1, T).
         labels: one label per token; default the ids (a GPT on bytes: use
             :func:`byte_labels`).
-        snapshots: (label, model) pairs — a training run's snapshots — shown as frames under
+        snapshots: (label, model) pairs (a training run's snapshots) shown as frames under
             a slider, ``model`` last (labelled "final").
         query: the position whose computation is shown step by step; default the last.
         top_k: keys kept per row (every key when T <= top_k).

@@ -220,7 +220,7 @@ def fused_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward pass over the calls of :func:`calls` (which cover each query block's
     keys once, as the forward's ranges do): each call's share of the gradients, from the
-    whole rows' out and lse — dQ of its queries, dK and dV of its keys — summed in the
+    whole rows' out and lse (dQ of its queries, dK and dV of its keys) summed in the
     accumulation dtype. Used where the forward was fused and nothing reaches the
     log-sum-exp. With ``native`` (a dtype, as for :func:`fused_forward`) the calls run in
     one call of qkv's native kernel. Otherwise half precision is computed in float32
