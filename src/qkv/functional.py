@@ -54,6 +54,17 @@ def _arguments_of(f: Callable[P, object]) -> Callable[[Callable[..., R]], Callab
     return take
 
 
+def _call(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """``Call.of(*args, **kwargs)``, where arguments that do not bind (an unknown keyword, a
+    missing tensor) are a TypeError naming the public function ``name``, not ``Call.of``."""
+    try:
+        return Call.of(*args, **kwargs)
+    except TypeError as e:
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # did not bind
+            raise TypeError(str(e).replace("Call.of()", f"qkv.{name}()")) from None
+        raise
+
+
 @_arguments_of(Call.of)
 def dispatch(*args: Any, **kwargs: Any) -> Dispatch:
     """Which kernel :func:`attention` would run on these arguments, and why.
@@ -73,7 +84,7 @@ def dispatch(*args: Any, **kwargs: Any) -> Dispatch:
         reference: the attention weights asked for: only the materialised reference kernel
         provides them
     """
-    return choose(Call.of(*args, **kwargs))
+    return choose(_call("dispatch", args, kwargs))
 
 
 #: the kernels, by the backend the dispatch names
@@ -179,7 +190,7 @@ def attention(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, .
         # A qkv.heads.record() block keeps every call's log-sum-exp: there "auto" picks a
         # backend that returns it (the tiled kernel: no T_q × T_k).
         kwargs["return_lse"] = True
-    call = Call.of(*args, **kwargs)
+    call = _call("attention", args, kwargs)
     result = run(call, choose(call))
     out = result.out
     if listening or edits:

@@ -254,3 +254,21 @@ def test_backend_errors():
         match="backend='sdpa' cannot give the attention weights; use backend='reference' or 'auto'",
     ):
         qkv.attention(q, q, q, backend="sdpa", return_weights=True)
+
+
+@pytest.mark.parametrize("name", ["attention", "dispatch"])
+def test_arguments_that_do_not_bind_name_the_public_function(name):
+    # Both take their parameters from Call.of; an unknown keyword or a missing tensor is
+    # still the caller's mistake with qkv.attention or qkv.dispatch, and says so.
+    q = t(1, 1, 3, 4)
+    f = getattr(qkv, name)
+    with pytest.raises(
+        TypeError, match=rf"^qkv\.{name}\(\) got an unexpected keyword argument 'causal'$"
+    ):
+        f(q, q, q, causal=True)
+    with pytest.raises(
+        TypeError, match=rf"^qkv\.{name}\(\) missing 1 required positional argument: 'value'$"
+    ):
+        f(q, q)
+    with pytest.raises(TypeError, match="mask must be a qkv mask"):  # raised inside: as it was
+        f(q, q, q, mask="causal")
