@@ -66,6 +66,10 @@ def expected(q, k, v, table, lengths, **kw):
         dict(H=32, H_kv=2, D=32, D_v=32, P=4),  # 16 query heads a key/value head: wide path
         dict(H=20, H_kv=1, D=16, D_v=48, P=7, lengths=(30, 2, 0, 7, 8)),  # wide, a tail of 4
         dict(H=3, H_kv=3, D=64, D_v=64, P=16, lengths=(17, 64, 1, 100, 33)),
+        # in torch's layout an item takes several key/value heads: all 4 (12 sequences), or
+        # 2 of them on 2 threads (6 sequences)
+        dict(B=12, H=8, H_kv=4, D=32, D_v=48, P=5, lengths=(9, 0, 31, 5, 12, 40, 1) + (7,) * 5),
+        dict(B=6, H=8, H_kv=4, D=32, D_v=32, P=4, lengths=(9, 0, 31, 5, 12, 40)),
     ],
 )
 @pytest.mark.parametrize("layout", ["torch", "qkv"])

@@ -32,7 +32,7 @@ TESTS = {
         {512: ["tiled/_step512.c"], 256: ["tiled/_step256.c"], 128: ["tiled/_step128.c"]},
         36,
     ),
-    "test_paged": ({512: ["_paged512.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]}, 20),
+    "test_paged": ({512: ["_paged512.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]}, 40),
 }
 
 

@@ -3,13 +3,15 @@
    into a contiguous copy first (qkv/kernels/paged.py).
 
    Work: one item per (sequence, key/value head); the item's G = H / H_kv query heads share
-   every key and value row it reads. Per page: the G × n scores, their maximum, one rescale
-   of the running sum and output, then P·V. Scores, softmax state and output accumulate in
-   float32: bfloat16 keys and values are widened as they are read, and quantized ones (int8,
-   or float8 e4m3) are read in place, widened and multiplied by their row's scale (one
-   float32 per token and key/value head) — no dequantized copy is made. A key with a NaN or an
-   infinite score makes its row NaN, as plain arithmetic would; a sequence with no key gives
-   out 0 and lse -inf (the sink's logit with sinks).
+   every key and value row it reads. In torch's layout, where a slot's key/value heads lie
+   side by side, the vector item takes several of a sequence's key/value heads at once and
+   goes through its pages once for all of them (_paged_step.h). Per page: the G × n scores,
+   their maximum, one rescale of the running sum and output, then P·V. Scores, softmax state
+   and output accumulate in float32: bfloat16 keys and values are widened as they are read,
+   and quantized ones (int8, or float8 e4m3) are read in place, widened and multiplied by
+   their row's scale (one float32 per token and key/value head) — no dequantized copy is
+   made. A key with a NaN or an infinite score makes its row NaN, as plain arithmetic would;
+   a sequence with no key gives out 0 and lse -inf (the sink's logit with sinks).
 
    Threads: one OpenMP parallel region per call on the pool torch has loaded, the items
    dealt one at a time (schedule dynamic): a thread that is descheduled on a busy machine
@@ -191,7 +193,8 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
              (const float *)ksc,
              (const float *)vsc,
              {kss[0], kss[1], kss[2]},
-             {vss[0], vss[1], vss[2]}};
+             {vss[0], vss[1], vss[2]},
+             0};
     /* The table and lengths, checked before anything is read through them: a length past
        the table or a page outside the pool returns False (the caller says which). */
     const int32_t *tab = (const int32_t *)table, *len = (const int32_t *)lengths;
@@ -200,8 +203,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
         for (int64_t i = 0; i < (len[b] + P - 1) / P; i++)
             if (tab[b * max_pages + i] < 0 || tab[b * max_pages + i] >= num_pages) Py_RETURN_FALSE;
     }
-    const int64_t G = H / H_kv, items = B * H_kv;
-    const size_t scratch = (size_t)scratch_floats(G, D, D_v, P);
+    const int64_t G = H / H_kv;
     Item run = item;
     const Item *vector = vector_items();
     if (D % 16 == 0 && D_v % 16 == 0 && vector) run = vector[kv];
@@ -209,6 +211,15 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (D % 16 == 0 && D_v % 16 == 0 && vector == qkv_paged_avx512 && G >= 16)
         run = qkv_paged_avx512_wide[kv];
 #endif
+    /* Where a slot's heads lie side by side (torch's layout) the vector item takes several
+       key/value heads of a sequence, as many as leave 4 items a thread, and reads each page
+       of them as one stretch of memory (one head's rows are H_kv rows apart there); qkv's
+       pool keeps each head's pages together, so its items take one. */
+    if (vector && run == vector[kv] && ks2 < ks1 && vs2 < vs1)
+        for (int64_t n = H_kv; n > 1 && j.heads == 0; n--)
+            if (H_kv % n == 0 && B * (H_kv / n) >= 4 * threads) j.heads = n;
+    const int64_t per_seq = H_kv / heads_per_item(&j), items = B * per_seq;
+    const size_t scratch = (size_t)scratch_floats(G, D, D_v, P, heads_per_item(&j));
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -217,7 +228,7 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
         if (!work) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; i++)
-            if (work) run(&j, i / H_kv, i % H_kv, work);
+            if (work) run(&j, i / per_seq, i % per_seq * heads_per_item(&j), work);
         free(work);
     }
     Py_END_ALLOW_THREADS if (failed) return PyErr_NoMemory();

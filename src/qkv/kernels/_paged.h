@@ -26,7 +26,11 @@ typedef struct {
     int kv;                 /* KV_*: how k and v are stored */
     const float *ksc, *vsc; /* quantized: the rows' scales; NULL otherwise */
     int64_t kss[3], vss[3];
+    int64_t heads; /* key/value heads per item of the vector item (_paged_step.h); 0: one */
 } Job;
+
+/* The key/value heads one item of the vector item takes (the other items take one). */
+static inline int64_t heads_per_item(const Job *j) { return j->heads > 1 ? j->heads : 1; }
 
 /* A float8 e4m3 value as float32: its sign, and its 7 other bits placed as a float32's
    exponent and mantissa start, then scaled by 2^(127 - 7) — exact for normal and subnormal
@@ -115,10 +119,11 @@ static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc,
 
 /* The floats of scratch one thread's items need (`work`): the vector item's G query rows,
    outputs and padded score rows, a page of widened rows and a row (the plain C item's fit
-   in it), or the many-heads item's (wide512, G >= 16) transposed queries and scores. */
-static inline int64_t scratch_floats(int64_t G, int64_t D, int64_t D_v, int64_t P) {
+   in it), or the many-heads item's (wide512, G >= 16) transposed queries and scores. NH:
+   key/value heads per item (heads_per_item). */
+static inline int64_t scratch_floats(int64_t G, int64_t D, int64_t D_v, int64_t P, int64_t NH) {
     const int64_t GV = (G + 15) / 16 * 16, SP = (P + 15) / 16 * 16;
-    const int64_t narrow = G * (D + D_v + SP) + P * (D > D_v ? D : D_v) + D + D_v;
+    const int64_t narrow = NH * G * (D + D_v + SP) + P * (D > D_v ? D : D_v) + D + D_v;
     const int64_t wide = D * GV + G * D_v + P * GV + D + D_v + 2 * GV + P * D_v;
     return narrow > wide ? narrow : wide;
 }

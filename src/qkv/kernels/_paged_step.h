@@ -156,58 +156,80 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
     }
 }
 
-/* One (sequence b, kv head hk) item, keys and values stored as SRC. work: as item's. Where
-   more heads share float8 keys than one register block holds, the page's key rows are
-   widened once into `page_buf` (e4m3 has no hardware conversion here, so widening them once
-   per block costs more than the store) and scored from there; `page_buf` then takes the
-   page's values. */
+/* One page of n keys for kv head hk, stored as SRC: the G × n scores into s (a head's row
+   every SP floats), each head's maximum m and the rescale of its sum l and outputs acc, the
+   weights, then P·V. Where more heads share float8 keys than one register block holds, the
+   page's key rows are widened once into `page_buf` (e4m3 has no hardware conversion here, so
+   widening them once per block costs more than the store) and scored from there;
+   `page_buf` then takes the page's values. */
 TARGET static inline __attribute__((always_inline)) void
-paged_item(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
-    const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
+page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, float *acc, float *s,
+          int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
+    const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
+    const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
+    if (G > PAGED_HEADS && SRC == SRC_E4M3) {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < D; d += 16)
+                vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
+        page_scores(j, page_buf, 0, D, page, n, hk, qf, s, SP, SRC_F32);
+    } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, s, SP, SRC);
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * SP, mx = m[g];
+        for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        if (mx > m[g]) { /* a new maximum: rescale what was summed under the old one */
+            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
+            l[g] *= alpha;
+            for (int64_t d = 0; d < D_v; d += 16)
+                vstore(acc + g * D_v + d, vmul(vload(acc + g * D_v + d), vset1(alpha)));
+            m[g] = mx;
+        }
+        if (m[g] == -INFINITY) { /* every score -inf (no weight) or NaN (NaN) */
+            for (int64_t t = 0; t < n; t++) sg[t] = sg[t] == -INFINITY ? 0.0f : NAN;
+            for (int64_t t = 0; t < n; t++) l[g] += sg[t];
+            continue;
+        }
+        vf sum = vzero();
+        for (int64_t t = 0; t < n; t += 16) {
+            const lanemask live = n - t >= 16 ? 0xFFFF : (lanemask)((1u << (n - t)) - 1);
+            vf e = vexp(vsub(vloadz(live, sg + t), vset1(m[g])));
+            e = vblend(live, vzero(), e);
+            vstore(sg + t, e);
+            sum = vadd(sum, e);
+        }
+        l[g] += vsum(sum);
+    }
+    pv_page(j, page, n, hk, acc, s, SP, 1, page_buf, SRC);
+}
+
+/* One item: sequence b's key/value heads hk0 .. hk0 + heads_per_item(j) - 1, keys and
+   values stored as SRC; work as item's. Page by page, each page for every head of the item
+   before the next page: where a slot's heads lie side by side (torch's layout, (pages, P,
+   H_kv, D)), the item then reads its pages as whole stretches of memory rather than one
+   head's rows several kilobytes apart. Each head's arithmetic is the same either way. */
+TARGET static inline __attribute__((always_inline)) void
+paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
+    const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P, NH = heads_per_item(j);
     const int64_t SP = (P + 15) / 16 * 16; /* a head's scores, padded to whole vectors */
-    const int64_t DM = D > D_v ? D : D_v;
-    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *page_buf = s + G * SP;
-    float m[G], l[G];
-    begin(j, b, hk, qf, acc, m, l, page_buf + P * DM); /* (D floats past page_buf) */
+    const int64_t DM = D > D_v ? D : D_v, per_head = G * (D + D_v + SP);
+    /* head h's query rows (qf), outputs (acc) and scores from work + h · per_head */
+    float *page_buf = work + NH * per_head, m[NH * G], l[NH * G];
+    for (int64_t h = 0; h < NH; h++) {
+        float *qf = work + h * per_head, *acc = qf + G * D;
+        begin(j, b, hk0 + h, qf, acc, m + h * G, l + h * G, page_buf + P * DM); /* (D past it) */
+    }
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
-        const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
-        if (G > PAGED_HEADS && SRC == SRC_E4M3) {
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t d = 0; d < D; d += 16)
-                    vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
-            page_scores(j, page_buf, 0, D, page, n, hk, qf, s, SP, SRC_F32);
-        } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, s, SP, SRC);
-        for (int64_t g = 0; g < G; g++) {
-            float *sg = s + g * SP, mx = m[g];
-            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
-            if (mx > m[g]) { /* a new maximum: rescale what was summed under the old one */
-                const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-                l[g] *= alpha;
-                for (int64_t d = 0; d < D_v; d += 16)
-                    vstore(acc + g * D_v + d, vmul(vload(acc + g * D_v + d), vset1(alpha)));
-                m[g] = mx;
-            }
-            if (m[g] == -INFINITY) { /* every score -inf (no weight) or NaN (NaN) */
-                for (int64_t t = 0; t < n; t++) sg[t] = sg[t] == -INFINITY ? 0.0f : NAN;
-                for (int64_t t = 0; t < n; t++) l[g] += sg[t];
-                continue;
-            }
-            vf sum = vzero();
-            for (int64_t t = 0; t < n; t += 16) {
-                const lanemask live = n - t >= 16 ? 0xFFFF : (lanemask)((1u << (n - t)) - 1);
-                vf e = vexp(vsub(vloadz(live, sg + t), vset1(m[g])));
-                e = vblend(live, vzero(), e);
-                vstore(sg + t, e);
-                sum = vadd(sum, e);
-            }
-            l[g] += vsum(sum);
+        for (int64_t h = 0; h < NH; h++) {
+            float *qf = work + h * per_head, *acc = qf + G * D, *s = acc + G * D_v;
+            page_step(j, page, n, hk0 + h, qf, acc, s, SP, m + h * G, l + h * G, page_buf, SRC);
         }
-        pv_page(j, page, n, hk, acc, s, SP, 1, page_buf, SRC);
     }
-    finish(j, b, hk, acc, m, l);
+    for (int64_t h = 0; h < NH; h++) {
+        float *acc = work + h * per_head + G * D;
+        finish(j, b, hk0 + h, acc, m + h * G, l + h * G);
+    }
 }
 
 /* The table `table` of `body` (an item taking its storage kind last) per storage kind, in

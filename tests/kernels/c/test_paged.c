@@ -49,7 +49,7 @@ static double store(void *x, int64_t i, int kind) {
 }
 
 static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_kv, int64_t D,
-                    int64_t Dv) {
+                    int64_t Dv, int64_t heads) {
     const int64_t B = 3, P = 16, max_pages = 5, pages = 12, G = H / H_kv;
     const int64_t len[3] = {37, 0, 80};
     const int32_t table[3][5] = {{3, 7, 0, 1, 2}, {5, 1, 2, 9, 4}, {11, 4, 6, 8, 10}};
@@ -94,10 +94,11 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
              ksc,
              vsc,
              {P * H_kv, H_kv, 1},
-             {P * H_kv, H_kv, 1}};
-    float *work = malloc(sizeof(float) * scratch_floats(G, D, Dv, P));
+             {P * H_kv, H_kv, 1},
+             heads};
+    float *work = malloc(sizeof(float) * scratch_floats(G, D, Dv, P, heads_per_item(&j)));
     for (int64_t b = 0; b < B; b++)
-        for (int64_t hk = 0; hk < H_kv; hk++) item(&j, b, hk, work);
+        for (int64_t hk = 0; hk < H_kv; hk += heads_per_item(&j)) item(&j, b, hk, work);
     double worst = 0, worst_lse = 0;
     double *s = malloc(sizeof(double) * 80);
     for (int64_t b = 0; b < B; b++)
@@ -127,9 +128,9 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
         }
     const char *name[4] = {"float32", "bfloat16", "int8", "e4m3"};
     int ok = worst <= 2e-5 && worst_lse <= 2e-5;
-    printf("%s %-6s %-8s H=%2lld H_kv=%lld D=%3lld Dv=%3lld: out %.1e lse %.1e\n",
+    printf("%s %-6s %-8s H=%2lld H_kv=%lld D=%3lld Dv=%3lld heads/item %lld: out %.1e lse %.1e\n",
            ok ? "ok  " : "FAIL", isa, name[kind], (long long)H, (long long)H_kv, (long long)D,
-           (long long)Dv, worst, worst_lse);
+           (long long)Dv, (long long)heads_per_item(&j), worst, worst_lse);
     free(k), free(v), free(kd), free(vd), free(q), free(ksc), free(vsc), free(out), free(lse);
     free(work), free(s);
     return ok;
@@ -151,16 +152,18 @@ int main(void) {
     names[n] = "neon", items[n++] = qkv_paged_neon;
 #endif
     /* G = 2, 2, 1; 5 (a block of 4 heads and one more, 64 + 16 value columns) and 8 (two
-       blocks; float8 keys widened into a page first where a block holds fewer heads) */
+       blocks; float8 keys widened into a page first where a block holds fewer heads); each
+       with one key/value head an item and with all of them */
     const int64_t shapes[][4] = {
         {4, 2, 64, 64}, {6, 3, 32, 16}, {8, 8, 128, 96}, {10, 2, 48, 80}, {16, 2, 128, 128}};
     const int nshapes = sizeof shapes / sizeof shapes[0];
     int failed = 0, cases = 0;
     for (int i = 0; i < n; i++)
         for (int kind = KV_F32; kind <= KV_F8; kind++)
-            for (int c = 0; c < nshapes; c++, cases++)
-                failed += !run_case(names[i], items[i][kind], kind, shapes[c][0], shapes[c][1],
-                                    shapes[c][2], shapes[c][3]);
+            for (int c = 0; c < nshapes; c++)
+                for (int e = 0; e < 2; e++, cases++)
+                    failed += !run_case(names[i], items[i][kind], kind, shapes[c][0], shapes[c][1],
+                                        shapes[c][2], shapes[c][3], e ? shapes[c][1] : 1);
     printf("%d of %d cases within tolerance\n", cases - failed, cases);
     return failed || !n ? 1 : 0;
 }
