@@ -784,6 +784,34 @@ def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
     assert seen and set(seen) == {torch.float16}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
+def test_the_avx2_steps_two_register_blockings_give_the_same_bits(name, dtype, monkeypatch, tune):
+    """The AVX2 step compiled with 3 and with 2 query rows at a time (the profile measures
+    which is faster): the same output, lse and gradients, bit for bit, in float32 and on
+    widened bfloat16, with every mask, odd sizes, T_q != T_k, D_v != D; the 3-row one is held
+    to the float64 oracle above."""
+    if "avx2" not in native.isas():
+        pytest.skip("this CPU cannot run the AVX2 step")
+    tune(native=True, native_probe=False)
+    mask = mask_zoo(2, 75, 61)[name]
+    q, k, v = make_qkv(2, 4, 2, 61, 75, 40, 24, dtype=dtype, seed=5)
+    g = torch.randn(2, 4, 61, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+    runs = []
+    with native.use_isa("avx2"):
+        assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path.startswith("tiled-native")
+        for n in native.ROWS:
+            with native.use_rows(n):
+                assert native.rows() == n
+                out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
+                runs.append((out, lse, *grads(q, k, v, g, mask, backend="tiled")))
+    assert native.rows() == native.ROWS[0]  # undone after the block
+    for three, two in zip(*runs):
+        assert torch.equal(three, two)
+    with pytest.raises(ValueError, match="rows at a time"):
+        native.set_rows(4)
+
+
 def test_float32_reads_values_in_place_at_any_row_stride():
     """float32 V is not copied: its rows are read where they lie — here from a (B, T, H, D)
     layout (rows H·D apart), T off the 32-key blocks, a call ending at the last key — and

@@ -41,7 +41,9 @@ def counting(monkeypatch, *probes):
 
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
-    measured = profile.Probe(1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6)
+    measured = profile.Probe(
+        1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8
+    )
     calls = counting(monkeypatch, measured)
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
@@ -83,6 +85,29 @@ def test_the_half_precision_choice_keeps_its_stored_value_near_the_threshold(cac
     assert found.widen_bfloat16 and found.widens(torch.float16)
     assert profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 1.05×: kept
     assert not profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 0.5×: changed
+
+
+@needs_native
+def test_the_avx2_register_blocking_is_measured_kept_near_the_line_and_applied(cache, monkeypatch):
+    """Where the float32 step is AVX2's, the probe times it with 3 and with 2 query rows at a
+    time: the faster is stored (float32's choice then reads its time), kept on a
+    re-measurement within the margin, changed past it, and the process's AVX2 step takes it
+    once the profile is read."""
+    two_faster = profile.Probe(1.0, 2.0, 2.4, native32_rows2_ms=1.6)  # 0.67×: 2 rows
+    near, slower = (profile.Probe(1.0, 2.0, 1.6, native32_rows2_ms=ms) for ms in (1.7, 2.4))
+    counting(monkeypatch, two_faster, near, slower)
+    found = profile.load()[0]
+    assert found.use_rows == 2 and found.float32_ratio() == 0.8 and found.float32
+    assert profile.load(remeasure=True)[0].rows == 2  # 1.06×: within the margin, kept
+    assert profile.load(remeasure=True)[0].rows == 3  # 1.5×: past it, changed
+    assert profile.Probe(1.0, 2.0, 1.5).rows == 3  # not measured (not AVX2): the default
+    monkeypatch.setattr(profile, "load", lambda: (two_faster, "stored"))
+    profile.probe.cache_clear()
+    try:
+        assert profile.probe().rows == 2 and native.rows() == 2
+    finally:
+        profile.probe.cache_clear()
+        native.set_rows(native.ROWS[0])
 
 
 @needs_native

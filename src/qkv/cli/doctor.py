@@ -5,6 +5,7 @@ each dtype and mask kind takes."""
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 from importlib import metadata
 
@@ -59,6 +60,11 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"  float32 runs {'natively' if found.float32 else 'through torch'}; bfloat16 "
             f"{'natively' if found.faster else 'as float32 does'}"
         )
+        if not math.isnan(found.rows_ratio()):
+            print(
+                f"  the AVX2 step takes {found.rows} query rows at a time (with 2: "
+                f"{found.native32_rows2_ms:.2f} ms, {found.rows_ratio():.2f}× the time of 3)"
+            )
         print("  torch's fused kernel, causal over 512 queries, ms (bfloat16 / float16 / copies):")
         widened = []
         for backward, what in ((False, "forward"), (True, "forward + backward")):

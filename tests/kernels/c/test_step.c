@@ -227,7 +227,7 @@ static int run_case(const Step *st, const Case *c) {
 }
 
 int main(void) {
-    Step steps[3];
+    Step steps[4];
     int n = 0;
 #if defined(QKV_X86)
     __builtin_cpu_init();
@@ -236,7 +236,9 @@ int main(void) {
         steps[n++] = (Step){"avx512", ISA_AVX512, qkv_forward_item_avx512, qkv_key_block_avx512};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-        steps[n++] = (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2};
+        steps[n++] = (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2},
+        steps[n++] = (Step){"avx2/2", ISA_AVX2, qkv_forward_item_avx2_rows2,
+                            qkv_key_block_avx2_rows2}; /* the other register blocking */
 #elif defined(QKV_ARM)
     steps[n++] = (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon};
 #endif

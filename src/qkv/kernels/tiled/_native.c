@@ -75,7 +75,8 @@ typedef int qkv_lock;
 /* A forward work item or a backward one, by the call's instruction set. */
 static void forward_item(const Job *j, int64_t it) {
 #ifdef QKV_X86
-    if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
+    if (j->isa == ISA_AVX2 && j->rows == 2) qkv_forward_item_avx2_rows2(j, it);
+    else if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
     else qkv_forward_item_avx512(j, it);
 #else
     qkv_forward_item_neon(j, it);
@@ -85,7 +86,9 @@ static void forward_item(const Job *j, int64_t it) {
 static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                       float *dV, void *scratch) {
 #ifdef QKV_X86
-    if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
+    if (bj->f.isa == ISA_AVX2 && bj->f.rows == 2)
+        qkv_key_block_avx2_rows2(bj, b, h, n0, dq, dK, dV, scratch);
+    else if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
     else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
 #else
     qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
@@ -343,11 +346,28 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     return before;
 }
 
+/* The AVX2 step's register blocking (use_rows): 3 or 2 query rows at a time. */
+static int avx2_rows = 3;
+
+/* Sets the AVX2 step's rows at a time (3 or 2); returns the setting before. */
+static PyObject *use_rows(PyObject *self, PyObject *args) {
+    int rows;
+    if (!PyArg_ParseTuple(args, "i", &rows)) return NULL;
+    if (rows != 2 && rows != 3) {
+        PyErr_Format(PyExc_ValueError, "use_rows: 3 or 2 rows at a time, not %d", rows);
+        return NULL;
+    }
+    int before = avx2_rows;
+    avx2_rows = rows;
+    return PyLong_FromLong(before);
+}
+
 /* Checks one call's sizes and fills them into j; 0 with a Python error set if they do not
    fit the kernel or the CPU lacks the instructions. */
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
                       long long D, long long Dv, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
+    j->rows = avx2_rows;
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
                                                 : "this CPU has no AVX512-BF16");
@@ -645,6 +665,10 @@ static PyMethodDef methods[] = {
      "use_isa(name): \"avx2\" runs the kernel as on an AVX2-only CPU where this one has "
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
      "it); \"\" lets the CPU choose. Returns the setting before."},
+    {"use_rows", use_rows, METH_VARARGS,
+     "use_rows(rows): the AVX2 step's register blocking, 3 or 2 query rows at a time (the "
+     "same bits either way; the machine's profile measures which is faster). Returns the "
+     "setting before."},
     {"finite", (PyCFunction)(void (*)(void))finite_py, METH_VARARGS | METH_KEYWORDS,
      "finite(*, x, n, source): whether n contiguous values at x, of the dtype `source` "
      "names (\"float32\", \"bfloat16\", \"float16\"), are all finite, in one thread."},

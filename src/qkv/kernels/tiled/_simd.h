@@ -80,9 +80,21 @@ VI vf vload_e4m3(const uint8_t *p) {
 #elif QKV_ISA == 256
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define VI static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+/* AVX2's register blocking is compiled twice, and the machine's profile measures which runs
+   faster (tiled/profile.py): AVX2_ROWS query rows at a time, 3 (_step256.c) or 2
+   (_step256_rows2.c: 8 ymm of sums, so the 4 of the key block stay in registers and each
+   FMA reads no memory — fewer loads per FMA, for CPUs with fewer load ports). Rows never
+   share a sum, so the two give the same bits. */
+#ifndef AVX2_ROWS
+#define AVX2_ROWS 3
+#endif
+#if AVX2_ROWS == 2
+#define NAMED(x) x##_avx2_rows2
+#else
 #define NAMED(x) x##_avx2
-#define DOT_ROWS 3 /* 3 rows × 32 keys: 12 ymm (the 8 rows as 3, 3, 2) */
-#define PV_ROWS 3  /* 3 rows × 32 columns: 12 ymm (V read by the FMAs from memory) */
+#endif
+#define DOT_ROWS AVX2_ROWS /* rows × 32 keys: 12 ymm for 3 (the 8 rows as 3, 3, 2) */
+#define PV_ROWS AVX2_ROWS  /* rows × 32 columns: 12 ymm for 3 (V read by the FMAs) */
 #define PV_COLS 2
 #define PV_ROWS_HALF 2 /* ... V widened from half precision: 8 ymm, and 4 for V's values */
 #define OUTER_KEYS 2   /* 2 keys × 32 columns: 8 ymm, and 4 for the row */

@@ -86,6 +86,41 @@ def use_isa(name: str) -> Iterator[None]:
         _native.use_isa(before)
 
 
+#: the AVX2 step's register blockings, query rows at a time: compiled both ways, the
+#: machine's profile measures which runs faster (3 by default; docs/kernels.md)
+ROWS = (3, 2)
+
+
+def rows() -> int:
+    """The query rows the AVX2 step keeps in registers at a time (:data:`ROWS`)."""
+    if _native is None:
+        return ROWS[0]
+    before = _native.use_rows(ROWS[0])
+    _native.use_rows(before)
+    return int(before)
+
+
+def set_rows(n: int) -> None:
+    """Runs the AVX2 step with ``n`` query rows at a time (:data:`ROWS`) in this process, as
+    the machine's profile chose. The same bits either way: no two rows share a sum."""
+    if n not in ROWS:
+        raise ValueError(f"set_rows: one of {ROWS} rows at a time, not {n!r}")
+    if _native is not None:
+        _native.use_rows(n)
+
+
+@contextlib.contextmanager
+def use_rows(n: int) -> Iterator[None]:
+    """Within the block, the AVX2 step keeps ``n`` query rows in registers at a time: to test
+    and measure each blocking. Process-wide, as :func:`use_isa`."""
+    before = rows()
+    set_rows(n)
+    try:
+        yield
+    finally:
+        set_rows(before)
+
+
 @functools.cache
 def _pin_from_environment() -> None:
     """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process, read the first

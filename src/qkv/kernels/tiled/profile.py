@@ -48,9 +48,9 @@ from .plan import dense_to_sparse, make_plan
 MARGIN = 0.1
 FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
-#: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass (a file of
-#: an older format is measured again, silently)
-FORMAT = 4
+#: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass, 5 the AVX2
+#: step's second register blocking (a file of an older format is measured again, silently)
+FORMAT = 5
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -67,6 +67,10 @@ FLOAT32_AT = 1.1
 #: choice and a first one is a median of three)
 BFLOAT16_AT = 1.0
 
+#: the AVX2 step with 2 query rows at a time ÷ with 3, under which it runs 2: the faster
+#: (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
+ROWS_AT = 1.0
+
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
@@ -77,7 +81,9 @@ class Probe(NamedTuple):
     native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
     (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
     float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
-    widened as it loads them (``native_widen_ms``). And torch's fused kernel
+    widened as it loads them (``native_widen_ms``). Where the float32 step is AVX2's, it is
+    timed with each register blocking (:data:`native.ROWS`): 3 query rows at a time
+    (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel
     (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
@@ -94,6 +100,7 @@ class Probe(NamedTuple):
     sdpa_float16_fwd_ms: float = float("nan")
     sdpa_widened_fwd_ms: float = float("nan")
     native_widen_ms: float = float("nan")
+    native32_rows2_ms: float = float("nan")
     #: the choices as a stored profile made them (:func:`load`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
@@ -101,6 +108,7 @@ class Probe(NamedTuple):
     widen_float16: bool | None = None
     widen_bfloat16_fwd: bool | None = None
     widen_float16_fwd: bool | None = None
+    use_rows: int | None = None
 
     def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
         """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
@@ -128,8 +136,22 @@ class Probe(NamedTuple):
         return self.float32_ratio() <= FLOAT32_AT
 
     def float32_ratio(self) -> float:
-        """The native float32 step's time ÷ torch's flash kernel's."""
-        return self.native32_ms / self.float32_ms
+        """The native float32 step's time (with the chosen :attr:`rows`) ÷ torch's flash
+        kernel's."""
+        native32 = self.native32_rows2_ms if self.rows == 2 else self.native32_ms
+        return native32 / self.float32_ms
+
+    def rows_ratio(self) -> float:
+        """The AVX2 step's time with 2 query rows at a time ÷ with 3 (nan: not measured)."""
+        return self.native32_rows2_ms / self.native32_ms
+
+    @property
+    def rows(self) -> int:
+        """The query rows the AVX2 step takes at a time here: 2 where that ran under
+        :data:`ROWS_AT` × the time of 3, else 3."""
+        if self.use_rows is not None:
+            return self.use_rows
+        return 2 if self.rows_ratio() < ROWS_AT else 3
 
     def bfloat16_ratio(self, float32: bool | None = None) -> float:
         """The native bfloat16 step's time ÷ that of the path bfloat16 takes otherwise:
@@ -178,7 +200,9 @@ def measure() -> Probe:
     )
     for name, path, xs, compute in steps:
         if native.available(compute):
-            calls[name] = _banded_pass(path, *xs)
+            calls[name] = _with_rows(3, _banded_pass(path, *xs))
+    if native.isa(torch.float32) == "avx2":
+        calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -192,6 +216,7 @@ def measure() -> Probe:
         median["float32"],
         median.get("native32", math.nan),
         native_widen_ms=median.get("native_widen", math.nan),
+        native32_rows2_ms=median.get("native32_rows2", math.nan),
         sdpa_bfloat16_ms=median["sdpa_bfloat16"],
         sdpa_float16_ms=median["sdpa_float16"],
         sdpa_widened_ms=median["sdpa_widened"],
@@ -225,6 +250,16 @@ def _banded_pass(
     plan = make_plan(*dense_to_sparse(codes), T, T, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
     call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan)
     return functools.partial(forward, call)
+
+
+def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with the AVX2 step taking ``n`` query rows at a time."""
+
+    def timed() -> object:
+        with native.use_rows(n):
+            return call()
+
+    return timed
 
 
 def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
@@ -307,15 +342,15 @@ def _near(ratio: float, threshold: float) -> bool:
 
 
 def _ratios(p: Probe) -> list[float]:
-    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: native ÷ torch in
-    float32, native bfloat16 ÷ the path bfloat16 takes otherwise, torch's half precision ÷
-    float32 copies."""
+    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2 step's 2
+    rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
+    otherwise, torch's half precision ÷ float32 copies."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
-    return [p.float32_ratio(), p.bfloat16_ratio(), *widen]
+    return [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (FLOAT32_AT, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
+THRESHOLDS = (ROWS_AT, FLOAT32_AT, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -327,6 +362,10 @@ def _median(probes: list[Probe]) -> Probe:
 def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
+    rows = new.rows
+    if old is not None and old.rows != rows and _near(new.rows_ratio(), ROWS_AT):
+        rows = old.rows
+    new = new._replace(use_rows=rows)  # float32's time below is that of these rows
     float32 = new.float32
     if old is not None and old.float32 != float32 and _near(new.float32_ratio(), FLOAT32_AT):
         float32 = old.float32
@@ -390,5 +429,8 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
 
 @functools.cache
 def probe() -> Probe:
-    """This machine's profile (:func:`load`), read once per process."""
-    return load()[0]
+    """This machine's profile (:func:`load`), read once per process; the AVX2 step takes the
+    register blocking it chose from then on."""
+    found = load()[0]
+    native.set_rows(found.rows)
+    return found
