@@ -86,7 +86,14 @@ setup(
             "qkv.kernels.tiled._native",
             [
                 f"src/qkv/kernels/tiled/{name}.c"
-                for name in ("_native", "_step512", "_step256", "_step256_rows2", "_step128")
+                for name in (
+                    "_native",
+                    "_step512",
+                    "_step256",
+                    "_step256_rows2",
+                    "_step128",
+                    "_step128_rows2",
+                )
             ],
             depends=[
                 "src/qkv/kernels/_cpu.h",

@@ -61,8 +61,9 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"{'natively' if found.faster else 'as float32 does'}"
         )
         if not math.isnan(found.rows_ratio()):
+            step = native.isa(torch.float32)
             print(
-                f"  the AVX2 step takes {found.rows} query rows at a time (with 2: "
+                f"  the {step} step takes {found.rows} query rows at a time (with 2: "
                 f"{found.native32_rows2_ms:.2f} ms, {found.rows_ratio():.2f}× the time of 3)"
             )
         print("  torch's fused kernel, causal over 512 queries, ms (bfloat16 / float16 / copies):")

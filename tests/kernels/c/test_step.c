@@ -241,6 +241,7 @@ int main(void) {
                             qkv_key_block_avx2_rows2}; /* the other register blocking */
 #elif defined(QKV_ARM)
     steps[n++] = (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon};
+    steps[n++] = (Step){"neon/2", ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2};
 #endif
     if (!n) {
         printf("FAIL no step runs on this CPU\n");

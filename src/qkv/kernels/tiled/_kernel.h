@@ -59,7 +59,7 @@ typedef struct {
     int f32;             /* computed in float32 (else bfloat16 dot products) */
     int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
     int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2 or ISA_NEON (float32) */
-    int rows;            /* AVX2: its register blocking, 3 or 2 query rows at a time */
+    int rows;            /* AVX2, NEON: its register blocking, 3 or 2 query rows at a time */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
@@ -185,6 +185,9 @@ void qkv_key_block_avx2_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, 
 void qkv_forward_item_neon(const Job *j, int64_t it);
 void qkv_key_block_neon(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                         float *dV, void *scratch);
+void qkv_forward_item_neon_rows2(const Job *j, int64_t it);
+void qkv_key_block_neon_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
+                              float *dK, float *dV, void *scratch);
 #pragma GCC visibility pop
 #endif
 #endif

@@ -79,7 +79,8 @@ static void forward_item(const Job *j, int64_t it) {
     else if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
     else qkv_forward_item_avx512(j, it);
 #else
-    qkv_forward_item_neon(j, it);
+    if (j->rows == 2) qkv_forward_item_neon_rows2(j, it);
+    else qkv_forward_item_neon(j, it);
 #endif
 }
 
@@ -91,7 +92,8 @@ static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *d
     else if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
     else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
 #else
-    qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
+    if (bj->f.rows == 2) qkv_key_block_neon_rows2(bj, b, h, n0, dq, dK, dV, scratch);
+    else qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
 #endif
 }
 #endif
@@ -346,10 +348,10 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     return before;
 }
 
-/* The AVX2 step's register blocking (use_rows): 3 or 2 query rows at a time. */
+/* The AVX2 and NEON steps' register blocking (use_rows): 3 or 2 query rows at a time. */
 static int avx2_rows = 3;
 
-/* Sets the AVX2 step's rows at a time (3 or 2); returns the setting before. */
+/* Sets the AVX2 and NEON steps' rows at a time (3 or 2); returns the setting before. */
 static PyObject *use_rows(PyObject *self, PyObject *args) {
     int rows;
     if (!PyArg_ParseTuple(args, "i", &rows)) return NULL;
@@ -666,7 +668,7 @@ static PyMethodDef methods[] = {
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
      "it); \"\" lets the CPU choose. Returns the setting before."},
     {"use_rows", use_rows, METH_VARARGS,
-     "use_rows(rows): the AVX2 step's register blocking, 3 or 2 query rows at a time (the "
+     "use_rows(rows): the AVX2 and NEON steps' register blocking, 3 or 2 query rows at a time (the "
      "same bits either way; the machine's profile measures which is faster). Returns the "
      "setting before."},
     {"finite", (PyCFunction)(void (*)(void))finite_py, METH_VARARGS | METH_KEYWORDS,

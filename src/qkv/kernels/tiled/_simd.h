@@ -12,6 +12,10 @@
 #include "../_exp.h"
 #include "../_lanes.h"
 
+#ifndef STEP_ROWS
+#define STEP_ROWS 3 /* AVX2's and NEON's query rows at a time (below) */
+#endif
+
 #if QKV_ISA == 512
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define VI                                                                                         \
@@ -80,21 +84,18 @@ VI vf vload_e4m3(const uint8_t *p) {
 #elif QKV_ISA == 256
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define VI static inline __attribute__((always_inline, target("avx2,fma,f16c")))
-/* AVX2's register blocking is compiled twice, and the machine's profile measures which runs
-   faster (tiled/profile.py): AVX2_ROWS query rows at a time, 3 (_step256.c) or 2
-   (_step256_rows2.c: 8 ymm of sums, so the 4 of the key block stay in registers and each
-   FMA reads no memory — fewer loads per FMA, for CPUs with fewer load ports). Rows never
-   share a sum, so the two give the same bits. */
-#ifndef AVX2_ROWS
-#define AVX2_ROWS 3
-#endif
-#if AVX2_ROWS == 2
+/* AVX2's register blocking (and NEON's) is compiled twice, and the machine's profile
+   measures which runs faster (tiled/profile.py): STEP_ROWS query rows at a time, 3
+   (_step256.c) or 2 (_step256_rows2.c: 8 ymm of sums, so the 4 of the key block stay in
+   registers and no FMA reads memory, with fewer FMA chains in flight). Rows never share a
+   sum, so the two give the same bits. */
+#if STEP_ROWS == 2
 #define NAMED(x) x##_avx2_rows2
 #else
 #define NAMED(x) x##_avx2
 #endif
-#define DOT_ROWS AVX2_ROWS /* rows × 32 keys: 12 ymm for 3 (the 8 rows as 3, 3, 2) */
-#define PV_ROWS AVX2_ROWS  /* rows × 32 columns: 12 ymm for 3 (V read by the FMAs) */
+#define DOT_ROWS STEP_ROWS /* rows × 32 keys: 12 ymm for 3 (the 8 rows as 3, 3, 2) */
+#define PV_ROWS STEP_ROWS  /* rows × 32 columns: 12 ymm for 3 (V read by the FMAs) */
 #define PV_COLS 2
 #define PV_ROWS_HALF 2 /* ... V widened from half precision: 8 ymm, and 4 for V's values */
 #define OUTER_KEYS 2   /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
@@ -185,9 +186,13 @@ VI vf vload_e4m3(const uint8_t *p) { return (vf){e4m3x8(p), e4m3x8(p + 8)}; }
 #elif QKV_ISA == 128
 #define TARGET
 #define VI static inline __attribute__((always_inline))
+#if STEP_ROWS == 2 /* as AVX2's: compiled with 3 rows at a time and with 2 (_step128_rows2.c) */
+#define NAMED(x) x##_neon_rows2
+#else
 #define NAMED(x) x##_neon
-#define DOT_ROWS 3 /* as AVX2's: the same register bytes (32 × 128 bits against 16 × 256) */
-#define PV_ROWS 3
+#endif
+#define DOT_ROWS STEP_ROWS /* as AVX2's: the same register bytes (32 × 128 bits, 16 × 256) */
+#define PV_ROWS STEP_ROWS
 #define PV_COLS 2
 #define PV_ROWS_HALF 2
 #define OUTER_KEYS 2

@@ -1,6 +1,6 @@
 /* The AVX2 step with 2 query rows in registers at a time instead of 3 (_simd.h): the other
    register blocking the machine's profile measures, for CPUs where it runs faster. */
-#define AVX2_ROWS 2
+#define STEP_ROWS 2
 #include "_kernel.h"
 #ifdef QKV_X86
 #define QKV_ISA 256

@@ -86,13 +86,13 @@ def use_isa(name: str) -> Iterator[None]:
         _native.use_isa(before)
 
 
-#: the AVX2 step's register blockings, query rows at a time: compiled both ways, the
-#: machine's profile measures which runs faster (3 by default; docs/kernels.md)
+#: the AVX2 and NEON steps' register blockings, query rows at a time: compiled both ways,
+#: the machine's profile measures which runs faster (3 by default; docs/kernels.md)
 ROWS = (3, 2)
 
 
 def rows() -> int:
-    """The query rows the AVX2 step keeps in registers at a time (:data:`ROWS`)."""
+    """The query rows the AVX2 and NEON steps keep in registers at a time (:data:`ROWS`)."""
     if _native is None:
         return ROWS[0]
     before = _native.use_rows(ROWS[0])
@@ -101,8 +101,8 @@ def rows() -> int:
 
 
 def set_rows(n: int) -> None:
-    """Runs the AVX2 step with ``n`` query rows at a time (:data:`ROWS`) in this process, as
-    the machine's profile chose. The same bits either way: no two rows share a sum."""
+    """Runs the AVX2 and NEON steps with ``n`` query rows at a time (:data:`ROWS`) in this
+    process, as the machine's profile chose. The same bits either way: no two rows share a sum."""
     if n not in ROWS:
         raise ValueError(f"set_rows: one of {ROWS} rows at a time, not {n!r}")
     if _native is not None:
@@ -111,8 +111,8 @@ def set_rows(n: int) -> None:
 
 @contextlib.contextmanager
 def use_rows(n: int) -> Iterator[None]:
-    """Within the block, the AVX2 step keeps ``n`` query rows in registers at a time: to test
-    and measure each blocking. Process-wide, as :func:`use_isa`."""
+    """Within the block, the AVX2 and NEON steps keep ``n`` query rows in registers at a time:
+    to test and measure each blocking. Process-wide, as :func:`use_isa`."""
     before = rows()
     set_rows(n)
     try:

@@ -67,7 +67,7 @@ FLOAT32_AT = 1.1
 #: choice and a first one is a median of three)
 BFLOAT16_AT = 1.0
 
-#: the AVX2 step with 2 query rows at a time ÷ with 3, under which it runs 2: the faster
+#: the AVX2 or NEON step with 2 query rows at a time ÷ with 3, under which it runs 2: the faster
 #: (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
 ROWS_AT = 1.0
 
@@ -81,9 +81,9 @@ class Probe(NamedTuple):
     native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
     (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
     float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
-    widened as it loads them (``native_widen_ms``). Where the float32 step is AVX2's, it is
-    timed with each register blocking (:data:`native.ROWS`): 3 query rows at a time
-    (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel
+    widened as it loads them (``native_widen_ms``). Where the float32 step is AVX2's or
+    NEON's, it is timed with each register blocking (:data:`native.ROWS`): 3 query rows at
+    a time (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel
     (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
@@ -142,12 +142,13 @@ class Probe(NamedTuple):
         return native32 / self.float32_ms
 
     def rows_ratio(self) -> float:
-        """The AVX2 step's time with 2 query rows at a time ÷ with 3 (nan: not measured)."""
+        """The AVX2 or NEON step's time with 2 query rows at a time ÷ with 3 (nan: not
+        measured)."""
         return self.native32_rows2_ms / self.native32_ms
 
     @property
     def rows(self) -> int:
-        """The query rows the AVX2 step takes at a time here: 2 where that ran under
+        """The query rows the AVX2 or NEON step takes at a time here: 2 where that ran under
         :data:`ROWS_AT` × the time of 3, else 3."""
         if self.use_rows is not None:
             return self.use_rows
@@ -201,7 +202,7 @@ def measure() -> Probe:
     for name, path, xs, compute in steps:
         if native.available(compute):
             calls[name] = _with_rows(3, _banded_pass(path, *xs))
-    if native.isa(torch.float32) == "avx2":
+    if native.isa(torch.float32) in ("avx2", "neon"):  # compiled with both blockings
         calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
@@ -253,7 +254,7 @@ def _banded_pass(
 
 
 def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the AVX2 step taking ``n`` query rows at a time."""
+    """``call`` with the AVX2 or NEON step taking ``n`` query rows at a time."""
 
     def timed() -> object:
         with native.use_rows(n):
@@ -342,8 +343,8 @@ def _near(ratio: float, threshold: float) -> bool:
 
 
 def _ratios(p: Probe) -> list[float]:
-    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2 step's 2
-    rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
+    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2 or NEON
+    step's 2 rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
     otherwise, torch's half precision ÷ float32 copies."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
     return [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen]
@@ -429,8 +430,8 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
 
 @functools.cache
 def probe() -> Probe:
-    """This machine's profile (:func:`load`), read once per process; the AVX2 step takes the
-    register blocking it chose from then on."""
+    """This machine's profile (:func:`load`), read once per process; the AVX2 or NEON step
+    takes the register blocking it chose from then on."""
     found = load()[0]
     native.set_rows(found.rows)
     return found
