@@ -102,7 +102,8 @@ def rows() -> int:
 
 def set_rows(n: int) -> None:
     """Runs the AVX2 and NEON steps with ``n`` query rows at a time (:data:`ROWS`) in this
-    process, as the machine's profile chose. The same bits either way: no two rows share a sum."""
+    process, as the machine's profile chose. The same bits either way: no two rows share a
+    sum."""
     if n not in ROWS:
         raise ValueError(f"set_rows: one of {ROWS} rows at a time, not {n!r}")
     if _native is not None:

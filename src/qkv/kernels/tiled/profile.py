@@ -49,7 +49,8 @@ MARGIN = 0.1
 FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
 #: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass, 5 the AVX2
-#: step's second register blocking (a file of an older format is measured again, silently)
+#: and NEON steps' second register blocking (a file of an older format is measured again,
+#: silently)
 FORMAT = 5
 
 
@@ -67,8 +68,8 @@ FLOAT32_AT = 1.1
 #: choice and a first one is a median of three)
 BFLOAT16_AT = 1.0
 
-#: the AVX2 or NEON step with 2 query rows at a time ÷ with 3, under which it runs 2: the faster
-#: (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
+#: the AVX2 or NEON step with 2 query rows at a time ÷ with 3, under which it runs 2: the
+#: faster (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
 ROWS_AT = 1.0
 
 
@@ -83,8 +84,8 @@ class Probe(NamedTuple):
     float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
     widened as it loads them (``native_widen_ms``). Where the float32 step is AVX2's or
     NEON's, it is timed with each register blocking (:data:`native.ROWS`): 3 query rows at
-    a time (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel
-    (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
+    a time (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's
+    fused kernel (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
     several times slower than float32's, and without AVX512-FP16 float16's forward does
