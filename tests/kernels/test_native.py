@@ -762,6 +762,42 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
         assert torch.equal(widened, copied)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [1, 5, 16, 37, 64, 576])
+@pytest.mark.parametrize("isa", ["", "avx2"])
+def test_the_backwards_delta_reads_half_precision_as_it_is(dtype, D, isa):
+    """native.row_dot: rowsum(a ∘ b) of bfloat16 or float16 rows, widened as read, equal to
+    float64's sum of the same values within float32 rounding, at head dims on and off the
+    vectors, on both steps; None for what it does not take."""
+    if not native.available(torch.float32) or (isa and isa not in native.isas()):
+        pytest.skip("the native kernel cannot run this step here")
+    g = torch.Generator().manual_seed(D)
+    a, b = (torch.randn(2, 3, 7, D, generator=g).to(dtype) for _ in range(2))
+    with native.use_isa(isa):
+        got = native.row_dot(a, b)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (2, 3, 7)
+    want = (a.double() * b.double()).sum(-1)
+    scale = (a.double() * b.double()).abs().sum(-1)
+    assert ((got.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
+    assert native.row_dot(a.float(), b.float()) is None  # float32: the batched matmul
+    assert native.row_dot(a.transpose(1, 2), b.transpose(1, 2)) is None  # not contiguous
+    assert native.row_dot(a, b.to(torch.float32)) is None
+
+
+def test_the_half_precision_backward_takes_its_delta_from_the_kernel(monkeypatch, tune):
+    """The widened backward's Delta comes from native.row_dot on the half-precision dO and
+    out, not from float32 copies of them."""
+    tune(native=True, native_probe=False)
+    seen = []
+    real = native.row_dot
+    monkeypatch.setattr(native, "row_dot", lambda a, b: seen.append(a.dtype) or real(a, b))
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 32, 32, dtype=torch.float16, seed=4)
+    mask = qkv.masks.sliding_window(16)
+    assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path == "tiled-native-widen"
+    grads(q, k, v, torch.ones(1, 2, 70, 32, dtype=torch.float16), mask, backend="tiled")
+    assert seen == [torch.float16]
+
+
 def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
     """qkv.attention on float16 inputs (bfloat16 too where its own step is off): the
     float32 step receives the half-precision tensors, not float32 copies, forward and

@@ -330,6 +330,44 @@ static PyObject *isa_py(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(isa_name(cpu_isa(f32)));
 }
 
+/* rowsum(a ∘ b) of n contiguous rows of D values (SRC_*) into out, float32, on the step's
+   vectors: one thread, as all_finite (the backward's Delta; a few milliseconds). */
+static PyObject *row_dots(PyObject *self, PyObject *args, PyObject *kwargs) {
+    unsigned long long a, b, out;
+    long long n, D;
+    int src;
+    const char *source;
+    static char *names[] = {"a", "b", "out", "n", "D", "source", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$KKKLLs", names, &a, &b, &out, &n, &D,
+                                     &source) ||
+        !source_of(source, 1, "row_dots", &src))
+        return NULL;
+    if (n < 0 || D <= 0) {
+        PyErr_SetString(PyExc_ValueError, "row_dots: n >= 0 rows of D > 0 values");
+        return NULL;
+    }
+#ifdef QKV_STEP
+    const int isa = cpu_isa(1);
+    if (isa == ISA_NONE) {
+        PyErr_SetString(PyExc_RuntimeError, "row_dots: this CPU runs no step");
+        return NULL;
+    }
+    const void *x = (const void *)(uintptr_t)a, *y = (const void *)(uintptr_t)b;
+    float *o = (float *)(uintptr_t)out;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef QKV_X86
+        if (isa == ISA_AVX2) qkv_row_dots_avx2(x, y, n, D, src, o);
+    else qkv_row_dots_avx512(x, y, n, D, src, o);
+#else
+        qkv_row_dots_neon(x, y, n, D, src, o);
+#endif
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "row_dots: no step is built for this CPU");
+    return NULL;
+#endif
+}
+
 /* Whether the module was built with OpenMP (else every pass runs in one thread). */
 static PyObject *openmp(PyObject *self, PyObject *args) {
 #ifdef _OPENMP
@@ -671,6 +709,10 @@ static PyMethodDef methods[] = {
      "use_rows(rows): the AVX2 and NEON steps' register blocking, 3 or 2 query rows at a time (the "
      "same bits either way; the machine's profile measures which is faster). Returns the "
      "setting before."},
+    {"row_dots", (PyCFunction)(void (*)(void))row_dots, METH_VARARGS | METH_KEYWORDS,
+     "row_dots(*, a, b, out, n, D, source): out[r] = sum of a[r] * b[r] over n contiguous "
+     "rows of D values of the dtype `source` names, widened as read, into float32 out; one "
+     "thread."},
     {"finite", (PyCFunction)(void (*)(void))finite_py, METH_VARARGS | METH_KEYWORDS,
      "finite(*, x, n, source): whether n contiguous values at x, of the dtype `source` "
      "names (\"float32\", \"bfloat16\", \"float16\"), are all finite, in one thread."},

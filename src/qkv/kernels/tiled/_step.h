@@ -326,6 +326,32 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     }
 }
 
+/* out[r] = Σ_d a[r][d] · b[r][d] for n contiguous rows of D values held as SRC, widened as
+   they are loaded and summed in float32. */
+TARGET static inline __attribute__((always_inline)) void
+row_dots_src(const void *a, const void *b, int64_t n, int64_t D, float *out, const int SRC) {
+    for (int64_t r = 0; r < n; r++) {
+        vf acc = vzero();
+        for (int64_t d = 0; d < D; d += 16) {
+            const lanemask in = lanes(d, 0, D);
+            const int64_t at = r * D + d;
+            vf x = in == 0xffff ? vload_src(a, at, SRC) : vloadz_src(in, a, at, SRC);
+            vf y = in == 0xffff ? vload_src(b, at, SRC) : vloadz_src(in, b, at, SRC);
+            acc = vfma(x, y, acc);
+        }
+        out[r] = vsum(acc);
+    }
+}
+
+/* The backward's Delta = rowsum(dO ∘ O) (row_dots_src) for any source: half precision is
+   read as it is, with no float32 copies of dO and O. */
+TARGET void NAMED(qkv_row_dots)(const void *a, const void *b, int64_t n, int64_t D, int src,
+                                float *out) {
+    if (src == SRC_BF16) row_dots_src(a, b, n, D, out, SRC_BF16);
+    else if (src == SRC_F16) row_dots_src(a, b, n, D, out, SRC_F16);
+    else row_dots_src(a, b, n, D, out, SRC_F32);
+}
+
 /* One forward work item of a call: ROWS query rows of one (b, h). */
 TARGET void NAMED(qkv_forward_item)(const Job *j, int64_t it) {
     int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;

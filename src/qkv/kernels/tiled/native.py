@@ -175,6 +175,31 @@ def finite(x: torch.Tensor) -> bool:
     return bool(_native.finite(x=x.data_ptr(), n=x.numel(), source=source(x.dtype)))
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """rowsum(a ∘ b) over the last dim in float32 — the backward's Delta = rowsum(dO ∘ O) —
+    reading bfloat16 or float16 a and b as they are, with no float32 copies of them, in one
+    thread (as :func:`finite`). None where the kernel cannot take them (not built, no step
+    on this CPU, float32 or another dtype, not both contiguous CPU tensors of one shape and
+    dtype): the caller computes it otherwise."""
+    if (
+        a.dtype not in (torch.bfloat16, torch.float16)
+        or b.dtype != a.dtype
+        or a.shape != b.shape
+        or a.device.type != "cpu"
+        or b.device.type != "cpu"
+        or not (a.is_contiguous() and b.is_contiguous())
+        or a.numel() == 0
+        or not available(torch.float32)
+    ):
+        return None
+    out = torch.empty(a.shape[:-1], dtype=torch.float32)
+    n, D = out.numel(), a.shape[-1]
+    _native.row_dots(
+        a=a.data_ptr(), b=b.data_ptr(), out=out.data_ptr(), n=n, D=D, source=source(a.dtype)
+    )
+    return out
+
+
 MAX_D = 576
 """The widest head dim the kernel takes, of Q and K (D) or of V (D_v): DeepSeek's absorbed
 multi-head latent attention reads 576-wide keys and 512-wide values."""
