@@ -1,8 +1,9 @@
 """The native step on every CPU and compiler qkv builds for, checked by its own C-level tests
 (tests/kernels/c/test_step.c: the tiled step's forward and backward of one call against float64
 references, float32 and half-precision inputs, head dims on and off the vectors, masks and
-modifications; tests/kernels/c/test_paged.c: the paged decode step's vector item over float32,
-bfloat16, int8 and float8 pages), with no Python in between:
+modifications, and its row dots (the backward's Delta); tests/kernels/c/test_paged.c: the
+paged decode step's vector item over float32, bfloat16, int8 and float8 pages), with no
+Python in between:
 
 - in the default run, for the steps of this machine's CPU (x86-64: AVX-512 and AVX2);
 - ``-m aarch64``: cross-compiled for ARM64 with Debian's aarch64 gcc and run under
@@ -34,7 +35,7 @@ TESTS = {
             256: ["tiled/_step256.c", "tiled/_step256_rows2.c"],
             128: ["tiled/_step128.c", "tiled/_step128_rows2.c"],
         },
-        36,
+        48,
     ),
     "test_paged": ({512: ["_paged512.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]}, 40),
 }

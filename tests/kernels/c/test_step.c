@@ -1,10 +1,11 @@
 /* qkv's native step (src/qkv/kernels/tiled/_step.h) against float64 references, with no
    Python: one forward and one backward call per case, for every step this machine runs —
-   x86-64: AVX-512 and AVX2 where the CPU has them; ARM64: NEON (tests/test_aarch64.py runs
-   it under qemu-user on an x86 machine). Cases: head dims on and off the vectors (D_v apart
-   from D), inputs in float32, bfloat16 and float16 (widened as the step loads them), rows
-   masked by bounds (one row with no key), ALiBi with a soft-cap, GQA rows. Prints a line
-   per case and exits 1 if any is out of tolerance.
+   x86-64: AVX-512 and AVX2 (both register blockings) where the CPU has them; ARM64: NEON
+   (both; tests/kernels/test_toolchains.py runs it under qemu-user on an x86 machine).
+   Cases: head dims on and off the vectors (D_v apart from D), inputs in float32, bfloat16
+   and float16 (widened as the step loads them), rows masked by bounds (one row with no
+   key), ALiBi with a soft-cap, GQA rows; and the backward's Delta (row_dots) in each dtype
+   and head dim. Prints a line per case and exits 1 if any is out of tolerance.
 
    Legend: B batch · H key/value heads · G query heads per key/value head · R query rows ·
    T keys · D head dim of Q and K · Dv of V. */
@@ -18,11 +19,13 @@
 typedef void (*Forward)(const Job *, int64_t);
 typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, float *, float *, float *,
                          void *);
+typedef void (*RowDots)(const void *, const void *, int64_t, int64_t, int, float *);
 typedef struct {
     const char *name;
     int isa;
     Forward forward;
     Backward backward;
+    RowDots row_dots;
 } Step;
 
 static uint64_t state = 88172645463325252ull;
@@ -226,6 +229,33 @@ static int run_case(const Step *st, const Case *c) {
     return ok;
 }
 
+/* The backward's Delta (the step's row_dots) over 7 rows of D values held as src, against
+   float64's sums of the same values: within float32 rounding of the sum of |products|. */
+static int run_row_dots(const Step *st, int src, int64_t D) {
+    const int64_t n = 7;
+    const size_t unit = src == SRC_F32 ? 4 : 2;
+    void *a = malloc(n * D * unit), *b = malloc(n * D * unit);
+    double *ad = malloc(sizeof(double) * n * D), *bd = malloc(sizeof(double) * n * D);
+    for (int64_t i = 0; i < n * D; i++) ad[i] = store(a, i, src, normal());
+    for (int64_t i = 0; i < n * D; i++) bd[i] = store(b, i, src, normal());
+    float out[7];
+    st->row_dots(a, b, n, D, src, out);
+    double worst = 0;
+    for (int64_t r = 0; r < n; r++) {
+        double want = 0, size = 0;
+        for (int64_t d = 0; d < D; d++) {
+            want += ad[r * D + d] * bd[r * D + d];
+            size += fabs(ad[r * D + d] * bd[r * D + d]);
+        }
+        worst = fmax(worst, fabs(out[r] - want) / (size + 1e-300));
+    }
+    const int ok = worst <= 1e-6;
+    printf("%s %-6s row_dots src %d D=%3lld: %.1e of the |products|\n", ok ? "ok  " : "FAIL",
+           st->name, src, (long long)D, worst);
+    free(a), free(b), free(ad), free(bd);
+    return ok;
+}
+
 int main(void) {
     Step steps[4];
     int n = 0;
@@ -233,15 +263,21 @@ int main(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        steps[n++] = (Step){"avx512", ISA_AVX512, qkv_forward_item_avx512, qkv_key_block_avx512};
+        steps[n++] = (Step){"avx512", ISA_AVX512, qkv_forward_item_avx512, qkv_key_block_avx512,
+                            qkv_row_dots_avx512};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        steps[n++] = (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2},
+        __builtin_cpu_supports("f16c")) {
+        steps[n++] =
+            (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2};
         steps[n++] = (Step){"avx2/2", ISA_AVX2, qkv_forward_item_avx2_rows2,
-                            qkv_key_block_avx2_rows2}; /* the other register blocking */
+                            qkv_key_block_avx2_rows2, /* the other register blocking */
+                            qkv_row_dots_avx2_rows2};
+    }
 #elif defined(QKV_ARM)
-    steps[n++] = (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon};
-    steps[n++] = (Step){"neon/2", ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2};
+    steps[n++] =
+        (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon};
+    steps[n++] = (Step){"neon/2", ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2,
+                        qkv_row_dots_neon_rows2};
 #endif
     if (!n) {
         printf("FAIL no step runs on this CPU\n");
@@ -258,6 +294,10 @@ int main(void) {
                     failed += !run_case(&steps[i], &c);
                     cases++;
                 }
+    for (int i = 0; i < n; i++) /* the backward's Delta, on and off the vectors */
+        for (int src = SRC_F32; src <= SRC_F16; src++)
+            for (int d = 0; d < 4; d++, cases++)
+                failed += !run_row_dots(&steps[i], src, dims[d][0]);
     printf("%d of %d cases within tolerance\n", cases - failed, cases);
     return failed ? 1 : 0;
 }
