@@ -387,7 +387,7 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 }
 
 /* The AVX2 and NEON steps' register blocking (use_rows): 3 or 2 query rows at a time. */
-static int avx2_rows = 3;
+static int step_rows = 3;
 
 /* Sets the AVX2 and NEON steps' rows at a time (3 or 2); returns the setting before. */
 static PyObject *use_rows(PyObject *self, PyObject *args) {
@@ -397,8 +397,8 @@ static PyObject *use_rows(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "use_rows: 3 or 2 rows at a time, not %d", rows);
         return NULL;
     }
-    int before = avx2_rows;
-    avx2_rows = rows;
+    int before = step_rows;
+    step_rows = rows;
     return PyLong_FromLong(before);
 }
 
@@ -407,7 +407,7 @@ static PyObject *use_rows(PyObject *self, PyObject *args) {
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
                       long long D, long long Dv, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
-    j->rows = avx2_rows;
+    j->rows = step_rows;
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
                                                 : "this CPU has no AVX512-BF16");
@@ -706,9 +706,9 @@ static PyMethodDef methods[] = {
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
      "it); \"\" lets the CPU choose. Returns the setting before."},
     {"use_rows", use_rows, METH_VARARGS,
-     "use_rows(rows): the AVX2 and NEON steps' register blocking, 3 or 2 query rows at a time (the "
-     "same bits either way; the machine's profile measures which is faster). Returns the "
-     "setting before."},
+     "use_rows(rows): the AVX2 and NEON steps' register blocking, 3 or 2 query rows at a "
+     "time (the same bits either way; the machine's profile measures which is faster). "
+     "Returns the setting before."},
     {"row_dots", (PyCFunction)(void (*)(void))row_dots, METH_VARARGS | METH_KEYWORDS,
      "row_dots(*, a, b, out, n, D, source): out[r] = sum of a[r] * b[r] over n contiguous "
      "rows of D values of the dtype `source` names, widened as read, into float32 out; one "
