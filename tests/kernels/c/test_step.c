@@ -271,13 +271,13 @@ int main(void) {
             (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2};
         steps[n++] = (Step){"avx2/2", ISA_AVX2, qkv_forward_item_avx2_rows2,
                             qkv_key_block_avx2_rows2, /* the other register blocking */
-                            qkv_row_dots_avx2_rows2};
+                            qkv_row_dots_avx2};
     }
 #elif defined(QKV_ARM)
     steps[n++] =
         (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon};
     steps[n++] = (Step){"neon/2", ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2,
-                        qkv_row_dots_neon_rows2};
+                        qkv_row_dots_neon};
 #endif
     if (!n) {
         printf("FAIL no step runs on this CPU\n");

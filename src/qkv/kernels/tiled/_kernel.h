@@ -179,8 +179,6 @@ void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float 
 void qkv_forward_item_avx2_rows2(const Job *j, int64_t it);
 void qkv_row_dots_avx512(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
 void qkv_row_dots_avx2(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_row_dots_avx2_rows2(const void *a, const void *b, int64_t n, int64_t D, int src,
-                             float *out);
 void qkv_key_block_avx2_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                               float *dK, float *dV, void *scratch);
 #pragma GCC visibility pop
@@ -191,8 +189,6 @@ void qkv_key_block_neon(const BJob *bj, int64_t b, int64_t h, int64_t n0, float 
                         float *dV, void *scratch);
 void qkv_forward_item_neon_rows2(const Job *j, int64_t it);
 void qkv_row_dots_neon(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_row_dots_neon_rows2(const void *a, const void *b, int64_t n, int64_t D, int src,
-                             float *out);
 void qkv_key_block_neon_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                               float *dK, float *dV, void *scratch);
 #pragma GCC visibility pop

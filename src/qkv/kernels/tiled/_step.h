@@ -326,6 +326,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     }
 }
 
+#if STEP_ROWS != 2 /* the row dots hold no query rows: once per instruction set */
 /* out[r] = Σ_d a[r][d] · b[r][d] for n contiguous rows of D values held as SRC, widened as
    they are loaded and summed in float32. */
 TARGET static inline __attribute__((always_inline)) void
@@ -351,6 +352,7 @@ TARGET void NAMED(qkv_row_dots)(const void *a, const void *b, int64_t n, int64_t
     else if (src == SRC_F16) row_dots_src(a, b, n, D, out, SRC_F16);
     else row_dots_src(a, b, n, D, out, SRC_F32);
 }
+#endif
 
 /* One forward work item of a call: ROWS query rows of one (b, h). */
 TARGET void NAMED(qkv_forward_item)(const Job *j, int64_t it) {
