@@ -237,15 +237,13 @@ def fused_backward(
     B, H, T_q, D = q.shape
     H_kv, G = k.shape[1], H // k.shape[1]
     q5 = _blocked(q, H_kv)
-    dout = dout.to(q.dtype).contiguous()  # (a sum's dout is expanded)
+    dout = dout.to(q.dtype).contiguous()  # (a sum's dout is expanded; Delta reads it too)
     do5 = _blocked(dout, H_kv)
     # One zero fill for the three (one parallel region, not three)
     dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device)
     if natively:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
-        if delta is None:  # half precision read as it is where the native kernel can
-            delta = _native.row_dot(dout, out)
-            delta = row_dot(dout, out, acc) if delta is None else delta
+        delta = row_dot(dout, out, acc) if delta is None else delta
         delta5 = _blocked(delta[..., None], H_kv)[..., 0]
     else:  # torch's: a row with no key had lse 0 in its forward (and P = 0 via the mask)
         o5 = _blocked(out.to(q.dtype), H_kv)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ...masks import EMPTY, PARTIAL
+from . import native
 
 
 class Chunk(NamedTuple):
@@ -138,9 +139,15 @@ def _fit(m: torch.Tensor, H_kv: int, G: int) -> torch.Tensor:
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """rowsum(a ∘ b) over the last dim in ``dtype`` (the backward's Delta), as one batched
-    matmul: no product of a's size is held, which the elementwise form allocates and then
-    reduces (docs/benchmarks.md, "measurements behind code choices")."""
+    """rowsum(a ∘ b) over the last dim in ``dtype`` (the backward's Delta). In float32 from
+    bfloat16 or float16 rows, summed by the native kernel as they are (:func:`native.row_dot`:
+    no float32 copies of them) where it can take them; otherwise as one batched matmul: no
+    product of a's size is held, which the elementwise form allocates and then reduces
+    (docs/benchmarks.md, "measurements behind code choices")."""
+    if dtype == torch.float32:
+        found = native.row_dot(a, b)
+        if found is not None:
+            return found
     *lead, D = a.shape
     return torch.bmm(a.reshape(-1, 1, D).to(dtype), b.reshape(-1, D, 1).to(dtype)).view(*lead)
 
