@@ -84,12 +84,13 @@ pv_block(const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + (i0 + i) * os + c0 + 16 * c, acc[i][c]);
 }
 
-/* The 4 rows from i0 over every column: 64 at a time, then what is left. */
+/* The 4 rows from i0 over every column: 64 at a time (the last 64 in part where `cols`
+   ends 49 to 63 columns into them), then the whole vectors' worth left. */
 TARGET_BF16 static inline __attribute__((always_inline)) void
 pv_cols(const bf16 *vp, int64_t n0, int64_t nk, const int *live, const bf16 *Ph, const bf16 *Pl,
         float *O, int64_t cols, int i0, const int PARTS) {
     int64_t c0 = 0;
-    for (; c0 + 64 <= cols; c0 += 64) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 4, PARTS);
+    for (; c0 + 48 < cols; c0 += 64) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 4, PARTS);
     int64_t left = (cols - c0 + 15) / 16; /* 0 .. 3 vectors */
     if (left == 1) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 1, PARTS);
     else if (left == 2) pv_block(vp, n0, nk, live, Ph, Pl, O, cols, i0, c0, 2, PARTS);
