@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src/qkv/kernels"
 TILED = KERNELS / "tiled"
 #: each C test, the sources it links per instruction set, and its cases per one
+#: (test_step: and 12 more per step that runs bfloat16 in the CPU's bfloat16 dot products)
 TESTS = {
     "test_step": (
         {
@@ -73,10 +74,13 @@ def built(cc: str, test: str, isas: tuple[int, ...], exe: Path, *flags: str) -> 
     return exe
 
 
-def run_c_test(cmd: list[str], test: str, steps: int) -> str:
+DOT_CASES = 12
+
+
+def run_c_test(cmd: list[str], test: str, steps: int, dot_steps: int = 0) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    cases = TESTS[test][1] * steps
+    cases = TESTS[test][1] * steps + (DOT_CASES * dot_steps if test == "test_step" else 0)
     assert f"{cases} of {cases} cases within tolerance" in done.stdout
     return done.stdout
 
@@ -89,18 +93,24 @@ def test_the_steps_of_this_cpu_match_float64(test, tmp_path):
     exe = built("cc", test, (512, 256), tmp_path / test)
     flags = Path("/proc/cpuinfo").read_text()
     avx2_steps = len(TESTS[test][0][256])  # a step per AVX2 source (the two blockings)
-    out = run_c_test([str(exe)], test, ("avx512f" in flags) + ("avx2" in flags) * avx2_steps)
+    steps = ("avx512f" in flags) + ("avx2" in flags) * avx2_steps
+    out = run_c_test([str(exe)], test, steps, "avx512f" in flags and "avx512_bf16" in flags)
     assert ("avx2 " in out) == ("avx2" in flags)
 
 
 @pytest.mark.aarch64
 @pytest.mark.parametrize("test", list(TESTS))
-def test_the_neon_steps_match_float64_under_qemu(test, tmp_path):
-    """The tiled step and the paged decode step for ARM64 NEON, run under qemu-user."""
+@pytest.mark.parametrize("cpu", ["max", "cortex-a72"], ids=["bf16", "no-bf16"])
+def test_the_neon_steps_match_float64_under_qemu(test, cpu, tmp_path):
+    """The tiled step and the paged decode step for ARM64 NEON, run under qemu-user: on
+    qemu's fullest CPU, which has BFDOT (bfloat16 runs in its dot products too), and on a
+    Cortex-A72, which has not (the step must not use them there: it would die of SIGILL)."""
     gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     qemu = tool("qemu-aarch64", "qemu-user")
     exe = built(gcc, test, (128,), tmp_path / f"{test}_arm64", "-static")
-    assert "neon" in run_c_test([qemu, str(exe)], test, len(TESTS[test][0][128]))
+    steps = len(TESTS[test][0][128])
+    out = run_c_test([qemu, "-cpu", cpu, str(exe)], test, steps, steps if cpu == "max" else 0)
+    assert "neon" in out
 
 
 @pytest.mark.aarch64

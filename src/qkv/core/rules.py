@@ -197,8 +197,8 @@ def _rule_native(a: Call) -> Dispatch | None:
         measured = "pinned by Tuning.native_probe=False, not measured"
     return _tiled(
         a,
-        "bfloat16 on a CPU with AVX512-BF16: the tiled kernel's native bfloat16 steps beat "
-        f"float32 through torch's kernel ({measured})",
+        "bfloat16 on a CPU with bfloat16 dot products: the tiled kernel's native bfloat16 steps "
+        f"beat float32 through torch's kernel ({measured})",
         "native bfloat16",
     )
 

@@ -1,4 +1,4 @@
-/* The x86 features the kernels' steps are compiled for, asked of the CPU at run time, once
+/* The CPU features the kernels' steps are compiled for, asked of the CPU at run time, once
    for both modules. F16C is read through cpuid: clang before 16 has no "f16c" for
    __builtin_cpu_supports, and failed to build the kernels on that one name. */
 #ifndef QKV_CPU_H
@@ -21,6 +21,16 @@ static inline int qkv_cpu_avx2(void) {
     __builtin_cpu_init();
     return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+#endif
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+
+/* BFDOT and the other bfloat16 instructions of FEAT_BF16 (HWCAP2_BF16, bit 14; named here
+   for C libraries whose headers predate it). */
+static inline int qkv_cpu_bf16(void) { return (getauxval(AT_HWCAP2) >> 14) & 1; }
+#elif defined(__aarch64__)
+static inline int qkv_cpu_bf16(void) { return 0; } /* not asked: the widened path runs */
 #endif
 
 #endif

@@ -4,8 +4,10 @@
    (both; tests/kernels/test_toolchains.py runs it under qemu-user on an x86 machine).
    Cases: head dims on and off the vectors (D_v apart from D), inputs in float32, bfloat16
    and float16 (widened as the step loads them), rows masked by bounds (one row with no
-   key), ALiBi with a soft-cap, GQA rows; and the backward's Delta (row_dots) in each dtype
-   and head dim. Prints a line per case and exits 1 if any is out of tolerance.
+   key), ALiBi with a soft-cap, GQA rows; bfloat16 in the CPU's bfloat16 dot products where
+   the step has them and the CPU runs them (AVX512-BF16; BFDOT on ARM64); and the backward's
+   Delta (row_dots) in each dtype and head dim. Prints a line per case and exits 1 if any is out of
+   tolerance.
 
    Legend: B batch · H key/value heads · G query heads per key/value head · R query rows ·
    T keys · D head dim of Q and K · Dv of V. */
@@ -14,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../../src/qkv/kernels/_cpu.h"
 #include "../../../src/qkv/kernels/tiled/_kernel.h"
 
 typedef void (*Forward)(const Job *, int64_t);
@@ -26,6 +29,7 @@ typedef struct {
     Forward forward;
     Backward backward;
     RowDots row_dots;
+    int dots; /* runs bfloat16 in bfloat16 dot products on this CPU */
 } Step;
 
 static uint64_t state = 88172645463325252ull;
@@ -70,6 +74,7 @@ static double store(void *x, int64_t i, int src, double want) {
 typedef struct {
     int64_t H, G, R, T, D, Dv;
     int src, bounds, mod;
+    int dots; /* bfloat16 in bfloat16 dot products, K and V packed in their pairs */
 } Case;
 
 /* The reference score of row (h, g, r) for key n, as the step modifies it (ALiBi, then the
@@ -143,27 +148,34 @@ static int run_case(const Step *st, const Case *c) {
                 }
             }
 
-    /* The step's forward: K packed (float32, widened), V read in place. */
-    float *kp = calloc(B * H * Nt * D, sizeof(float));
+    /* The step's forward: K packed (float32, widened; or in bfloat16 pairs), V read in
+       place (or packed in its pairs). */
+    const int f32 = !c->dots;
+    const size_t cu = f32 ? 4 : 2; /* what the step computes in */
+    char *kp = calloc(B * H * Nt * D, cu), *vpk = f32 ? NULL : calloc(B * H * Nt * Dv, 2);
     Pack pk = {k, {H * T * D, T * D, D}, NULL, 0, D, c->src};
+    Pack pv = {v, {H * T * Dv, T * Dv, Dv}, NULL, 1, Dv, c->src};
     for (int64_t h = 0; h < H; h++)
-        for (int64_t nb = 0; nb < Nt / 32; nb++)
-            pack32(&pk, 0, h, nb * 32, T, D, 1, kp + (h * (Nt / 32) + nb) * 32 * D);
+        for (int64_t nb = 0; nb < Nt / 32; nb++) {
+            pack32(&pk, 0, h, nb * 32, T, D, f32, kp + (h * (Nt / 32) + nb) * 32 * D * cu);
+            if (!f32)
+                pack32(&pv, 0, h, nb * 32, T, Dv, 0, vpk + (h * (Nt / 32) + nb) * 32 * Dv * 2);
+        }
     float *got = calloc(rows * Dv, sizeof(float)), *got_lse = malloc(sizeof(float) * rows);
     float lsef[64 * 64], delta[64 * 64];
     Seg seg = {0, 0, T, NULL, {0, 0, 0}, c->bounds ? bounds : NULL, 0};
     Job j;
     memset(&j, 0, sizeof j);
-    j.q = q, j.kp = kp, j.vp = v, j.out = got, j.lse = got_lse;
+    j.q = q, j.kp = kp, j.vp = f32 ? v : (void *)vpk, j.out = got, j.lse = got_lse;
     int64_t qs[4] = {H * G * R * D, G * R * D, R * D, D},
             os[4] = {H * G * R * Dv, G * R * Dv, R * Dv, Dv};
     int64_t ls[4] = {H * G * R, G * R, R, 1};
     memcpy(j.qs, qs, sizeof qs), memcpy(j.os, os, sizeof os), memcpy(j.ls, ls, sizeof ls);
     j.ks[0] = H * Nt * D, j.ks[1] = Nt * D;
-    j.vs[0] = H * T * Dv, j.vs[1] = T * Dv, j.vs[2] = Dv;
+    j.vs[0] = H * (f32 ? T : Nt) * Dv, j.vs[1] = (f32 ? T : Nt) * Dv, j.vs[2] = Dv;
     j.B = B, j.H = H, j.G = G, j.R = R, j.D = D, j.Dv = Dv;
     j.N = T, j.scale = (float)scale, j.cap = (float)cap, j.slopes = c->mod ? slopes : NULL;
-    j.qpos = 5, j.parts = 2, j.f32 = 1, j.src = c->src, j.isa = st->isa;
+    j.qpos = 5, j.parts = 2, j.f32 = f32, j.src = c->src, j.isa = st->isa;
     j.tiles = (G * R + ROWS - 1) / ROWS, j.items = B * H * j.tiles, j.segs = &seg, j.nseg = 1;
     for (int64_t it = 0; it < j.items; it++) st->forward(&j, it);
 
@@ -182,6 +194,7 @@ static int run_case(const Step *st, const Case *c) {
     memcpy(bj.dos, os, sizeof os);
     bj.k = pk;
     bj.v = (Pack){v, {H * T * Dv, T * Dv, Dv}, NULL, 0, Dv, c->src};
+    bj.kv = (Pack){k, {H * T * D, T * D, D}, NULL, 1, D, c->src}; /* K in value pairs */
     bj.T = T, bj.lse = lsef, bj.delta = delta;
     memcpy(bj.ls, ls, sizeof ls), memcpy(bj.des, ls, sizeof ls);
     int64_t blocks = ((T + 31) / 32 * 32 + KB - 1) / KB;
@@ -203,7 +216,9 @@ static int run_case(const Step *st, const Case *c) {
             }
         }
 
-    /* Compared: float32 arithmetic against float64 (sums of up to T terms). */
+    /* Compared: float32 arithmetic against float64 (sums of up to T terms). In bfloat16 dot
+       products P and dS enter their matmuls as bfloat16 hi + lo, about 16 bits: the
+       tolerances of float32 still hold (their errors are ~1e-5 of values near 1). */
     double worst[5] = {0, 0, 0, 0, 0};
     for (int64_t i = 0; i < rows * Dv; i++) worst[0] = fmax(worst[0], fabs(got[i] - out[i]));
     for (int64_t i = 0; i < rows; i++) {
@@ -217,15 +232,15 @@ static int run_case(const Step *st, const Case *c) {
     int ok = 1;
     for (int i = 0; i < 5; i++) ok &= worst[i] <= tol[i]; /* (NaN fails) */
     const char *src = c->src == SRC_F32 ? "float32" : c->src == SRC_BF16 ? "bfloat16" : "float16";
-    printf("%s %-6s %-8s D=%3lld Dv=%3lld G=%lld%s%s: out %.1e lse %.1e dq %.1e dk %.1e "
+    printf("%s %-6s %-8s%s D=%3lld Dv=%3lld G=%lld%s%s: out %.1e lse %.1e dq %.1e dk %.1e "
            "dv %.1e\n",
-           ok ? "ok  " : "FAIL", st->name, src, (long long)D, (long long)Dv, (long long)G,
-           c->bounds ? " bounds" : "", c->mod ? " alibi+softcap" : "", worst[0], worst[1], worst[2],
-           worst[3], worst[4]);
+           ok ? "ok  " : "FAIL", st->name, src, c->dots ? " dots" : "", (long long)D, (long long)Dv,
+           (long long)G, c->bounds ? " bounds" : "", c->mod ? " alibi+softcap" : "", worst[0],
+           worst[1], worst[2], worst[3], worst[4]);
     free(q), free(k), free(v), free(dout), free(qd), free(kd), free(vd), free(dod), free(out);
     free(lse), free(dq), free(dk), free(dv), free(s), free(tt), free(kp), free(got);
     free(got_lse), free(gdq), free(gdk), free(gdv), free(share), free(dKa), free(dVa);
-    free(scratch);
+    free(scratch), free(vpk);
     return ok;
 }
 
@@ -256,6 +271,12 @@ static int run_row_dots(const Step *st, int src, int64_t D) {
     return ok;
 }
 
+static int n_dots(const Step *steps, int n) {
+    int found = 0;
+    for (int i = 0; i < n; i++) found += steps[i].dots;
+    return found;
+}
+
 int main(void) {
     Step steps[4];
     int n = 0;
@@ -263,21 +284,34 @@ int main(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        steps[n++] = (Step){"avx512", ISA_AVX512, qkv_forward_item_avx512, qkv_key_block_avx512,
-                            qkv_row_dots_avx512};
+        steps[n++] = (Step){"avx512",
+                            ISA_AVX512,
+                            qkv_forward_item_avx512,
+                            qkv_key_block_avx512,
+                            qkv_row_dots_avx512,
+                            __builtin_cpu_supports("avx512bf16")};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
-        steps[n++] =
-            (Step){"avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2};
-        steps[n++] = (Step){"avx2/2", ISA_AVX2, qkv_forward_item_avx2_rows2,
+        steps[n++] = (Step){
+            "avx2", ISA_AVX2, qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2, 0};
+        steps[n++] = (Step){"avx2/2",
+                            ISA_AVX2,
+                            qkv_forward_item_avx2_rows2,
                             qkv_key_block_avx2_rows2, /* the other register blocking */
-                            qkv_row_dots_avx2};
+                            qkv_row_dots_avx2,
+                            0};
     }
 #elif defined(QKV_ARM)
+#ifdef QKV_NEON_BF16
+    const int bfdot = qkv_cpu_bf16();
+#else
+    const int bfdot = 0;
+#endif
+    steps[n++] = (Step){
+        "neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon, bfdot};
     steps[n++] =
-        (Step){"neon", ISA_NEON, qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon};
-    steps[n++] = (Step){"neon/2", ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2,
-                        qkv_row_dots_neon};
+        (Step){"neon/2",          ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2,
+               qkv_row_dots_neon, bfdot};
 #endif
     if (!n) {
         printf("FAIL no step runs on this CPU\n");
@@ -294,6 +328,17 @@ int main(void) {
                     failed += !run_case(&steps[i], &c);
                     cases++;
                 }
+    /* bfloat16 in the CPU's dot products: even head dims (pairs), V's columns on and off
+       the vectors */
+    const int64_t even[][2] = {{64, 64}, {30, 94}, {80, 48}, {192, 128}};
+    for (int i = 0; i < n; i++)
+        for (int d = 0; steps[i].dots && d < 4; d++)
+            for (int variant = 0; variant < 3; variant++, cases++) {
+                Case c = {2,        variant == 2 ? 2 : 1, 37,           75, even[d][0], even[d][1],
+                          SRC_BF16, variant == 1,         variant == 2, 1};
+                failed += !run_case(&steps[i], &c);
+            }
+    printf("%d steps in bfloat16 dot products\n", n_dots(steps, n));
     for (int i = 0; i < n; i++) /* the backward's Delta, on and off the vectors */
         for (int src = SRC_F32; src <= SRC_F16; src++)
             for (int d = 0; d < 4; d++, cases++)

@@ -17,6 +17,11 @@
 #if defined(QKV_X86) || defined(QKV_ARM)
 #define QKV_STEP 1 /* a step is built for this CPU */
 #endif
+/* The NEON step has bfloat16 dot products (BFDOT) where GCC builds it (_simd.h says why not
+   clang); the CPU is asked at run time whether it has them. */
+#if defined(QKV_ARM) && !defined(__clang__)
+#define QKV_NEON_BF16 1
+#endif
 
 #define MR 8      /* query rows per register tile */
 #define KT 128    /* keys per online-softmax step */
@@ -25,7 +30,7 @@
 #define KB 64     /* keys per backward work item */
 
 /* The vector instruction sets the step is compiled for; float32 runs on any, bfloat16 dot
-   products on AVX-512 (with AVX512-BF16) alone. */
+   products on AVX-512 with AVX512-BF16 and on NEON with BFDOT. */
 enum { ISA_NONE = 0, ISA_NEON = 128, ISA_AVX2 = 256, ISA_AVX512 = 512 };
 
 /* What a call's Q, K, V and dO hold (SRC_*), bf16 and lanemask: ../_lanes.h. */
@@ -58,7 +63,7 @@ typedef struct {
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
     int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
-    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2 or ISA_NEON (float32) */
+    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2 or ISA_NEON */
     int rows;            /* AVX2, NEON: its register blocking, 3 or 2 query rows at a time */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */

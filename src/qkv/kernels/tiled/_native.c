@@ -2,14 +2,14 @@
    the tiled kernel's fused calls (qkv/kernels/tiled/flash.py), every call of a pass in one
    parallel region (attend_many, backward_many), in float32 (AVX-512F, or AVX2 + FMA + F16C
    where the CPU has no AVX-512; NEON on ARM64), bfloat16 and float16 inputs widened to it as
-   they are loaded, or in bfloat16 dot products (AVX512-BF16). This file is the Python module
-   and the passes; the step itself — what one work item computes — is _step.h, compiled per
-   instruction set (_step512.c, _step256.c, _step128.c) over the vectors of _simd.h.
+   they are loaded, or in bfloat16 dot products (AVX512-BF16; BFDOT on ARM64). This file is the
+   Python module and the passes; the step itself — what one work item computes — is _step.h,
+   compiled per instruction set (_step512.c, _step256.c, _step128.c) over the vectors of _simd.h.
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp; the scores, the online
    softmax state and the output accumulate in float32. In float32 both matmuls are float32
    FMAs. In bfloat16, Q, K and V stay bfloat16 and both matmuls run as bfloat16 dot products
-   accumulated in float32 (VDPBF16PS); the probabilities enter P·V as two bfloat16 parts,
+   accumulated in float32 (VDPBF16PS, BFDOT); the probabilities enter P·V as two bfloat16 parts,
    hi + lo, so P carries about 16 bits instead of bfloat16's 8: rounding P once to bfloat16
    (what torch's CPU flash kernel does; `parts` = 1 here) breaks qkv's accuracy promise
    (docs/semantics.md) on small sharp problems. Rows with no allowed key give out 0 and lse
@@ -30,8 +30,8 @@
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. In the forward
    K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
    item's keys itself, from K and V as they are), the 32 keys the score loop takes
-   at a time together. bfloat16, in the pairs VDPBF16PS multiplies: kp (B, H, Nt/32, D/2, 32,
-   2) and vp (B, H, Nt/2, D_v, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
+   at a time together. bfloat16, in the pairs VDPBF16PS and BFDOT multiply: kp (B, H, Nt/32, D/2,
+   32, 2) and vp (B, H, Nt/2, D_v, 2), zero past the last key; float32: kp (B, H, Nt/32, D, 32),
    zero past the last key, and vp V itself (D contiguous, rows vs[2] apart, never read past
    a call's keys). Strides ks/vs[0..1] over B and H; a call reads keys k0..k0+N-1 of
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
@@ -294,7 +294,8 @@ static PyObject *finite_py(PyObject *self, PyObject *args, PyObject *kwargs) {
 
 /* The instruction set this CPU runs the step on in float32 (f32; half-precision inputs
    widened) or in bfloat16 dot products: AVX-512 (F/BW/DQ/VL; bfloat16 needs AVX512-BF16
-   too), else, for float32, AVX2 + FMA + F16C; ISA_NONE if neither. `pinned` (use_isa;
+   too), else, for float32, AVX2 + FMA + F16C; on ARM64, NEON (bfloat16 needs BFDOT);
+   ISA_NONE if none. `pinned` (use_isa;
    QKV_NATIVE_ISA at import) runs the CPU as an AVX2-only one would: float32 on AVX2, no
    bfloat16 dot products. */
 static int pinned = ISA_NONE;
@@ -307,8 +308,10 @@ static int cpu_isa(int f32) {
                                                                                     : ISA_NONE;
     if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
     return avx512 ? ISA_AVX512 : ISA_NONE;
+#elif defined(QKV_NEON_BF16)
+    return f32 || qkv_cpu_bf16() ? ISA_NEON : ISA_NONE; /* NEON: every ARM64 CPU */
 #elif defined(QKV_ARM)
-    return f32 ? ISA_NEON : ISA_NONE; /* NEON: every ARM64 CPU; bfloat16 widened to it */
+    return f32 ? ISA_NEON : ISA_NONE;
 #else
     return ISA_NONE;
 #endif
@@ -694,11 +697,11 @@ static PyObject *backward_many(PyObject *self, PyObject *args, PyObject *kwargs)
 
 static PyMethodDef methods[] = {
     {"available", available, METH_VARARGS,
-     "available(float32): whether this CPU runs the kernel in float32 (AVX-512, or AVX2 + "
-     "FMA) or in bfloat16 (AVX512-BF16)."},
+     "available(float32): whether this CPU runs the kernel in float32 (AVX-512, AVX2 + FMA, "
+     "or NEON) or in bfloat16 dot products (AVX512-BF16, or BFDOT)."},
     {"isa", isa_py, METH_VARARGS,
      "isa(float32): the instruction set the kernel runs on in float32 or bfloat16 here: "
-     "\"avx512\", \"avx2\", or \"\" (none)."},
+     "\"avx512\", \"avx2\", \"neon\", or \"\" (none)."},
     {"openmp", openmp, METH_NOARGS,
      "openmp(): whether this build runs its passes on OpenMP threads (else in one thread)."},
     {"use_isa", use_isa, METH_VARARGS,
@@ -744,7 +747,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_native",
-    "qkv's native attention step (AVX-512 or AVX2; bfloat16: AVX512-BF16).",
+    "qkv's native attention step (AVX-512, AVX2 or NEON; bfloat16: AVX512-BF16, BFDOT).",
     -1,
     methods,
     NULL,

@@ -81,6 +81,38 @@ VI vf vload_e4m3(const uint8_t *p) {
                          _mm512_set1_ps(0x1p120f));
 }
 
+/* bfloat16 dot products (AVX512-BF16), for _bf16.h: a vbf holds 32 bfloat16 values, the
+   pairs a vf's 16 lanes sum (VDPBF16PS). */
+#define QKV_HAS_BF16 1
+#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define VB                                                                                         \
+    static inline                                                                                  \
+        __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define BF_DOT_ROWS 8 /* scores: rows × 32 keys of sums (16 zmm) */
+#define BF_PV_ROWS 4  /* P·V: rows × BF_PV_COLS vectors of columns (16 zmm) */
+#define BF_PV_COLS 4
+typedef __m512bh vbf;
+VB vbf vbf_load(const bf16 *p) { return (__m512bh)_mm512_loadu_si512(p); }
+/* The pairs of the lanes of m from p, 0 in the others (not read). */
+VB vbf vbf_loadz(lanemask m, const bf16 *p) { return (__m512bh)_mm512_maskz_loadu_epi32(m, p); }
+VB void vbf_store(bf16 *p, vbf x) { _mm512_storeu_si512(p, (__m512i)x); }
+/* The pair at p in every lane. */
+VB vbf vbf_pair(const bf16 *p) {
+    int32_t pair;
+    memcpy(&pair, p, 4);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+/* acc + the sums of a's and b's pairs, lane by lane. */
+VB vf vdot(vf acc, vbf a, vbf b) { return _mm512_dpbf16_ps(acc, a, b); }
+/* lo's lanes, then hi's, rounded to bfloat16 (to nearest, ties to even). */
+VB vbf vbf_round(vf lo, vf hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+/* Values 16 · half .. 16 · half + 15 of x as float32. */
+VB vf vbf_widen(vbf x, const int half) {
+    __m256i h =
+        half ? _mm512_extracti64x4_epi64((__m512i)x, 1) : _mm512_castsi512_si256((__m512i)x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 #elif QKV_ISA == 256
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define VI static inline __attribute__((always_inline, target("avx2,fma,f16c")))
@@ -289,6 +321,60 @@ VI vf vload_e4m3(const uint8_t *p) {
     }
     return out;
 }
+
+/* bfloat16 dot products (BFDOT, FEAT_BF16: asked of the CPU at run time), for _bf16.h, as
+   AVX-512's: a vbf holds 32 bfloat16 values in four q registers, the pairs a vf's 16 lanes
+   sum. Built by GCC alone (QKV_NEON_BF16): clang's arm_neon.h (14 here) declares the
+   bfloat16 types only where the whole file is compiled for them, so a clang build widens
+   bfloat16 instead. Half the rows
+   and columns of AVX-512's blocking at a time: NEON has 32 registers of 128 bits. */
+#ifdef QKV_NEON_BF16
+#define QKV_HAS_BF16 1
+#define TARGET_BF16 __attribute__((target("arch=armv8.2-a+bf16")))
+#define VB static inline __attribute__((always_inline, target("arch=armv8.2-a+bf16")))
+#define BF_DOT_ROWS 2 /* 2 rows × 32 keys: 16 q of sums, 8 of keys */
+#define BF_PV_ROWS 2  /* 2 rows × 2 vectors: 16 q of sums, 8 of values */
+#define BF_PV_COLS 2
+typedef struct {
+    bfloat16x8_t q[4];
+} vbf;
+VB vbf vbf_load(const bf16 *p) {
+    vbf x;
+    for (int e = 0; e < 4; e++) x.q[e] = vreinterpretq_bf16_u16(vld1q_u16(p + 8 * e));
+    return x;
+}
+VB vbf vbf_loadz(lanemask m, const bf16 *p) {
+    if (m == 0xffff) return vbf_load(p);
+    bf16 part[32] = {0};
+    for (int e = 0; e < 16; e++)
+        if (m >> e & 1) part[2 * e] = p[2 * e], part[2 * e + 1] = p[2 * e + 1];
+    return vbf_load(part);
+}
+VB void vbf_store(bf16 *p, vbf x) {
+    for (int e = 0; e < 4; e++) vst1q_u16(p + 8 * e, vreinterpretq_u16_bf16(x.q[e]));
+}
+VB vbf vbf_pair(const bf16 *p) {
+    uint32_t pair;
+    memcpy(&pair, p, 4);
+    vbf x;
+    for (int e = 0; e < 4; e++) x.q[e] = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+    return x;
+}
+VB vf vdot(vf acc, vbf a, vbf b) { EACH(vbfdotq_f32(acc.q[e_], a.q[e_], b.q[e_])); }
+VB vbf vbf_round(vf lo, vf hi) {
+    vbf x;
+    for (int e = 0; e < 4; e++) {
+        const vf *from = e < 2 ? &lo : &hi;
+        x.q[e] =
+            vcvtq_high_bf16_f32(vcvtq_low_bf16_f32(from->q[2 * (e % 2)]), from->q[2 * (e % 2) + 1]);
+    }
+    return x;
+}
+VB vf vbf_widen(vbf x, const int half) {
+    EACH(e_ % 2 ? vcvtq_high_f32_bf16(x.q[2 * half + e_ / 2])
+                : vcvtq_low_f32_bf16(x.q[2 * half + e_ / 2]));
+}
+#endif
 #else
 #error "QKV_ISA: 512, 256 or 128"
 #endif

@@ -5,5 +5,6 @@
 #ifdef QKV_ARM
 #define QKV_ISA 128
 #include "_simd.h"
+#include "_bf16.h"
 #include "_step.h"
 #endif

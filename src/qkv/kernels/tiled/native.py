@@ -1,9 +1,10 @@
 """qkv's native step (``_native.c``, built at install): the fused forward and backward calls
 of a pass in one native call each, in float32 (AVX-512 FMAs; AVX2 + FMA where the CPU has
-no AVX-512) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16 dot products
-accumulated in float32, P and dS entering their matmul as bfloat16 hi + lo parts, about 16
-bits). The softmax state in float32 either way. The float32 step also takes bfloat16 and
-float16 inputs as they are, widening them as it loads them (no float32 copies).
+no AVX-512; NEON on ARM64) or bfloat16 (Q, K and V kept in bfloat16 — the matmuls as bfloat16
+dot products accumulated in float32, AVX512-BF16's or ARM's BFDOT, P and dS entering their
+matmul as bfloat16 hi + lo parts, about 16 bits). The softmax state in float32 either way.
+The float32 step also takes bfloat16 and float16 inputs as they are, widening them as it
+loads them (no float32 copies).
 docs/kernels.md#the-native-kernel gives its measurements. Where it is not built or the CPU
 lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
 
@@ -33,7 +34,8 @@ except ImportError:  # not built (no C compiler at install): torch's flash kerne
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
-    AVX-512, or AVX2 + FMA; bfloat16: AVX512-BF16, not while :func:`use_isa` pins AVX2)."""
+    AVX-512, AVX2 + FMA, or NEON; bfloat16: AVX512-BF16, not while :func:`use_isa` pins
+    AVX2, or BFDOT on ARM64)."""
     if _native is None:
         warn_if_failed()
         return False
@@ -42,8 +44,8 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def isa(dtype: torch.dtype = torch.float32) -> str:
-    """The instruction set the native kernel runs ``dtype`` on here: "avx512", "avx2", or ""
-    where it cannot run it (not built, another CPU, another dtype)."""
+    """The instruction set the native kernel runs ``dtype`` on here: "avx512", "avx2",
+    "neon", or "" where it cannot run it (not built, another CPU, another dtype)."""
     if _native is None or dtype not in DTYPES:
         return ""
     _pin_from_environment()
@@ -59,8 +61,8 @@ def openmp() -> bool:
 def isas() -> tuple[str, ...]:
     """The instruction sets this CPU can run the float32 step on, of the two it is compiled
     for: both on a CPU with AVX-512 (where AVX2 runs only when pinned, :func:`use_isa`),
-    "avx2" alone on one with AVX2 + FMA + F16C only, or none. (bfloat16 dot products run on
-    AVX-512 with AVX512-BF16 alone.)"""
+    "avx2" alone on one with AVX2 + FMA + F16C only, "neon" on ARM64, or none. (bfloat16 dot
+    products run on AVX-512 with AVX512-BF16 and on NEON with BFDOT.)"""
     if not available(torch.float32):
         return ()
     found = []
