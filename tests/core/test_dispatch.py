@@ -240,7 +240,7 @@ def _ran(monkeypatch, call):
     monkeypatch.setattr(
         T.flash,
         "fused_forward",
-        lambda c, *, native: (
+        lambda c, *, native, transient=False: (
             ran.append(
                 "tiled-flash"
                 if native is None
@@ -248,7 +248,7 @@ def _ran(monkeypatch, call):
                 if native == c.q.dtype
                 else "tiled-native-widen"
             )
-            or fused(c, native=native)
+            or fused(c, native=native, transient=transient)
         ),
     )
     monkeypatch.setattr(T, "loop_forward", lambda c: ran.append("tiled-loop") or loop(c))

@@ -807,7 +807,9 @@ def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
     seen = []
     real_pack, real_backward = native.pack, native.backward_many
     monkeypatch.setattr(
-        native, "pack", lambda k, v, dtype=None: seen.append(k.dtype) or real_pack(k, v, dtype)
+        native,
+        "pack",
+        lambda k, v, dtype=None, **kw: seen.append(k.dtype) or real_pack(k, v, dtype, **kw),
     )
     monkeypatch.setattr(
         native,

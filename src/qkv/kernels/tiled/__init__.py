@@ -18,17 +18,19 @@ from typing import Any
 import torch
 
 from ..contract import Lowered, Result, sink_factor, sink_grad
+from ..reference import accumulation_dtype
 from . import flash
 from .loop import loop_backward, loop_forward
 from .plan import row_dot
 
 
-def forward(call: Lowered) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(call: Lowered, *, transient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) and lse (B, H, T_q), both in the accumulation dtype, without
     autograd: the call's flash calls (torch's kernel, or qkv's native one) or the PyTorch
-    loop, as ``call.path`` says."""
+    loop, as ``call.path`` says. ``transient``: the caller copies out and drops it before
+    this thread's next forward (:func:`flash.fused_forward`)."""
     if call.path in FUSED:
-        return flash.fused_forward(call, native=_native_dtype(call))
+        return flash.fused_forward(call, native=_native_dtype(call), transient=transient)
     return loop_forward(call)
 
 
@@ -90,7 +92,8 @@ class _TiledAttention(torch.autograd.Function):
         v: torch.Tensor,
         *mod_tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = forward(call)
+        # out is rounded to the inputs' dtype below (a copy) where it is not in it already
+        out, lse = forward(call, transient=q.dtype != accumulation_dtype(q.dtype))
         if sinks is not None:  # in place: out is the forward's own buffer
             factor, lse = sink_factor(lse, sinks)
             out.mul_(factor[..., None].to(out.dtype))

@@ -20,6 +20,7 @@ import torch
 from ..contract import Lowered, MaskTiles
 from ..reference import accumulation_dtype, all_finite
 from . import native as _native
+from . import scratch
 from .calls import Call, backward_pieces, calls
 from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
 from .torch_ops import FLASH, FLASH_BACKWARD
@@ -53,7 +54,7 @@ def _working(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def fused_forward(
-    call: Lowered, *, native: torch.dtype | None
+    call: Lowered, *, native: torch.dtype | None, transient: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as fused calls. With ``native`` (a dtype: the inputs', or float32
     for half-precision inputs, widened as the kernel loads them; the dispatch has checked
@@ -64,7 +65,9 @@ def fused_forward(
     and over EMPTY blocks, 0 elsewhere. No mask at all where every key is FULL — the calls of
     a group of query blocks merged by their log-sum-exps, half precision in float32
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
-    reads each key/value head once). out in the accumulation dtype, as lse."""
+    reads each key/value head once). out in the accumulation dtype, as lse; ``transient``
+    (the caller copies out and drops it before the thread's next forward): out in this
+    thread's scratch buffer for outputs (:func:`qkv.kernels.tiled.scratch.take`)."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     mod = _native_mod(call, native)
     if native is None:
@@ -73,14 +76,19 @@ def fused_forward(
     B, H, T_q, D = q.shape
     H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
     q5 = _blocked(q, H_kv)
-    out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
+    n_out = B * H_kv * G * T_q * D_v
+    if transient:
+        out = scratch.take("outputs", n_out, acc, q.device).view(B, H_kv, G, T_q, D_v)
+    else:
+        out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
     # A shift-invariant mask (causal, windows) repeats along each diagonal: one float mask
     # per layout of a call relative to its queries, not one per call.
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     if native is not None:
         jobs = native_jobs(plan, q5, out, lse, mask_tile, cache, call.q_offset)
-        _native.attend_many(jobs, _native.pack(k, v, native), scale, call.tuning.p_parts, **mod)
+        packed = _native.pack(k, v, native, transient=True)  # dropped on return
+        _native.attend_many(jobs, packed, scale, call.tuning.p_parts, **mod)
         return out.view(B, H, T_q, D_v), lse.view(B, H, T_q)
     for g0, g1, group in calls(plan, call.tuning):
         done = torch.zeros(g1 - g0, dtype=torch.bool)
@@ -239,8 +247,10 @@ def fused_backward(
     q5 = _blocked(q, H_kv)
     dout = dout.to(q.dtype).contiguous()  # (a sum's dout is expanded; Delta reads it too)
     do5 = _blocked(dout, H_kv)
-    # One zero fill for the three (one parallel region, not three)
-    dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device)
+    # One zero fill for the three (one parallel region, not three); from the scratch
+    # buffer where they are rounded to the inputs' dtype below (nothing holds them after)
+    rounded = all(d != acc for d in dtypes)
+    dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device, rounded)
     if natively:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta = row_dot(dout, out, acc) if delta is None else delta
@@ -295,11 +305,20 @@ def fused_backward(
 
 
 def _zeros(
-    shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device
+    shapes: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    transient: bool = False,
 ) -> list[torch.Tensor]:
-    """Zero tensors of these shapes, views of one buffer: filled at once."""
+    """Zero tensors of these shapes, views of one buffer: filled at once. ``transient``
+    (the caller copies them out and drops them before it returns): the buffer is this
+    thread's scratch for gradients (:func:`qkv.kernels.tiled.scratch.take`)."""
     sizes = [math.prod(s) for s in shapes]
-    whole = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    n = sum(sizes)
+    if transient:
+        whole = scratch.take("gradients", n, dtype, device).zero_()
+    else:
+        whole = torch.zeros(n, dtype=dtype, device=device)
     return [x.view(*s) for x, s in zip(whole.split(sizes), shapes)]
 
 

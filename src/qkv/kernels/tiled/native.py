@@ -24,6 +24,7 @@ import torch
 
 from ..built import warn_if_failed
 from ..reference import all_finite
+from . import scratch
 from .args import DTYPES, SOURCES, alibi_at, bias_at, bounds_at, check_call, check_keys, source
 
 try:
@@ -246,11 +247,14 @@ class Packed(NamedTuple):
         return v.data_ptr(), v.stride(0), v.stride(1), row
 
 
-def pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> Packed:
+def pack(
+    k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None, transient: bool = False
+) -> Packed:
     """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32, bfloat16 or float16 with the
     head dim contiguous, packed for :func:`attend` computing in ``dtype`` (the inputs', the
     default; float32 for half-precision inputs widened as they are loaded), in one
-    parallel region."""
+    parallel region. ``transient`` (the caller drops the packs before its next pack): in
+    this thread's scratch buffer for packs (:func:`qkv.kernels.tiled.scratch.take`)."""
     check_keys(k, v)
     dtype = k.dtype if dtype is None else dtype
     if dtype not in DTYPES or (dtype == torch.bfloat16 and k.dtype != dtype):
@@ -258,11 +262,16 @@ def pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> 
     B, H_kv, T_k, D = k.shape
     D_v = v.shape[-1]
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
-    if dtype == torch.float32:  # V is read in place
-        kp, vp = torch.empty(B, H_kv, Nt // 32, D, 32), v
+    n_k, n_v = B * H_kv * Nt * D, (0 if dtype == torch.float32 else B * H_kv * Nt * D_v)
+    if transient:
+        whole = scratch.take("packs", n_k + n_v, dtype, k.device)
     else:
-        kp = torch.empty(B, H_kv, Nt // 32, D // 2, 32, 2, dtype=torch.bfloat16)
-        vp = torch.empty(B, H_kv, Nt // 2, D_v, 2, dtype=torch.bfloat16)
+        whole = torch.empty(n_k + n_v, dtype=dtype, device=k.device)
+    if dtype == torch.float32:  # V is read in place
+        kp, vp = whole.view(B, H_kv, Nt // 32, D, 32), v
+    else:
+        kp = whole[:n_k].view(B, H_kv, Nt // 32, D // 2, 32, 2)
+        vp = whole[n_k:].view(B, H_kv, Nt // 2, D_v, 2)
     todo = [dict(x=(k.data_ptr(), *k.stride()[:3]), dst=kp.data_ptr(), values=False, D=D)]
     if dtype != torch.float32:
         todo.append(dict(x=(v.data_ptr(), *v.stride()[:3]), dst=vp.data_ptr(), values=True, D=D_v))
