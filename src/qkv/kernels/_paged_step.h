@@ -86,7 +86,15 @@ TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, i
                                                                  float *vpage, const int SRC) {
     const int64_t G = j->H / j->H_kv, D_v = j->D_v, v0 = page * j->vs[0] + hk * j->vs[2];
     if (SRC != SRC_F32 && G <= PAGED_HEADS) {
-        if (QUANTIZED(SRC))
+        if (QUANTIZED(SRC) && wt == 1) { /* each head's weights one row: scaled 16 at a time */
+            float sc[16];
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                for (int64_t t = 0; t < 16; t++)
+                    sc[t] = t0 + t < n ? row_scale(j, 0, page, t0 + t, hk) : 0.0f;
+                for (int64_t g = 0; g < G; g++)
+                    vstore(w + g * wg + t0, vmul(vload(w + g * wg + t0), vload(sc)));
+            }
+        } else if (QUANTIZED(SRC))
             for (int64_t t = 0; t < n; t++) {
                 const float sc = row_scale(j, 0, page, t, hk);
                 for (int64_t g = 0; g < G; g++) w[g * wg + t * wt] *= sc;
@@ -174,8 +182,14 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, fl
         page_scores(j, page_buf, 0, D, page, n, hk, qf, s, SP, SRC_F32);
     } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, s, SP, SRC);
     for (int64_t g = 0; g < G; g++) {
-        float *sg = s + g * SP, mx = m[g];
-        for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+        float *sg = s + g * SP;
+        vf best = vset1(-INFINITY); /* the largest score per lane (a NaN is passed over) */
+        for (int64_t t = 0; t < n; t += 16) {
+            const lanemask live = n - t >= 16 ? 0xFFFF : (lanemask)((1u << (n - t)) - 1);
+            const vf x = vload(sg + t); /* (a row is SP long: past n, read and not used) */
+            best = vblend(vge(x, best) & live, best, x);
+        }
+        const float top = vhmax(best), mx = top > m[g] ? top : m[g];
         if (mx > m[g]) { /* a new maximum: rescale what was summed under the old one */
             const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
             l[g] *= alpha;
