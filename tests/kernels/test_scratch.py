@@ -1,8 +1,9 @@
-"""The tiled kernel's scratch buffers (qkv/kernels/tiled/scratch.py): what a call makes and
+"""The tiled kernel's scratch buffer (qkv/kernels/tiled/scratch.py): what a call makes and
 drops before it returns (native packs, a half-precision forward's float32 output, a
-half-precision backward's float32 gradients) is kept from call to call where large. The
-threshold is lowered here so that small calls take them: nothing a call returns may share
-their memory, and the results are the same bits as with fresh buffers."""
+half-precision backward's float32 gradients) is kept from call to call where large, one
+buffer per thread, a scope per call. The threshold is lowered here so that small calls
+take it: nothing a call returns may share its memory, and the results are the same bits as
+with fresh buffers."""
 
 import threading
 
@@ -19,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16, WIDEN]
 
 @pytest.fixture
 def every_size(monkeypatch):
-    """Every buffer through the scratch slots, this thread's freed before and after."""
+    """Every piece through the scratch buffer, this thread's freed before and after."""
     scratch.release()
     monkeypatch.setattr(scratch, "SCRATCH_BYTES", 0)
     yield
@@ -40,45 +41,62 @@ def test_results_neither_change_with_scratch_nor_share_its_memory(dtype, every_s
     mask = qkv.masks.sliding_window(16)
     first = make_qkv(1, 4, 2, 45, 45, 32, 32, dtype=dtype, seed=1)
     g1 = torch.randn(1, 4, 45, 32).to(dtype)
+    step(*first, mask, g1)  # the buffer sized
     got = step(*first, mask, g1)
     kept = [x.clone() for x in got]
     step(*make_qkv(1, 4, 2, 45, 45, 32, 32, dtype=dtype, seed=2), mask, g1)  # reuses them
     for a, b in zip(got, kept):
         assert torch.equal(a, b), "a result shared a scratch buffer the next call rewrote"
-    held = scratch.held_bytes()
-    assert held > 0, "the calls took no scratch buffer"
+    held = scratch._arena.buffer
+    assert held is not None, "the calls took no scratch buffer"
+    lo, hi = held.data_ptr(), held.data_ptr() + held.numel()
     for x in got:
-        start = x.data_ptr()
-        for buffer in scratch._held.buffers.values():
-            lo = buffer.data_ptr()
-            assert not lo <= start < lo + buffer.numel() * buffer.element_size()
+        assert not lo <= x.data_ptr() < hi
     monkeypatch.setattr(scratch, "SCRATCH_BYTES", 1 << 62)  # fresh buffers: the same bits
     for a, b in zip(step(*first, mask, g1), kept):
         assert torch.equal(a, b)
 
 
-def test_a_slot_grows_is_reused_and_is_freed(every_size):
-    a = scratch.take("t", 10, torch.float32, torch.device("cpu"))
-    b = scratch.take("t", 6, torch.float32, torch.device("cpu"))
-    assert b.data_ptr() == a.data_ptr() and scratch.held_bytes() == 40
-    c = scratch.take("t", 20, torch.float32, torch.device("cpu"))
-    assert c.numel() == 20 and scratch.held_bytes() == 80
+def test_a_scope_takes_pieces_in_turn_and_the_next_reuses_them(every_size):
+    cpu = torch.device("cpu")
+    scratch.start()
+    first = scratch.take(10, torch.float32, cpu)  # no buffer yet: fresh tensors
+    scratch.take(3, torch.bfloat16, cpu)
+    assert scratch.held_bytes() == 0
+    scratch.start()  # grown to what the last scope took: 40 bytes, then 6 at 64
+    a, b = scratch.take(10, torch.float32, cpu), scratch.take(3, torch.bfloat16, cpu)
+    assert scratch.held_bytes() == 70 and b.data_ptr() - a.data_ptr() == 64
+    assert first.data_ptr() != a.data_ptr()
+    scratch.start()  # the same memory again
+    assert scratch.take(4, torch.float32, cpu).data_ptr() == a.data_ptr()
+    scratch.take(100, torch.float32, cpu)  # past the buffer: fresh now, room next scope
+    scratch.start()
+    assert scratch.held_bytes() == 64 + 400  # the 4 floats, a line, then the 100
     scratch.release()
     assert scratch.held_bytes() == 0
 
 
-def test_small_buffers_are_not_held():
+def test_small_pieces_are_not_held():
     scratch.release()
-    scratch.take("t", 10, torch.float32, torch.device("cpu"))
+    scratch.start()
+    scratch.take(10, torch.float32, torch.device("cpu"))
+    scratch.start()
     assert scratch.held_bytes() == 0
 
 
 def test_each_thread_has_its_own(every_size):
-    mine = scratch.take("t", 8, torch.float32, torch.device("cpu")).data_ptr()
+    cpu = torch.device("cpu")
+    for _ in range(2):
+        scratch.start()
+        mine = scratch.take(8, torch.float32, cpu).data_ptr()
     theirs = []
-    worker = threading.Thread(
-        target=lambda: theirs.append(scratch.take("t", 8, torch.float32, torch.device("cpu")))
-    )
+
+    def other():
+        for _ in range(2):
+            scratch.start()
+            theirs.append(scratch.take(8, torch.float32, cpu).data_ptr())
+
+    worker = threading.Thread(target=other)
     worker.start()
     worker.join()
-    assert theirs[0].data_ptr() != mine
+    assert theirs[-1] != mine

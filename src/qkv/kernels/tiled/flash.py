@@ -66,8 +66,8 @@ def fused_forward(
     a group of query blocks merged by their log-sum-exps, half precision in float32
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
     reads each key/value head once). out in the accumulation dtype, as lse; ``transient``
-    (the caller copies out and drops it before the thread's next forward): out in this
-    thread's scratch buffer for outputs (:func:`qkv.kernels.tiled.scratch.take`)."""
+    (the caller copies out and drops it before this thread's next kernel call): out in the
+    thread's scratch buffer (:mod:`qkv.kernels.tiled.scratch`), as the packs are."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     mod = _native_mod(call, native)
     if native is None:
@@ -76,9 +76,10 @@ def fused_forward(
     B, H, T_q, D = q.shape
     H_kv, G, D_v = k.shape[1], H // k.shape[1], v.shape[-1]
     q5 = _blocked(q, H_kv)
+    scratch.start()
     n_out = B * H_kv * G * T_q * D_v
     if transient:
-        out = scratch.take("outputs", n_out, acc, q.device).view(B, H_kv, G, T_q, D_v)
+        out = scratch.take(n_out, acc, q.device).view(B, H_kv, G, T_q, D_v)
     else:
         out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)
     lse = torch.empty(B, H_kv, G, T_q, dtype=acc, device=q.device)
@@ -312,11 +313,12 @@ def _zeros(
 ) -> list[torch.Tensor]:
     """Zero tensors of these shapes, views of one buffer: filled at once. ``transient``
     (the caller copies them out and drops them before it returns): the buffer is this
-    thread's scratch for gradients (:func:`qkv.kernels.tiled.scratch.take`)."""
+    thread's scratch buffer, in a scope of their own (:mod:`qkv.kernels.tiled.scratch`)."""
     sizes = [math.prod(s) for s in shapes]
     n = sum(sizes)
     if transient:
-        whole = scratch.take("gradients", n, dtype, device).zero_()
+        scratch.start()
+        whole = scratch.take(n, dtype, device).zero_()
     else:
         whole = torch.zeros(n, dtype=dtype, device=device)
     return [x.view(*s) for x, s in zip(whole.split(sizes), shapes)]

@@ -253,8 +253,8 @@ def pack(
     """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32, bfloat16 or float16 with the
     head dim contiguous, packed for :func:`attend` computing in ``dtype`` (the inputs', the
     default; float32 for half-precision inputs widened as they are loaded), in one
-    parallel region. ``transient`` (the caller drops the packs before its next pack): in
-    this thread's scratch buffer for packs (:func:`qkv.kernels.tiled.scratch.take`)."""
+    parallel region. ``transient`` (the caller drops the packs before its thread's next
+    :func:`qkv.kernels.tiled.scratch.start`): in the thread's scratch buffer."""
     check_keys(k, v)
     dtype = k.dtype if dtype is None else dtype
     if dtype not in DTYPES or (dtype == torch.bfloat16 and k.dtype != dtype):
@@ -264,7 +264,7 @@ def pack(
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
     n_k, n_v = B * H_kv * Nt * D, (0 if dtype == torch.float32 else B * H_kv * Nt * D_v)
     if transient:
-        whole = scratch.take("packs", n_k + n_v, dtype, k.device)
+        whole = scratch.take(n_k + n_v, dtype, k.device)
     else:
         whole = torch.empty(n_k + n_v, dtype=dtype, device=k.device)
     if dtype == torch.float32:  # V is read in place
