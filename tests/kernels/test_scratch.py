@@ -48,10 +48,13 @@ def test_results_neither_change_with_scratch_nor_share_its_memory(dtype, every_s
     for a, b in zip(got, kept):
         assert torch.equal(a, b), "a result shared a scratch buffer the next call rewrote"
     held = scratch._arena.buffer
-    assert held is not None, "the calls took no scratch buffer"
-    lo, hi = held.data_ptr(), held.data_ptr() + held.numel()
-    for x in got:
-        assert not lo <= x.data_ptr() < hi
+    if dtype == torch.float32:  # its backward returns its gradients and frees the buffer
+        assert held is None
+    else:
+        assert held is not None, "the calls took no scratch buffer"
+        lo, hi = held.data_ptr(), held.data_ptr() + held.numel()
+        for x in got:
+            assert not lo <= x.data_ptr() < hi
     monkeypatch.setattr(scratch, "SCRATCH_BYTES", 1 << 62)  # fresh buffers: the same bits
     for a, b in zip(step(*first, mask, g1), kept):
         assert torch.equal(a, b)

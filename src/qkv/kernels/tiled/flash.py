@@ -251,6 +251,8 @@ def fused_backward(
     # One zero fill for the three (one parallel region, not three); from the scratch
     # buffer where they are rounded to the inputs' dtype below (nothing holds them after)
     rounded = all(d != acc for d in dtypes)
+    if not rounded:  # returned as they are: the scratch buffer would sit beside them idle
+        scratch.release()
     dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device, rounded)
     if natively:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
