@@ -103,3 +103,23 @@ def test_each_thread_has_its_own(every_size):
     worker.start()
     worker.join()
     assert theirs[-1] != mine
+
+
+def test_a_buffer_made_under_inference_mode_serves_training_calls(every_size):
+    """The buffer is a normal tensor even when made under inference_mode: an inference
+    tensor refuses in-place updates outside it (the sinks' forward scales its float32
+    output in place; a view in another dtype happens to pass today, not a thing to rely
+    on)."""
+    if not native.available(torch.float32):
+        pytest.skip("the native kernel does not run here")
+    mask = qkv.masks.causal()
+    q, k, v = make_qkv(1, 4, 4, 300, 300, 32, 32, dtype=torch.bfloat16, seed=3)
+    with torch.inference_mode():
+        for _ in range(2):  # the second call's scope takes the buffer the first sized
+            qkv.attention(q, k, v, mask=mask, backend="tiled")
+    assert scratch.held_bytes() and not scratch._arena.buffer.is_inference()
+    sinks = torch.zeros(4, requires_grad=True)
+    q, k, v = (x[:, :, :100].clone().requires_grad_() for x in (q, k, v))
+    out = qkv.attention(q, k, v, mask=mask, backend="tiled", sinks=sinks)
+    out.float().sum().backward()
+    assert q.grad is not None and sinks.grad is not None

@@ -48,8 +48,9 @@ def start() -> None:
     if a.buffer is not None and a.buffer.numel() >= a.want:
         return
     a.buffer = None  # the old buffer freed before the new one is made
-    if a.want:
-        a.buffer = torch.empty(a.want, dtype=torch.uint8)
+    if a.want:  # a normal tensor even under inference_mode: later calls update it in place
+        with torch.inference_mode(False):
+            a.buffer = torch.empty(a.want, dtype=torch.uint8)
 
 
 def take(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
