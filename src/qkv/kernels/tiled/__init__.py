@@ -28,7 +28,7 @@ def forward(call: Lowered, *, transient: bool = False) -> tuple[torch.Tensor, to
     """out (B, H, T_q, D_v) and lse (B, H, T_q), both in the accumulation dtype, without
     autograd: the call's flash calls (torch's kernel, or qkv's native one) or the PyTorch
     loop, as ``call.path`` says. ``transient``: the caller copies out and drops it before
-    this thread's next forward (:func:`flash.fused_forward`)."""
+    this thread's next kernel call (:func:`flash.fused_forward`)."""
     if call.path in FUSED:
         return flash.fused_forward(call, native=_native_dtype(call), transient=transient)
     return loop_forward(call)
