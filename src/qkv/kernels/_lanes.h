@@ -14,6 +14,14 @@ enum { SRC_F32 = 0, SRC_BF16 = 1, SRC_F16 = 2, SRC_I8 = 3, SRC_E4M3 = 4 };
 typedef uint16_t bf16;
 typedef uint16_t lanemask; /* one bit per lane of 16 float32 */
 
+/* The lanes of the 16 values from n that lie in [first, last). */
+static inline lanemask lanes(int64_t n, int64_t first, int64_t last) {
+    int64_t lo = first - n, hi = last - n;
+    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
+    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
+    return hi <= lo ? 0 : (lanemask)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
 /* float32 bits as a float (the scalar widenings below build their bits first). */
 static inline float from_bits(uint32_t u) {
     float f;

@@ -76,8 +76,9 @@ pv_rows(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64
 }
 
 /* P·V for one page of n keys: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t, hk]. Where V is
-   not float32 and one register block holds every head, V's rows are read in place, a
-   quantized row's scale folded into its weights (w changes); otherwise they are widened and
+   not float32, one register block holds every head and each head's weights are one row
+   (wt = 1, as page_step gives them), V's rows are read in place, a quantized row's scale
+   folded into its weights 16 at a time (w changes); otherwise they are widened and
    scaled once into vpage, and each block reads them there (for float32 rows this copy ran
    faster on Zen 4 than reading them in place). */
 TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, int64_t page,
@@ -85,8 +86,8 @@ TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, i
                                                                  float *w, int64_t wg, int64_t wt,
                                                                  float *vpage, const int SRC) {
     const int64_t G = j->H / j->H_kv, D_v = j->D_v, v0 = page * j->vs[0] + hk * j->vs[2];
-    if (SRC != SRC_F32 && G <= PAGED_HEADS) {
-        if (QUANTIZED(SRC) && wt == 1) { /* each head's weights one row: scaled 16 at a time */
+    if (SRC != SRC_F32 && G <= PAGED_HEADS && wt == 1) {
+        if (QUANTIZED(SRC)) {
             float sc[16];
             for (int64_t t0 = 0; t0 < n; t0 += 16) {
                 for (int64_t t = 0; t < 16; t++)
@@ -94,11 +95,7 @@ TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, i
                 for (int64_t g = 0; g < G; g++)
                     vstore(w + g * wg + t0, vmul(vload(w + g * wg + t0), vload(sc)));
             }
-        } else if (QUANTIZED(SRC))
-            for (int64_t t = 0; t < n; t++) {
-                const float sc = row_scale(j, 0, page, t, hk);
-                for (int64_t g = 0; g < G; g++) w[g * wg + t * wt] *= sc;
-            }
+        }
         pv_rows(acc, w, wg, wt, j->v, v0, j->vs[1], n, G, D_v, SRC);
         return;
     }
@@ -185,7 +182,7 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, fl
         float *sg = s + g * SP;
         vf best = vset1(-INFINITY); /* the largest score per lane (a NaN is passed over) */
         for (int64_t t = 0; t < n; t += 16) {
-            const lanemask live = n - t >= 16 ? 0xFFFF : (lanemask)((1u << (n - t)) - 1);
+            const lanemask live = lanes(t, 0, n);
             const vf x = vload(sg + t); /* (a row is SP long: past n, read and not used) */
             best = vblend(vge(x, best) & live, best, x);
         }
@@ -204,7 +201,7 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, fl
         }
         vf sum = vzero();
         for (int64_t t = 0; t < n; t += 16) {
-            const lanemask live = n - t >= 16 ? 0xFFFF : (lanemask)((1u << (n - t)) - 1);
+            const lanemask live = lanes(t, 0, n);
             vf e = vexp(vsub(vloadz(live, sg + t), vset1(m[g])));
             e = vblend(live, vzero(), e);
             vstore(sg + t, e);

@@ -148,14 +148,6 @@ static inline const void *raw(const Job *j, const void *base, int64_t at) {
     return (const char *)base + at * (j->src == SRC_F32 ? 4 : 2);
 }
 
-/* The lanes of the 16 keys from n that lie in [first, last). */
-static inline lanemask lanes(int64_t n, int64_t first, int64_t last) {
-    int64_t lo = first - n, hi = last - n;
-    lo = lo < 0 ? 0 : lo > 16 ? 16 : lo;
-    hi = hi < 0 ? 0 : hi > 16 ? 16 : hi;
-    return hi <= lo ? 0 : (lanemask)(((1u << hi) - 1) & ~((1u << lo) - 1));
-}
-
 /* The keys [*f, *l) of the nk from n0 (counted as first and last are) that row `row` of
    the G·R rows of batch b may attend to: [first, last), narrowed by the row's bounds where
    the range has them. */

@@ -412,8 +412,9 @@ static int call_sizes(Job *j, const char *name, long long B, long long H, long l
     j->isa = cpu_isa(f32);
     j->rows = step_rows;
     if (j->isa == ISA_NONE) {
-        PyErr_SetString(PyExc_RuntimeError, f32 ? "this CPU has neither AVX-512 nor AVX2 + FMA"
-                                                : "this CPU has no AVX512-BF16");
+        PyErr_SetString(PyExc_RuntimeError,
+                        f32 ? "this CPU runs no native step (AVX-512, AVX2 + FMA or NEON)"
+                            : "this CPU has no bfloat16 dot products (AVX512-BF16 or BFDOT)");
         return 0;
     }
     if (D > MAX_D || D <= 0 || Dv > MAX_D || Dv <= 0 || (!f32 && (D % 2 || Dv % 2)) || R <= 0 ||
