@@ -110,7 +110,7 @@ setup(
             "qkv.kernels._paged",
             [
                 f"src/qkv/kernels/{name}.c"
-                for name in ("_paged", "_paged512", "_paged256", "_paged128")
+                for name in ("_paged", "_paged512", "_paged512_dots", "_paged256", "_paged128")
             ],
             depends=[
                 *(

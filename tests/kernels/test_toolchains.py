@@ -27,8 +27,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "src/qkv/kernels"
 TILED = KERNELS / "tiled"
-#: each C test, the sources it links per instruction set, and its cases per one
-#: (test_step: and 12 more per step that runs bfloat16 in the CPU's bfloat16 dot products)
+#: each C test, the sources it links per instruction set, its cases per step, and its
+#: cases per step run in the CPU's bfloat16 dot products (test_step: its bfloat16 cases, on
+#: every step where the CPU has them; test_paged: AVX-512's item for bfloat16 queries)
 TESTS = {
     "test_step": (
         {
@@ -37,8 +38,13 @@ TESTS = {
             128: ["tiled/_step128.c", "tiled/_step128_rows2.c"],
         },
         48,
+        12,
     ),
-    "test_paged": ({512: ["_paged512.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]}, 40),
+    "test_paged": (
+        {512: ["_paged512.c", "_paged512_dots.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]},
+        80,
+        80,
+    ),
 }
 
 
@@ -67,20 +73,17 @@ def tool(name: str, package: str) -> str:
 
 def built(cc: str, test: str, isas: tuple[int, ...], exe: Path, *flags: str) -> Path:
     """The C test ``test`` linked with its sources for ``isas``, by ``cc``."""
-    per_isa, _ = TESTS[test]
+    per_isa = TESTS[test][0]
     kernels = (KERNELS / s for isa in isas for s in per_isa[isa])
     sources = [ROOT / "tests" / "kernels" / "c" / f"{test}.c", *kernels]
     subprocess.run([cc, "-O2", *flags, *map(str, sources), "-lm", "-o", str(exe)], check=True)
     return exe
 
 
-DOT_CASES = 12
-
-
 def run_c_test(cmd: list[str], test: str, steps: int, dot_steps: int = 0) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    cases = TESTS[test][1] * steps + (DOT_CASES * dot_steps if test == "test_step" else 0)
+    cases = TESTS[test][1] * steps + TESTS[test][2] * dot_steps
     assert f"{cases} of {cases} cases within tolerance" in done.stdout
     return done.stdout
 
@@ -109,7 +112,8 @@ def test_the_neon_steps_match_float64_under_qemu(test, cpu, tmp_path):
     qemu = tool("qemu-aarch64", "qemu-user")
     exe = built(gcc, test, (128,), tmp_path / f"{test}_arm64", "-static")
     steps = len(TESTS[test][0][128])
-    out = run_c_test([qemu, "-cpu", cpu, str(exe)], test, steps, steps if cpu == "max" else 0)
+    dot_steps = steps if cpu == "max" and test == "test_step" else 0  # (no paged item of them)
+    out = run_c_test([qemu, "-cpu", cpu, str(exe)], test, steps, dot_steps)
     assert "neon" in out
 
 

@@ -4,6 +4,8 @@ float32 rounding — the native paged kernel reading pages in place, the gather 
 contiguous cache, a model decoding through each — and bad input gets a clear error."""
 
 import contextlib
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +91,89 @@ def test_paged_attention_reads_quantized_pages_in_place(
             q.requires_grad_(), kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs
         )
     torch.testing.assert_close(gathered.detach(), got, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize(
+    "H,H_kv,D,D_v", [(8, 2, 128, 128), (10, 2, 64, 48), (4, 4, 64, 64), (6, 3, 48, 32)]
+)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_bfloat16_queries_score_their_pages_to_float32_rounding(storage, H, H_kv, D, D_v, sinks):
+    """bfloat16 queries over bfloat16, int8 and e4m3 pages: with AVX512-BF16 the kernel
+    scores them with bfloat16 dot products where D is a multiple of 32 and 2+ query heads
+    share a key/value head (G = 4 and 5 here: whole and partial blocks of heads; 30 and 13
+    tokens: partial blocks of keys), with float32 FMAs otherwise (G = 1, D = 48). Either
+    way the lse is the float64 oracle's over the queries' bfloat16 values to float32
+    rounding, and the output its value rounded once to bfloat16."""
+    if not paged_kernel.available():
+        pytest.skip("the native paged kernel is not built")
+    dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[storage]
+    q, kq, vq, ks, vs, table, lengths = pages_and_queries(H, H_kv, D, D_v, torch.int8)
+    if dtype == torch.bfloat16:
+        k, v = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+        kq, vq, ks, vs = k.to(dtype), v.to(dtype), None, None
+        k64, v64 = kq.double(), vq.double()
+    else:
+        k, v = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+        (kq, ks), (vq, vs) = quantize(k, dtype), quantize(v, dtype)
+        k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
+    q = q.to(torch.bfloat16)
+    sink = torch.randn(H) if sinks else None
+    scale = D**-0.5
+    found = paged_kernel.decode(q, kq, vq, table, lengths, scale, sink, ks, vs)
+    assert found is not None
+    out, lse = found
+    for b in range(3):
+        n = int(lengths[b])
+        keys = np.repeat(
+            k64[table[b]].reshape(-1, H_kv, D)[:n].transpose(0, 1).numpy(), H // H_kv, 0
+        )
+        values = np.repeat(
+            v64[table[b]].reshape(-1, H_kv, D_v)[:n].transpose(0, 1).numpy(), H // H_kv, 0
+        )
+        want, want_lse = qnp.attention(
+            q[b, None, :, None].double().numpy(),
+            keys[None],
+            values[None],
+            sinks=None if sink is None else sink.double().numpy(),
+            return_lse=True,
+        )
+        np.testing.assert_allclose(lse[b].double().numpy(), want_lse[0, :, 0], atol=2e-6, rtol=1e-6)
+        got = out[b].double().numpy()
+        np.testing.assert_allclose(got, want[0, :, 0], atol=1e-6, rtol=2**-8)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_bfloat16_key_makes_its_rows_nan_with_dot_products(bad):
+    """As plain arithmetic would: the query heads of that key/value head in that sequence
+    are NaN, every other row finite (bfloat16 pages, G = 4, D = 64: the dot products' item
+    where the CPU has them)."""
+    if not paged_kernel.available():
+        pytest.skip("the native paged kernel is not built")
+    q, kq, vq, ks, vs, table, lengths = pages_and_queries(8, 2, 64, 64, torch.int8)
+    k = dequantize(kq, ks, torch.float32).to(torch.bfloat16)
+    v = dequantize(vq, vs, torch.float32).to(torch.bfloat16)
+    k[table[1, 2], 5, 1, 7] = bad  # sequence 1, token 21 of 30, key/value head 1
+    found = paged_kernel.decode(q.to(torch.bfloat16), k, v, table, lengths, 0.125)
+    assert found is not None
+    out, lse = found
+    nan = torch.zeros(3, 8, dtype=torch.bool)
+    nan[1, 4:] = True
+    assert bool(out.isnan().any(-1).eq(nan).all()) and bool(lse.isnan().eq(nan).all())
+    assert bool(out[~nan].isfinite().all())
+
+
+def test_the_bfloat16_dot_products_are_said_where_they_run():
+    """paged.dots() is this CPU's answer (AVX512-BF16), and pinned to AVX2 it is False."""
+    if not paged_kernel.available():
+        pytest.skip("the native paged kernel is not built")
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if sys.platform == "linux" and cpuinfo.exists() else ""
+    expect = "avx512_bf16" in flags and paged_kernel.isa() == "avx512"
+    assert paged_kernel.dots() == expect
+    if "avx2" in paged_kernel.isas():
+        with paged_kernel.use_isa("avx2"):
+            assert not paged_kernel.dots()
 
 
 @DTYPES

@@ -43,7 +43,11 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}; float16: widened; "
             f"{threads}"
         )
-    print(f"native paged decode kernel: {'built' if paged.available() else 'not built'}")
+    if paged.available():
+        scored = "; bfloat16 queries scored with bfloat16 dot products" if paged.dots() else ""
+        print(f"native paged decode kernel: {paged.isa() or 'plain C'}{scored}")
+    else:
+        print("native paged decode kernel: not built")
     if native.available(torch.float32):
         found, where = profile.load(remeasure=args.remeasure)
         print(f"profile: {where}")

@@ -14,6 +14,11 @@ static inline int qkv_cpu_avx512(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+/* AVX512-BF16's bfloat16 dot products (VDPBF16PS), with the AVX-512 above. */
+static inline int qkv_cpu_bf16(void) {
+    return qkv_cpu_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
 /* AVX2, FMA and F16C (half-precision conversions): what the 8-lane step uses. */
 static inline int qkv_cpu_avx2(void) {
     unsigned a, b, c, d;

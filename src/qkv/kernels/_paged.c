@@ -122,6 +122,21 @@ static const Item *vector_items(void) {
 #endif
 }
 
+/* Whether bfloat16 queries' scores take bfloat16 dot products here (the AVX-512 item
+   compiled with them, _paged512_dots.c: AVX512-BF16, not pinned to AVX2). The dispatch
+   takes it for D a multiple of 32 and two or more query heads per key/value head: with
+   one, the step is bound by memory and the dot products' item ran slower on Zen 4
+   (bfloat16 pages 1.24-1.45x its time; docs/head-shapes.md). */
+static int dots_here(void) {
+#if defined(QKV_X86)
+    return vector_items() == qkv_paged_avx512 && qkv_cpu_bf16();
+#else
+    return 0;
+#endif
+}
+
+static PyObject *dots(PyObject *self, PyObject *args) { return PyBool_FromLong(dots_here()); }
+
 /* Pins the vector item to AVX2 ("avx2") where the CPU has AVX-512 too, or lets the CPU
    choose (""); returns the setting before. */
 static PyObject *use_isa(PyObject *self, PyObject *args) {
@@ -210,6 +225,8 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
 #ifdef QKV_X86
     if (D % 16 == 0 && D_v % 16 == 0 && vector == qkv_paged_avx512 && G >= 16)
         run = qkv_paged_avx512_wide[kv];
+    else if (D % 32 == 0 && D_v % 16 == 0 && G >= 2 && is_bf16 && kv != KV_F32 && dots_here())
+        run = qkv_paged_avx512_dots[kv];
 #endif
     /* Where a slot's heads lie side by side (torch's layout) the vector item takes several
        key/value heads of a sequence, as many as leave 4 items a thread, and reads each page
@@ -242,6 +259,9 @@ static PyMethodDef methods[] = {
     {"isa", isa, METH_NOARGS,
      "isa(): the vector item this CPU runs (\"avx512\", \"avx2\", \"neon\"; \"\": plain C "
      "only)."},
+    {"dots", dots, METH_NOARGS,
+     "dots(): whether bfloat16 queries are scored with bfloat16 dot products here "
+     "(AVX512-BF16) where D is a multiple of 32 and 2+ query heads share a key/value head."},
     {"decode", (PyCFunction)(void (*)(void))decode, METH_VARARGS | METH_KEYWORDS,
      "decode(*, q=(ptr, *2 strides), k=(pages ptr, *3), v=(pages ptr, *3), "
      "table=(ptr, max_pages, num_pages), lengths, sinks (0: none), out, lse, "

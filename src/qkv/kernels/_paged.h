@@ -135,6 +135,7 @@ typedef void (*Item)(const Job *, int64_t, int64_t, float *);
 #pragma GCC visibility push(hidden)
 extern const Item qkv_paged_avx512[4], qkv_paged_avx2[4];
 extern const Item qkv_paged_avx512_wide[4]; /* 16 or more query heads per key/value head */
+extern const Item qkv_paged_avx512_dots[4]; /* bfloat16 queries, with AVX512-BF16 */
 #pragma GCC visibility pop
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC visibility push(hidden)

@@ -4,7 +4,20 @@
    its dot products), the page's weights by the vector exp (NaN stays NaN), then P·V (pv_page
    says where it reads the values). Both products can keep several heads' sums in registers
    at once, so one key or value vector loaded and widened serves them all. What it computes
-   is the plain C item's (_paged.c); its sums may round differently. */
+   is the plain C item's (_paged.c); its sums may round differently.
+
+   Compiled with QKV_PAGED_DOTS (_paged512_dots.c, for AVX-512 CPUs with AVX512-BF16), the
+   item scores bfloat16 queries against bfloat16, int8 and e4m3 keys with bfloat16 dot
+   products instead (score_dots): those keys are bfloat16 values exactly, so are the
+   queries, and VDPBF16PS sums two exact products per lane — half the FMAs, the same sums
+   to float32 rounding. */
+#ifndef QKV_PAGED_DOTS
+#define QKV_PAGED_DOTS 0
+#endif
+#if QKV_PAGED_DOTS
+#undef TARGET
+#define TARGET TARGET_BF16
+#endif
 
 /* Heads per register block: AVX-512's 32 registers hold 4 heads × 4 vectors of sums (and
    the 4 keys or column vectors they share); AVX2's 16 half-width ones and NEON's hold one.
@@ -107,6 +120,19 @@ TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, i
     pv_rows(acc, w, wg, wt, vpage, 0, D_v, n, G, D_v, SRC_F32);
 }
 
+/* Scores t..t+3 of NH heads from head g0 into s (a head's row every SP floats): the lanes of
+   each of the NH × 4 sums in a added up, times its key's ks. */
+TARGET static inline __attribute__((always_inline)) void store_scores(const vf *a, const float *ks,
+                                                                      int64_t g0, float *s,
+                                                                      int64_t SP, int64_t t,
+                                                                      const int NH) {
+    for (int g = 0; g < NH; g++) {
+        float sums[4];
+        vsum4(a[g * 4], a[g * 4 + 1], a[g * 4 + 2], a[g * 4 + 3], sums);
+        for (int u = 0; u < 4; u++) s[(g0 + g) * SP + t + u] = sums[u] * ks[u];
+    }
+}
+
 /* The scores of NH heads from head g0 against keys t..t+3 (read as SRC from element
    k0 + t·kt of k), times the keys' scales ks, into s (a head's row every SP floats). */
 TARGET static inline __attribute__((always_inline)) void
@@ -129,23 +155,58 @@ score_block(const void *k, int64_t k0, int64_t kt, int64_t t, const float *ks, c
             for (int u = 0; u < 4; u++) a[g * 4 + u] = vfma(qv, kv[u], a[g * 4 + u]);
         }
     }
-    for (int g = 0; g < NH; g++) {
-        float sums[4];
-        vsum4(a[g * 4], a[g * 4 + 1], a[g * 4 + 2], a[g * 4 + 3], sums);
-        for (int u = 0; u < 4; u++) s[(g0 + g) * SP + t + u] = sums[u] * ks[u];
-    }
+    store_scores(a, ks, g0, s, SP, t, NH);
 }
 
+#if QKV_PAGED_DOTS
+/* As score_block, with bfloat16 dot products: the NH heads' bfloat16 query rows from head
+   g0 (qh, a head every qg elements, not scaled) against keys t..t+3 as bfloat16 (read as
+   they are, or widened from int8 or e4m3 and rounded: exact), 32 values at a time; ks: the
+   keys' scales times the softmax scale. D: a multiple of 32. */
+TARGET static inline __attribute__((always_inline)) void
+score_dots(const void *k, int64_t k0, int64_t kt, int64_t t, const float *ks, const bf16 *qh,
+           int64_t qg, int64_t D, int64_t g0, float *s, int64_t SP, const int NH, const int SRC) {
+    vf a[4 * 4]; /* NH ≤ 4 heads × 4 keys */
+    for (int g = 0; g < NH; g++)
+        for (int u = 0; u < 4; u++) a[g * 4 + u] = vzero();
+    for (int64_t d = 0; d < D; d += 32) {
+        vbf kv[4];
+        for (int u = 0; u < 4; u++) {
+            const int64_t at = k0 + (t + u) * kt + d;
+            kv[u] = SRC == SRC_BF16 ? vbf_load((const bf16 *)k + at)
+                                    : vbf_round(vload_src(k, at, SRC), vload_src(k, at + 16, SRC));
+        }
+        for (int g = 0; g < NH; g++) {
+            const vbf qv = vbf_load(qh + (g0 + g) * qg + d);
+            for (int u = 0; u < 4; u++) a[g * 4 + u] = vdot(a[g * 4 + u], qv, kv[u]);
+        }
+    }
+    store_scores(a, ks, g0, s, SP, t, NH);
+}
+#endif
+
 /* The G × n scores of one page into s (a head's row every SP floats): key t of the page is
-   read as SRC from element k0 + t·kt of k, then multiplied by its row's scale. */
+   read as SRC from element k0 + t·kt of k, then multiplied by its row's scale. qh: the
+   heads' bfloat16 query rows (a head every qg elements), for score_dots; NULL: qf's. */
 TARGET static inline __attribute__((always_inline)) void
 page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, int64_t n,
-            int64_t hk, const float *qf, float *s, int64_t SP, const int SRC) {
+            int64_t hk, const float *qf, const bf16 *qh, int64_t qg, float *s, int64_t SP,
+            const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D;
+    const int dots = QKV_PAGED_DOTS && qh && SRC != SRC_F32 && D % 32 == 0;
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) { /* 4 keys at a time, their loads shared by the heads */
         float ks[4];
-        for (int u = 0; u < 4; u++) ks[u] = row_scale(j, 1, page, t + u, hk); /* once */
+        for (int u = 0; u < 4; u++) /* once */
+            ks[u] = row_scale(j, 1, page, t + u, hk) * (dots ? j->scale : 1.0f);
+#if QKV_PAGED_DOTS
+        if (dots) {
+#define SCORE_DOTS(g, NH) score_dots(k, k0, kt, t, ks, qh, qg, D, g, s, SP, NH, SRC)
+            HEAD_BLOCKS(G, PAGED_HEADS, SCORE_DOTS);
+#undef SCORE_DOTS
+            continue;
+        }
+#endif
 #define SCORE_BLOCK(g, NH) score_block(k, k0, kt, t, ks, qf, D, g, s, SP, NH, SRC)
         HEAD_BLOCKS(G, SCORE_HEADS(SRC), SCORE_BLOCK);
 #undef SCORE_BLOCK
@@ -168,16 +229,16 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
    widening them once per block costs more than the store) and scored from there;
    `page_buf` then takes the page's values. */
 TARGET static inline __attribute__((always_inline)) void
-page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, float *acc, float *s,
-          int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
+page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, const bf16 *qh,
+          float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
     const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
     if (G > PAGED_HEADS && SRC == SRC_E4M3) {
         for (int64_t t = 0; t < n; t++)
             for (int64_t d = 0; d < D; d += 16)
                 vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
-        page_scores(j, page_buf, 0, D, page, n, hk, qf, s, SP, SRC_F32);
-    } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, s, SP, SRC);
+        page_scores(j, page_buf, 0, D, page, n, hk, qf, NULL, 0, s, SP, SRC_F32);
+    } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, qh, j->qs[1], s, SP, SRC);
     for (int64_t g = 0; g < G; g++) {
         float *sg = s + g * SP;
         vf best = vset1(-INFINITY); /* the largest score per lane (a NaN is passed over) */
@@ -234,7 +295,11 @@ paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
         const int64_t n = len - p0 < P ? len - p0 : P;
         for (int64_t h = 0; h < NH; h++) {
             float *qf = work + h * per_head, *acc = qf + G * D, *s = acc + G * D_v;
-            page_step(j, page, n, hk0 + h, qf, acc, s, SP, m + h * G, l + h * G, page_buf, SRC);
+            const bf16 *qh = /* the bfloat16 query rows themselves, where score_dots takes them */
+                QKV_PAGED_DOTS && j->bf16
+                    ? (const bf16 *)j->q + b * j->qs[0] + (hk0 + h) * G * j->qs[1]
+                    : NULL;
+            page_step(j, page, n, hk0 + h, qf, qh, acc, s, SP, m + h * G, l + h * G, page_buf, SRC);
         }
     }
     for (int64_t h = 0; h < NH; h++) {
@@ -260,4 +325,8 @@ paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
     }                                                                                              \
     const Item table[4] = {body##_f32, body##_bf16, body##_i8, body##_e4m3}
 
+#if QKV_PAGED_DOTS
+PER_KIND(paged_item, qkv_paged_avx512_dots);
+#else
 PER_KIND(paged_item, NAMED(qkv_paged));
+#endif

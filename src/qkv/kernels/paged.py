@@ -45,6 +45,17 @@ def isa() -> str:
     return str(_paged.isa())
 
 
+def dots() -> bool:
+    """Whether bfloat16 queries are scored here with bfloat16 dot products (AVX512-BF16):
+    over bfloat16, int8 and float8 pages, for D a multiple of 32 and two or more query heads
+    per key/value head. Those keys and the queries are bfloat16 values exactly, so the dot
+    products take the same sums (to float32 rounding) with half the FMAs."""
+    if _paged is None:
+        return False
+    _pin_from_environment()
+    return bool(_paged.dots())
+
+
 def isas() -> tuple[str, ...]:
     """The vector code this CPU can run: ("avx512", "avx2") on one with AVX-512 (AVX2 only
     when pinned, :func:`use_isa`), ("avx2",), ("neon",), or none."""

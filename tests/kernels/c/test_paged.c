@@ -1,10 +1,11 @@
 /* The paged decode step's vector item (src/qkv/kernels/_paged_step.h) against a float64
    reference, with no Python: one decode call per case over pages read through a block
    table, keys and values stored as float32, bfloat16, int8 or float8 e4m3 (the last two
-   with a scale per row), GQA, a sequence with no token, for every vector item this machine
-   runs (x86-64: AVX-512 and AVX2 where the CPU has them; ARM64: NEON, under qemu-user in
-   tests/kernels/test_toolchains.py). Prints a line per case and exits 1 if any is out of
-   tolerance. */
+   with a scale per row), GQA, a sequence with no token, float32 and bfloat16 queries, for
+   every vector item this machine runs (x86-64: AVX-512 and AVX2 where the CPU has them, and
+   AVX-512's item that scores bfloat16 queries with bfloat16 dot products where it has
+   AVX512-BF16; ARM64: NEON, under qemu-user in tests/kernels/test_toolchains.py). Prints a line per
+   case and exits 1 if any is out of tolerance. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,7 +50,7 @@ static double store(void *x, int64_t i, int kind) {
 }
 
 static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_kv, int64_t D,
-                    int64_t Dv, int64_t heads) {
+                    int64_t Dv, int64_t heads, int qbf16) {
     const int64_t B = 3, P = 16, max_pages = 5, pages = 12, G = H / H_kv;
     const int64_t len[3] = {37, 0, 80};
     const int32_t table[3][5] = {{3, 7, 0, 1, 2}, {5, 1, 2, 9, 4}, {11, 4, 6, 8, 10}};
@@ -59,9 +60,19 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
     double *kd = malloc(sizeof(double) * pages * P * H_kv * D);
     double *vd = malloc(sizeof(double) * pages * P * H_kv * Dv);
     float *q = malloc(sizeof(float) * B * H * D), *ksc = NULL, *vsc = NULL;
+    uint16_t *qh = malloc(sizeof(uint16_t) * B * H * D); /* q as bfloat16, where qbf16 */
     for (int64_t i = 0; i < pages * P * H_kv * D; i++) kd[i] = store(k, i, kind);
     for (int64_t i = 0; i < pages * P * H_kv * Dv; i++) vd[i] = store(v, i, kind);
-    for (int64_t i = 0; i < B * H * D; i++) q[i] = (float)normal();
+    for (int64_t i = 0; i < B * H * D; i++) {
+        q[i] = (float)normal();
+        if (qbf16) { /* the kernel reads the bfloat16 bits; the reference their value */
+            uint32_t u;
+            memcpy(&u, &q[i], 4);
+            qh[i] = (uint16_t)(u >> 16);
+            u &= 0xffff0000u;
+            memcpy(&q[i], &u, 4);
+        }
+    }
     if (kind >= KV_I8) { /* a scale per (page, slot, kv head) */
         ksc = malloc(sizeof(float) * pages * P * H_kv),
         vsc = malloc(sizeof(float) * pages * P * H_kv);
@@ -70,7 +81,7 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
     }
     const double scale = 1.0 / sqrt((double)D);
     float *out = malloc(sizeof(float) * B * H * Dv), *lse = malloc(sizeof(float) * B * H);
-    Job j = {q,
+    Job j = {qbf16 ? (const void *)qh : q,
              k,
              v,
              &table[0][0],
@@ -89,7 +100,7 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
              P,
              max_pages,
              (float)scale,
-             0,
+             qbf16,
              kind,
              ksc,
              vsc,
@@ -128,23 +139,28 @@ static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_k
         }
     const char *name[4] = {"float32", "bfloat16", "int8", "e4m3"};
     int ok = worst <= 2e-5 && worst_lse <= 2e-5;
-    printf("%s %-6s %-8s H=%2lld H_kv=%lld D=%3lld Dv=%3lld heads/item %lld: out %.1e lse %.1e\n",
-           ok ? "ok  " : "FAIL", isa, name[kind], (long long)H, (long long)H_kv, (long long)D,
-           (long long)Dv, (long long)heads_per_item(&j), worst, worst_lse);
-    free(k), free(v), free(kd), free(vd), free(q), free(ksc), free(vsc), free(out), free(lse);
+    printf("%s %-11s q %-8s %-8s H=%2lld H_kv=%lld D=%3lld Dv=%3lld heads/item %lld: out %.1e "
+           "lse %.1e\n",
+           ok ? "ok  " : "FAIL", isa, qbf16 ? "bfloat16" : "float32", name[kind], (long long)H,
+           (long long)H_kv, (long long)D, (long long)Dv, (long long)heads_per_item(&j), worst,
+           worst_lse);
+    free(k), free(v), free(kd), free(vd), free(q), free(qh), free(ksc), free(vsc), free(out);
+    free(lse);
     free(work), free(s);
     return ok;
 }
 
 int main(void) {
-    const char *names[2];
-    const Item *items[2];
+    const char *names[3];
+    const Item *items[3];
     int n = 0;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         names[n] = "avx512", items[n++] = qkv_paged_avx512;
+    if (n && __builtin_cpu_supports("avx512bf16"))
+        names[n] = "avx512-dots", items[n++] = qkv_paged_avx512_dots;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         names[n] = "avx2", items[n++] = qkv_paged_avx2;
@@ -156,14 +172,16 @@ int main(void) {
        with one key/value head an item and with all of them */
     const int64_t shapes[][4] = {
         {4, 2, 64, 64}, {6, 3, 32, 16}, {8, 8, 128, 96}, {10, 2, 48, 80}, {16, 2, 128, 128}};
+    /* (and with bfloat16 queries the dot products' item scores D = 64, 32 and 128; 48 not) */
     const int nshapes = sizeof shapes / sizeof shapes[0];
     int failed = 0, cases = 0;
     for (int i = 0; i < n; i++)
         for (int kind = KV_F32; kind <= KV_F8; kind++)
             for (int c = 0; c < nshapes; c++)
-                for (int e = 0; e < 2; e++, cases++)
-                    failed += !run_case(names[i], items[i][kind], kind, shapes[c][0], shapes[c][1],
-                                        shapes[c][2], shapes[c][3], e ? shapes[c][1] : 1);
+                for (int e = 0; e < 4; e++, cases++)
+                    failed +=
+                        !run_case(names[i], items[i][kind], kind, shapes[c][0], shapes[c][1],
+                                  shapes[c][2], shapes[c][3], e & 1 ? shapes[c][1] : 1, e >> 1);
     printf("%d of %d cases within tolerance\n", cases - failed, cases);
     return failed || !n ? 1 : 0;
 }
