@@ -385,6 +385,29 @@ TARGET static void outer(const float W[MR][KB], const float *x, int64_t D, int r
     }
 }
 
+/* Keys n0..n0+31 of head (b, h) of p, held in half precision (SRC), packed at dst in
+   float32's layout (D, 32) as pack32 does, each row widened by the vector loads first (pack32
+   widens value by value); the widened rows also kept at rows, D apart, if given (for dQ's
+   ·K). */
+TARGET static inline __attribute__((always_inline)) void
+pack32_widened(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, float *dst,
+               float *rows, const int SRC) {
+    float buf[MAX_D];
+    for (int64_t kk = 0; kk < 32; kk++) {
+        const int64_t n = n0 + kk;
+        const bf16 *xr = (const bf16 *)p->x + b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
+        float *row = rows ? rows + kk * D : buf;
+        if (n >= T) memset(row, 0, sizeof(float) * D);
+        for (int64_t d = 0; n < T && d < D; d += 16) {
+            const lanemask in = lanes(d, 0, D);
+            if (in == 0xffff) vstore(row + d, vload_src(xr, d, SRC));
+            else
+                for (int64_t e = d; e < D; e++) row[e] = widened(xr, e, SRC);
+        }
+        for (int64_t d = 0; d < D; d++) dst[d * 32 + kk] = row[d];
+    }
+}
+
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
    begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
    thread's `scratch` (3 · KB · MAX_D floats): no pass packs all of K and V beforehand. dq:
@@ -398,12 +421,28 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     size_t size = j->f32 ? 4 : 2;
     char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * Dv * size;
+    /* half precision widened: K's and V's rows widened 16 values at a time, and K's rows
+       kept in float32 (kvb) for dQ's ·K, which then reads them as they are */
+    const int widen = j->f32 && j->src != SRC_F32;
     for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
-        pack32(&bj->k, b, h, j->begin + n0 + s, bj->T, D, j->f32, kp + s * D * size);
-        pack32(&bj->v, b, h, j->begin + n0 + s, bj->T, Dv, j->f32, vk + s * Dv * size);
-        if (!j->f32) pack32(&bj->kv, b, h, j->begin + n0 + s, bj->T, D, 0, kvb + s * D * size);
+        const int64_t at = j->begin + n0 + s;
+        float *kw = (float *)kvb + s * D; /* K's widened rows */
+        if (widen && j->src == SRC_F16) {
+            pack32_widened(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, kw, SRC_F16);
+            pack32_widened(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, SRC_F16);
+        } else if (widen) {
+            pack32_widened(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, kw, SRC_BF16);
+            pack32_widened(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, SRC_BF16);
+        } else {
+            pack32(&bj->k, b, h, at, bj->T, D, j->f32, kp + s * D * size);
+            pack32(&bj->v, b, h, at, bj->T, Dv, j->f32, vk + s * Dv * size);
+        }
+        if (!j->f32) pack32(&bj->kv, b, h, at, bj->T, D, 0, kvb + s * D * size);
     }
     const void *kv = raw(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+    Job kj = *j; /* dQ's ·K reads K as it is, or its rows widened above (D apart from n0) */
+    const void *krows = widen ? (const void *)kvb : kv;
+    if (widen) kj.vs[2] = D, kj.src = SRC_F32;
     const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
     float qf[MR * MAX_D], df[MR * MAX_D], S[MR][KT], dP[MR][KT], P[MR][KB], dS[MR][KB];
 #if QKV_BF16
@@ -472,7 +511,7 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             pv_bf16(j, (const bf16 *)kvb, 0, nk, live, Dh, Dl, O, D);
         } else
 #endif
-            pv_f32(j, kv, n0, last, live, &dS[0][0], KB, O, D);
+            pv_f32(&kj, krows, widen ? 0 : n0, last, live, &dS[0][0], KB, O, D);
         for (int i = 0; i < rows; i++) {
             int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
             float *dqr = dq + (g * j->R + r) * D;
