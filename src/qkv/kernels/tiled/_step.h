@@ -226,6 +226,7 @@ TARGET static inline __attribute__((always_inline)) vf modified(const Job *j, vf
 /* The 16 scores x plus the row's bias where it has one (br), -inf outside its keys (the
    lanes of `in`). */
 TARGET static inline __attribute__((always_inline)) vf masked(vf x, const float *br, lanemask in) {
+    if (!br && in == 0xffff) return x;   /* (no blend: AVX2 and NEON build its mask from bits) */
     if (br) x = vadd(x, vloadz(in, br)); /* 0 outside `in`, which the -inf then replaces */
     return vblend(in, vset1(-INFINITY), x);
 }
