@@ -313,17 +313,18 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
     verdicts = [
         profile.Probe(1.0, 2.0),  # float32 not measured natively
         profile.Probe(2.0, 1.0),
-        profile.Probe(1.0, 1.0),  # as fast: not faster
+        profile.Probe(1.1, 1.0),  # 1.1×: not faster (a tie, 1.0×, goes to bfloat16's step)
         profile.Probe(1.0, 2.0, 2.1),  # float32 native within its margin (1.1×)
-        profile.Probe(1.5, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
-        profile.Probe(1.0, 1.0, 1.2),  # float32 native slower
+        profile.Probe(1.6, 3.0, 1.5),  # float32 native faster, bfloat16 not faster than it
+        profile.Probe(1.1, 1.0, 1.2),  # float32 native slower
         # slower than float32's native step, faster than the widened one bfloat16 takes
         profile.Probe(1.8, 3.0, 1.7, native_widen_ms=2.0),
+        profile.Probe(2.0, 4.0, 2.0),  # as fast as float32's native step: a tie, bfloat16's
     ]
     for verdict in verdicts:
         monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
-        assert verdict.float32 == (verdict in (*verdicts[3:5], verdicts[6]))
-        assert verdict.faster == (verdict in (verdicts[0], verdicts[3], verdicts[6]))
+        assert verdict.float32 == (verdict in (*verdicts[3:5], *verdicts[6:]))
+        assert verdict.faster == (verdict in (verdicts[0], verdicts[3], *verdicts[6:]))
         f = qkv.dispatch(q32, k32, v32, mask=window)
         assert f.path == ("tiled-native" if verdict.float32 else "tiled-flash")
         assert _ran(monkeypatch, lambda: qkv.attention(q32, k32, v32, mask=window)) == f.path
