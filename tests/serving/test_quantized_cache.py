@@ -163,6 +163,37 @@ def test_a_nan_or_infinite_bfloat16_key_makes_its_rows_nan_with_dot_products(bad
     assert bool(out[~nan].isfinite().all())
 
 
+@pytest.mark.parametrize("isa", ["", "avx2"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_every_e4m3_value_is_widened_exactly(isa, qdtype):
+    """Each of e4m3's 254 values (its two NaNs left out) as a key and as a value, one page
+    of one token per sequence, scale 1: the lse is the key's value and the output the
+    value's, exactly — through the vector loads (float16's bits, then the hardware's
+    widening; subnormals included), with bfloat16 queries through the dot products too."""
+    if not paged_kernel.available() or (isa and isa not in paged_kernel.isas()):
+        pytest.skip(f"the paged kernel's {isa or 'vector'} code does not run here")
+    bits = torch.arange(256, dtype=torch.uint8)
+    bits = bits[(bits & 0x7F) != 0x7F]
+    B, H, D = len(bits), 2, 32  # two query heads a key/value head, D = 32: the dot products'
+    k = torch.zeros(B, 1, 1, D, dtype=torch.uint8)
+    k[:, 0, 0, 5] = bits
+    k = k.view(torch.float8_e4m3fn)
+    v = k.flip(0)
+    q = torch.zeros(B, H, D, dtype=qdtype)
+    q[:, :, 5] = 1.0
+    ones = torch.ones(B, 1, 1)
+    table, lengths = torch.arange(B)[:, None], torch.ones(B, dtype=torch.int64)
+    with paged_kernel.use_isa(isa) if isa else contextlib.nullcontext():
+        found = paged_kernel.decode(q, k, v, table, lengths, 1.0, None, ones, ones)
+    assert found is not None
+    out, lse = found
+    values = k[:, 0, 0, 5].float()
+    assert torch.equal(lse, values[:, None].expand(B, H))
+    assert torch.equal(
+        out[:, :, 5].float(), values.flip(0)[:, None].expand(B, H).to(qdtype).float()
+    )
+
+
 def test_the_bfloat16_dot_products_are_said_where_they_run():
     """paged.dots() is this CPU's answer (AVX512-BF16), and pinned to AVX2 it is False."""
     if not paged_kernel.available():

@@ -225,9 +225,9 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
 /* One page of n keys for kv head hk, stored as SRC: the G × n scores into s (a head's row
    every SP floats), each head's maximum m and the rescale of its sum l and outputs acc, the
    weights, then P·V. Where more heads share float8 keys than one register block holds, the
-   page's key rows are widened once into `page_buf` (e4m3 has no hardware conversion here, so
-   widening them once per block costs more than the store) and scored from there;
-   `page_buf` then takes the page's values. */
+   page's key rows are widened once into `page_buf` (widening them once per block cost more
+   than the store, measured with e4m3's earlier widening, bit by bit, before it went through
+   float16's conversion) and scored from there; `page_buf` then takes the page's values. */
 TARGET static inline __attribute__((always_inline)) void
 page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, const bf16 *qh,
           float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf, const int SRC) {

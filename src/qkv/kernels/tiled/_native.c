@@ -303,8 +303,7 @@ static int pinned = ISA_NONE;
 static int cpu_isa(int f32) {
 #ifdef QKV_X86
     int avx512 = qkv_cpu_avx512(), avx2 = qkv_cpu_avx2();
-    if (!f32)
-        return qkv_cpu_bf16() && pinned != ISA_AVX2 ? ISA_AVX512 : ISA_NONE;
+    if (!f32) return qkv_cpu_bf16() && pinned != ISA_AVX2 ? ISA_AVX512 : ISA_NONE;
     if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
     return avx512 ? ISA_AVX512 : ISA_NONE;
 #elif defined(QKV_NEON_BF16)

@@ -68,17 +68,17 @@ VI vf vload_bf16(const uint16_t *p) {
 VI vf vload_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
-/* 16 int8 values, or 16 float8 e4m3 ones (sign, then the 7 other bits placed as a float32's
-   exponent and mantissa start, scaled by 2^(127 - 7): exact), as float32. */
+/* 16 int8 values, or 16 float8 e4m3 ones, as float32. An e4m3 byte sign-extended to 16 bits
+   and shifted left by 7 is a float16's bits but for bit 14 (the sign's copy, cleared): its
+   exponent field and mantissa land on float16's, whose exponent bias is 8 more, so the
+   float16, widened by the hardware, is the value times 2^-8 — exactly, subnormals included. */
 VI vf vload_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 VI vf vload_e4m3(const uint8_t *p) {
-    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24);
-    __m512i rest = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7F)), 20);
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(sign, rest)),
-                         _mm512_set1_ps(0x1p120f));
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    h = _mm256_and_si256(h, _mm256_set1_epi16((short)0xBFFF));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
 /* bfloat16 dot products (AVX512-BF16), for _bf16.h: a vbf holds 32 bfloat16 values, the
@@ -205,16 +205,15 @@ VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
 VI __m256 i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-VI __m256 e4m3x8(const uint8_t *p) {
-    __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24);
-    __m256i rest = _mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x7F)), 20);
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)),
-                         _mm256_set1_ps(0x1p120f));
-}
-/* 16 int8 or float8 e4m3 values (as AVX-512's) as float32. */
+/* 16 int8 or float8 e4m3 values (as AVX-512's: e4m3 through float16's bits) as float32. */
 VI vf vload_i8(const int8_t *p) { return (vf){i8x8(p), i8x8(p + 8)}; }
-VI vf vload_e4m3(const uint8_t *p) { return (vf){e4m3x8(p), e4m3x8(p + 8)}; }
+VI vf vload_e4m3(const uint8_t *p) {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    h = _mm256_and_si256(h, _mm256_set1_epi16((short)0xBFFF));
+    const __m256 by = _mm256_set1_ps(256.0f);
+    return (vf){_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), by),
+                _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), by)};
+}
 #elif QKV_ISA == 128
 #define TARGET
 #define VI static inline __attribute__((always_inline))
@@ -310,16 +309,13 @@ VI vf vload_i8(const int8_t *p) {
     EACH(vcvtq_f32_s32(vmovl_s16(e_ % 2 ? vget_high_s16(h[e_ / 2]) : vget_low_s16(h[e_ / 2]))));
 }
 VI vf vload_e4m3(const uint8_t *p) {
-    uint8x16_t b = vld1q_u8(p);
-    uint16x8_t h[2] = {vmovl_u8(vget_low_u8(b)), vmovl_u8(vget_high_u8(b))};
-    vf out;
-    for (int e = 0; e < 4; e++) {
-        uint32x4_t w = vmovl_u16(e % 2 ? vget_high_u16(h[e / 2]) : vget_low_u16(h[e / 2]));
-        uint32x4_t bits = vorrq_u32(vshlq_n_u32(vandq_u32(w, vdupq_n_u32(0x80)), 24),
-                                    vshlq_n_u32(vandq_u32(w, vdupq_n_u32(0x7F)), 20));
-        out.q[e] = vmulq_f32(vreinterpretq_f32_u32(bits), vdupq_n_f32(0x1p120f));
-    }
-    return out;
+    const int8x16_t b = vld1q_s8((const int8_t *)p);
+    const int16x8_t keep = vdupq_n_s16((int16_t)0xBFFF);
+    const int16x8_t h[2] = {vandq_s16(vshlq_n_s16(vmovl_s8(vget_low_s8(b)), 7), keep),
+                            vandq_s16(vshlq_n_s16(vmovl_s8(vget_high_s8(b)), 7), keep)};
+    EACH(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_s16(e_ % 2 ? vget_high_s16(h[e_ / 2])
+                                                            : vget_low_s16(h[e_ / 2]))),
+                   vdupq_n_f32(256.0f)));
 }
 
 /* bfloat16 dot products (BFDOT, FEAT_BF16: asked of the CPU at run time), for _bf16.h, as
