@@ -224,16 +224,17 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
 
 /* One page of n keys for kv head hk, stored as SRC: the G × n scores into s (a head's row
    every SP floats), each head's maximum m and the rescale of its sum l and outputs acc, the
-   weights, then P·V. Where more heads share float8 keys than one register block holds, the
-   page's key rows are widened once into `page_buf` (widening them once per block cost more
-   than the store, measured with e4m3's earlier widening, bit by bit, before it went through
-   float16's conversion) and scored from there; `page_buf` then takes the page's values. */
+   weights, then P·V. On AVX2 and NEON, whose register blocks hold one head, where several
+   heads share float8 keys the page's key rows are widened once into `page_buf` and scored
+   from there (widening them per head cost more than the store: 0.76–0.87× the time with
+   it, G = 4 and 8 held to AVX2); AVX-512's blocks of 4 heads read them in place (the buffer
+   took 1.10–1.28× the time at G = 8). `page_buf` then takes the page's values. */
 TARGET static inline __attribute__((always_inline)) void
 page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, const bf16 *qh,
           float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
     const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
-    if (G > PAGED_HEADS && SRC == SRC_E4M3) {
+    if (QKV_ISA != 512 && G > PAGED_HEADS && SRC == SRC_E4M3) {
         for (int64_t t = 0; t < n; t++)
             for (int64_t d = 0; d < D; d += 16)
                 vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
