@@ -234,7 +234,7 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, co
           float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
     const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
-    if (QKV_ISA != 512 && G > PAGED_HEADS && SRC == SRC_E4M3) {
+    if (PAGED_HEADS == 1 && G > 1 && SRC == SRC_E4M3) {
         for (int64_t t = 0; t < n; t++)
             for (int64_t d = 0; d < D; d += 16)
                 vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));

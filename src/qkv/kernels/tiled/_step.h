@@ -409,6 +409,14 @@ pack32_widened(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64
     }
 }
 
+/* pack32_widened for the half-precision source src (SRC_F16 or SRC_BF16), each a constant
+   inside. */
+TARGET static void pack32_half(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
+                               int64_t D, float *dst, float *rows, int src) {
+    if (src == SRC_F16) pack32_widened(p, b, h, n0, T, D, dst, rows, SRC_F16);
+    else pack32_widened(p, b, h, n0, T, D, dst, rows, SRC_BF16);
+}
+
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
    begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
    thread's `scratch` (3 · KB · MAX_D floats): no pass packs all of K and V beforehand. dq:
@@ -427,13 +435,10 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     const int widen = j->f32 && j->src != SRC_F32;
     for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
         const int64_t at = j->begin + n0 + s;
-        float *kw = (float *)kvb + s * D; /* K's widened rows */
-        if (widen && j->src == SRC_F16) {
-            pack32_widened(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, kw, SRC_F16);
-            pack32_widened(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, SRC_F16);
-        } else if (widen) {
-            pack32_widened(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, kw, SRC_BF16);
-            pack32_widened(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, SRC_BF16);
+        if (widen) { /* K's widened rows kept at kvb */
+            pack32_half(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, (float *)kvb + s * D,
+                        j->src);
+            pack32_half(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, j->src);
         } else {
             pack32(&bj->k, b, h, at, bj->T, D, j->f32, kp + s * D * size);
             pack32(&bj->v, b, h, at, bj->T, Dv, j->f32, vk + s * Dv * size);
