@@ -1,13 +1,14 @@
 """The native kernels, built at install with the system C compiler (gcc or clang): the tiled
 step in float32 and bfloat16 (src/qkv/kernels/tiled/_native.c, the step per instruction set
-in _step512.c, _step256.c and _step128.c) and the decode step over a paged KV cache
-(src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
+in _step512.c, _step256.c, _step128.c and _step_sve.c) and the decode step over a paged KV
+cache (src/qkv/kernels/_paged.c). Optional: where they cannot build, qkv installs without them and
 runs its PyTorch paths (docs/kernels.md#the-native-kernel, docs/ragged.md), and says so
 when it first needs them: pip shows a build's output only with -v, so the build records what
 failed in qkv/kernels/_built.py.
 QKV_BUILD_NATIVE=0 builds none of them (a pure-Python install, what CI tests as the
 fallback). A compiler without OpenMP builds them single-threaded, with a warning
-(QKV_OPENMP=0 asks for that build).
+(QKV_OPENMP=0 asks for that build). On ARM64, where the compiler takes SVE with
+fixed-length vectors, the SVE steps are built too (sve_flags).
 Everything else is in pyproject.toml."""
 
 import os
@@ -47,6 +48,39 @@ def openmp_flags() -> list[str]:
     return ["-fopenmp"]
 
 
+#: a unit compiled as the SVE steps are (src/qkv/kernels/tiled/_step_sve.c): SVE switched on
+#: for the file alone, vectors of a fixed 256 bits
+SVE_PROBE = """#ifndef __aarch64__
+#error "not ARM64"
+#endif
+#pragma GCC target("arch=armv8.2-a+sve")
+#include <arm_sve.h>
+typedef svfloat32_t v8 __attribute__((arm_sve_vector_bits(256)));
+typedef struct { v8 lo, hi; } pair;
+pair twice(pair x) { return (pair){svadd_f32_x(svptrue_b32(), x.lo, x.lo), x.hi}; }
+"""
+
+
+def sve_flags() -> tuple[list[str], list[tuple[str, str]]]:
+    """The flags and macro that build the SVE steps (-msve-vector-bits=256 and QKV_SVE)
+    where the C compiler targets ARM64 and compiles SVE_PROBE with them (GCC; clang takes
+    neither the pragma nor, on macOS, SVE at all); else none, and ARM64 runs NEON."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    flags = ["-msve-vector-bits=256"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "sve.c")
+        with open(src, "w") as f:
+            f.write(SVE_PROBE)
+        try:
+            done = subprocess.run(
+                [*cc.split(), *flags, "-Werror", "-c", src, "-o", os.path.join(tmp, "sve.o")],
+                capture_output=True,
+            )
+        except OSError:
+            return [], []
+    return (flags, [("QKV_SVE", "1")]) if done.returncode == 0 else ([], [])
+
+
 class BuildExt(build_ext):
     """setuptools' build_ext, which also writes ``qkv/kernels/_built.py`` beside the kernels:
     each one that failed to build and the error, read by ``qkv.kernels.built`` to warn at run
@@ -78,6 +112,7 @@ class BuildExt(build_ext):
 
 
 OPENMP = openmp_flags() if NATIVE else []
+SVE, SVE_MACROS = sve_flags() if NATIVE else ([], [])
 
 setup(
     cmdclass={"build_ext": BuildExt},
@@ -93,6 +128,8 @@ setup(
                     "_step256_rows2",
                     "_step128",
                     "_step128_rows2",
+                    "_step_sve",
+                    "_step_sve_rows2",
                 )
             ],
             depends=[
@@ -102,15 +139,23 @@ setup(
                 "src/qkv/kernels/_lanes.h",
                 *(f"src/qkv/kernels/tiled/{h}.h" for h in ("_kernel", "_simd", "_bf16", "_step")),
             ],
-            extra_compile_args=["-O3", *OPENMP],
+            extra_compile_args=["-O3", *OPENMP, *SVE],
             extra_link_args=OPENMP,
+            define_macros=SVE_MACROS,
             optional=True,
         ),
         Extension(
             "qkv.kernels._paged",
             [
                 f"src/qkv/kernels/{name}.c"
-                for name in ("_paged", "_paged512", "_paged512_dots", "_paged256", "_paged128")
+                for name in (
+                    "_paged",
+                    "_paged512",
+                    "_paged512_dots",
+                    "_paged256",
+                    "_paged128",
+                    "_paged_sve",
+                )
             ],
             depends=[
                 *(
@@ -119,8 +164,9 @@ setup(
                 ),
                 "src/qkv/kernels/tiled/_simd.h",
             ],
-            extra_compile_args=["-O3", *OPENMP],
+            extra_compile_args=["-O3", *OPENMP, *SVE],
             extra_link_args=OPENMP,
+            define_macros=SVE_MACROS,
             optional=True,
         ),
     ]

@@ -574,10 +574,11 @@ def test_a_modification_the_native_kernel_cannot_run_takes_the_loop(monkeypatch,
     assert not seen and slopes.grad is not None and slopes.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("isa", ["", "avx2"])
+@pytest.mark.parametrize("isa", ["", "avx2", "neon"])
 def test_the_dispatch_names_the_step_that_runs(isa, tune):
     """``qkv.dispatch`` says which instruction set's step runs float32, and pinning it to
-    AVX2 (``QKV_NATIVE_ISA=avx2`` / ``use_isa``) changes what it says and what runs."""
+    AVX2 (``QKV_NATIVE_ISA=avx2`` / ``use_isa``; NEON on a CPU with SVE) changes what it
+    says and what runs."""
     if isa and isa not in native.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
     tune(native_probe=False)

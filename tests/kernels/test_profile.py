@@ -164,15 +164,22 @@ def test_every_process_on_the_machine_names_the_same_path(tmp_path):
     assert (tmp_path / "cache" / profile.FILE).exists()
 
 
-def test_a_bad_isa_pin_is_an_error_when_the_kernel_is_first_asked_for():
-    env = {**os.environ, "QKV_NATIVE_ISA": "avx9000"}
+@pytest.mark.parametrize("name", ["avx9000", "other"], ids=["unknown", "other-architecture"])
+def test_a_bad_isa_pin_is_an_error_when_the_kernel_is_first_asked_for(name):
+    """A name qkv does not know, and one it knows that this CPU cannot run (the other
+    architecture's narrower step: NEON's on x86-64, AVX2's on ARM64), each an error naming
+    the variable at the first call."""
+    if name == "other":
+        name = "neon" if os.uname().machine == "x86_64" else "avx2"
+    env = {**os.environ, "QKV_NATIVE_ISA": name}
     code = "import qkv.kernels.tiled.native as n; print('imported'); n.available()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert "imported" in done.stdout  # no environment read at import
     if native._native is not None:
-        assert done.returncode != 0 and "QKV_NATIVE_ISA='avx9000'" in done.stderr
+        assert done.returncode != 0 and f"QKV_NATIVE_ISA={name!r}" in done.stderr
+        assert "lacks" in done.stderr or "pins float32" in done.stderr
 
 
 @needs_native

@@ -7,7 +7,8 @@ Python in between:
 
 - in the default run, for the steps of this machine's CPU (x86-64: AVX-512 and AVX2);
 - ``-m aarch64``: cross-compiled for ARM64 with Debian's aarch64 gcc and run under
-  qemu-user (the NEON steps), and both extensions compiled for ARM64;
+  qemu-user (the NEON steps, and the SVE steps on a CPU with 256-bit SVE vectors), and both
+  extensions compiled for ARM64;
 - ``-m toolchains``: the extensions built with clang, and without OpenMP (single-threaded),
   each imported and checked against the default build.
 
@@ -36,16 +37,26 @@ TESTS = {
             512: ["tiled/_step512.c"],
             256: ["tiled/_step256.c", "tiled/_step256_rows2.c"],
             128: ["tiled/_step128.c", "tiled/_step128_rows2.c"],
+            257: ["tiled/_step_sve.c", "tiled/_step_sve_rows2.c"],
         },
         48,
         12,
     ),
     "test_paged": (
-        {512: ["_paged512.c", "_paged512_dots.c"], 256: ["_paged256.c"], 128: ["_paged128.c"]},
+        {
+            512: ["_paged512.c", "_paged512_dots.c"],
+            256: ["_paged256.c"],
+            128: ["_paged128.c"],
+            257: ["_paged_sve.c"],
+        },
         80,
         80,
     ),
 }
+
+
+#: what setup.py's sve_flags gives GCC for ARM64: the SVE steps built (257 above)
+SVE = ["-msve-vector-bits=256", "-DQKV_SVE=1"]
 
 
 def install(package: str) -> None:
@@ -103,37 +114,49 @@ def test_the_steps_of_this_cpu_match_float64(test, tmp_path):
 
 @pytest.mark.aarch64
 @pytest.mark.parametrize("test", list(TESTS))
-@pytest.mark.parametrize("cpu", ["max", "cortex-a72"], ids=["bf16", "no-bf16"])
-def test_the_neon_steps_match_float64_under_qemu(test, cpu, tmp_path):
-    """The tiled step and the paged decode step for ARM64 NEON, run under qemu-user: on
-    qemu's fullest CPU, which has BFDOT (bfloat16 runs in its dot products too), and on a
-    Cortex-A72, which has not (the step must not use them there: it would die of SIGILL)."""
+@pytest.mark.parametrize(
+    "cpu",
+    ["max,sve256=on", "max,sve128=on", "cortex-a72"],
+    ids=["sve256-bf16", "sve128-bf16", "neon-only"],
+)
+def test_the_arm64_steps_match_float64_under_qemu(test, cpu, tmp_path):
+    """The tiled step and the paged decode step for ARM64, built as setup.py builds them
+    with GCC (NEON and SVE), run under qemu-user: on qemu's fullest CPU with 256-bit SVE
+    vectors (the SVE steps run beside NEON's, bfloat16 in both one's BFDOT), with 128-bit
+    ones (the SVE steps are for 256 bits: NEON's alone run), and on a Cortex-A72, which has
+    neither SVE nor BFDOT (the steps must not use them there: they would die of SIGILL)."""
     gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     qemu = tool("qemu-aarch64", "qemu-user")
-    exe = built(gcc, test, (128,), tmp_path / f"{test}_arm64", "-static")
-    steps = len(TESTS[test][0][128])
-    dot_steps = steps if cpu == "max" and test == "test_step" else 0  # (no paged item of them)
+    exe = built(gcc, test, (128, 257), tmp_path / f"{test}_arm64", "-static", *SVE)
+    sve = "sve256" in cpu
+    steps = len(TESTS[test][0][128]) + sve * len(TESTS[test][0][257])
+    dot_steps = steps if cpu != "cortex-a72" and test == "test_step" else 0  # (no paged item)
     out = run_c_test([qemu, "-cpu", cpu, str(exe)], test, steps, dot_steps)
     assert "neon" in out
+    assert (" sve" in out) == sve
 
 
 @pytest.mark.aarch64
-@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "single-threaded"])
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp-sve", "single-threaded-neon"])
 def test_both_extensions_compile_for_arm64(openmp, tmp_path):
     """The modules themselves (Python's headers are the same on both 64-bit targets),
-    compiled with every warning as an error, with and without OpenMP."""
+    compiled with every warning as an error: with OpenMP and the SVE steps, and without
+    either (what a compiler that has neither builds: NEON alone, one thread)."""
     gcc = tool("aarch64-linux-gnu-gcc", "gcc-aarch64-linux-gnu")
     include = sysconfig.get_paths()["include"]
     sources = [
         TILED / "_native.c",
         TILED / "_step128.c",
         TILED / "_step128_rows2.c",
+        TILED / "_step_sve.c",
+        TILED / "_step_sve_rows2.c",
         KERNELS / "_paged.c",
         KERNELS / "_paged128.c",
+        KERNELS / "_paged_sve.c",
     ]
     for source in sources:
         cmd = [gcc, "-O2", "-Wall", "-Werror", "-fPIC", f"-I{include}", "-c", str(source)]
-        cmd += ["-fopenmp"] if openmp else ["-Wno-unknown-pragmas"]
+        cmd += ["-fopenmp", *SVE] if openmp else ["-Wno-unknown-pragmas"]
         done = subprocess.run(
             [*cmd, "-o", str(tmp_path / f"{source.stem}.o")], capture_output=True, text=True
         )

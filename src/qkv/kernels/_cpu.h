@@ -30,12 +30,31 @@ static inline int qkv_cpu_avx2(void) {
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+#include <sys/prctl.h>
 
 /* BFDOT and the other bfloat16 instructions of FEAT_BF16 (HWCAP2_BF16, bit 14; named here
    for C libraries whose headers predate it). */
 static inline int qkv_cpu_bf16(void) { return (getauxval(AT_HWCAP2) >> 14) & 1; }
+
+/* SVE with 256-bit vectors, what the SVE step is compiled for (HWCAP_SVE, bit 22; then
+   the vector length, in bytes, the process runs with: PR_SVE_GET_VL, 51). Asked at run
+   time, never of the compiler: in a unit compiled for fixed 256-bit vectors, svcntb() is
+   the constant 32. Asked once (a system call), every thread with the same answer. */
+static inline int qkv_cpu_sve256(void) {
+    static int found = -1;
+    if (found < 0) {
+        const int vl = (getauxval(AT_HWCAP) >> 22) & 1 ? prctl(51, 0, 0, 0, 0) : -1;
+        found = vl >= 0 && (vl & 0xffff) == 32;
+    }
+    return found;
+}
+
+/* SVE's BFDOT (HWCAP2_SVEBF16, bit 12). */
+static inline int qkv_cpu_sve_bf16(void) { return (getauxval(AT_HWCAP2) >> 12) & 1; }
 #elif defined(__aarch64__)
 static inline int qkv_cpu_bf16(void) { return 0; } /* not asked: the widened path runs */
+static inline int qkv_cpu_sve256(void) { return 0; }
+static inline int qkv_cpu_sve_bf16(void) { return 0; }
 #endif
 
 #endif

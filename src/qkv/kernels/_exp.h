@@ -1,7 +1,8 @@
-/* e^x for 16 float32 lanes (AVX-512F), for 8 (AVX2 + FMA) and for 4 (ARM64 NEON), shared
-   by qkv's native kernels (_paged.c, tiled/_step.h): x = n·ln2 + r with ln2 in two parts
-   (Cody-Waite, so r stays exact for large |x|), e^r by its degree-7 Taylor polynomial
-   (|r| <= ln2/2: error under float32's rounding), scaled by 2^n. NaN stays NaN. */
+/* e^x for 16 float32 lanes (AVX-512F), for 8 (AVX2 + FMA), for 4 (ARM64 NEON) and for an
+   SVE vector's, shared by qkv's native kernels (_paged.c, tiled/_step.h): x = n·ln2 + r
+   with ln2 in two parts (Cody-Waite, so r stays exact for large |x|), e^r by its degree-7
+   Taylor polynomial (|r| <= ln2/2: error under float32's rounding), scaled by 2^n. NaN
+   stays NaN. */
 #ifndef QKV_EXP_H
 #define QKV_EXP_H
 #if defined(__x86_64__)
@@ -64,5 +65,29 @@ static inline __attribute__((always_inline)) float32x4_t qkv_exp4(float32x4_t x)
     int32x4_t two_n = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(two_n));
 }
+
+#ifdef __ARM_FEATURE_SVE /* (a translation unit compiled for SVE: tiled/_simd.h's) */
+#include <arm_sve.h>
+
+/* As qkv_exp4, over one SVE vector of any length. */
+static inline __attribute__((always_inline)) svfloat32_t qkv_exp_sve(svfloat32_t x) {
+    const svbool_t all = svptrue_b32();
+    x = svmax_n_f32_x(all, x, -88.0f);
+    const svfloat32_t n = svrintn_f32_x(all, svmul_n_f32_x(all, x, 1.44269504088896341f));
+    svfloat32_t r = svmls_n_f32_x(all, x, n, 0.693145751953125f); /* x - n · ln2's parts */
+    r = svmls_n_f32_x(all, r, n, 1.428606765330187045e-06f);
+    svfloat32_t p = svdup_n_f32(1.0f / 5040);
+    p = svmad_n_f32_x(all, p, r, 1.0f / 720); /* p · r + c */
+    p = svmad_n_f32_x(all, p, r, 1.0f / 120);
+    p = svmad_n_f32_x(all, p, r, 1.0f / 24);
+    p = svmad_n_f32_x(all, p, r, 1.0f / 6);
+    p = svmad_n_f32_x(all, p, r, 0.5f);
+    p = svmad_n_f32_x(all, p, r, 1.0f);
+    p = svmad_n_f32_x(all, p, r, 1.0f);
+    const svint32_t two_n =
+        svlsl_n_s32_x(all, svadd_n_s32_x(all, svcvt_s32_f32_x(all, n), 127), 23);
+    return svmul_f32_x(all, p, svreinterpret_f32_s32(two_n));
+}
+#endif
 #endif
 #endif

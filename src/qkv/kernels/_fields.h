@@ -26,18 +26,27 @@ static int parse_fields(PyObject *fields, const char *what, const char *format, 
     return ok;
 }
 
-/* use_isa(name)'s one argument, which every kernel module takes: "avx2" (1: run the AVX2
-   code where the CPU has AVX-512 too) or "" (0: the CPU's choice); -1 with a Python error
-   set for anything else. */
+/* The instruction sets a kernel can be pinned to where the CPU has a wider one too. */
+enum { PIN_NONE = 0, PIN_AVX2 = 1, PIN_NEON = 2 };
+
+/* use_isa(name)'s one argument, which every kernel module takes: "avx2" (PIN_AVX2: run the
+   AVX2 code where the CPU has AVX-512 too), "neon" (PIN_NEON: the NEON code where it has
+   SVE) or "" (PIN_NONE: the CPU's choice); -1 with a Python error set for anything else.
+   A pin to the other architecture's set changes nothing (isa() then names another). */
 static int pin_named(PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return -1;
-    if (strcmp(name, "") != 0 && strcmp(name, "avx2") != 0) {
-        PyErr_Format(PyExc_ValueError, "use_isa: \"avx2\" or \"\" (the CPU's choice), not %R",
-                     PyTuple_GET_ITEM(args, 0));
-        return -1;
-    }
-    return name[0] != 0;
+    if (!strcmp(name, "")) return PIN_NONE;
+    if (!strcmp(name, "avx2")) return PIN_AVX2;
+    if (!strcmp(name, "neon")) return PIN_NEON;
+    PyErr_Format(PyExc_ValueError, "use_isa: \"avx2\", \"neon\" or \"\" (the CPU's choice), not %R",
+                 PyTuple_GET_ITEM(args, 0));
+    return -1;
+}
+
+/* The name pin_named took for pin. */
+static const char *pin_name(int pin) {
+    return pin == PIN_AVX2 ? "avx2" : pin == PIN_NEON ? "neon" : "";
 }
 
 #endif

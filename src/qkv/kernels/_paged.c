@@ -107,15 +107,19 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
 }
 
 /* The vector item this CPU runs (NULL: the plain C one): AVX-512, else AVX2 + FMA + F16C
-   (also where pinned: use_isa), on x86-64; NEON on ARM64. */
-static int pinned_avx2 = 0;
+   (also where pinned: use_isa), on x86-64; on ARM64 SVE where its vectors are 256 bits
+   and the SVE item is built (not where pinned to NEON), else NEON. */
+static int pinned = PIN_NONE;
 
 static const Item *vector_items(void) {
 #if defined(QKV_X86)
-    if (qkv_cpu_avx512() && !pinned_avx2) return qkv_paged_avx512;
+    if (qkv_cpu_avx512() && pinned != PIN_AVX2) return qkv_paged_avx512;
     if (qkv_cpu_avx2()) return qkv_paged_avx2;
     return NULL;
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef QKV_SVE
+    if (qkv_cpu_sve256() && pinned != PIN_NEON) return qkv_paged_sve;
+#endif
     return qkv_paged_neon;
 #else
     return NULL;
@@ -137,24 +141,25 @@ static int dots_here(void) {
 
 static PyObject *dots(PyObject *self, PyObject *args) { return PyBool_FromLong(dots_here()); }
 
-/* Pins the vector item to AVX2 ("avx2") where the CPU has AVX-512 too, or lets the CPU
-   choose (""); returns the setting before. */
+/* Pins the vector item to AVX2 ("avx2") where the CPU has AVX-512 too, to NEON ("neon")
+   where it has SVE, or lets the CPU choose (""); returns the setting before. */
 static PyObject *use_isa(PyObject *self, PyObject *args) {
-    int avx2 = pin_named(args);
-    if (avx2 < 0) return NULL;
-    PyObject *before = PyUnicode_FromString(pinned_avx2 ? "avx2" : "");
-    pinned_avx2 = avx2;
+    int pin = pin_named(args);
+    if (pin < 0) return NULL;
+    PyObject *before = PyUnicode_FromString(pin_name(pinned));
+    pinned = pin;
     return before;
 }
 
-/* The instruction set of the vector item this CPU runs: "avx512", "avx2", "neon" or "". */
+/* The instruction set of the vector item this CPU runs: "avx512", "avx2", "sve", "neon" or
+   "". */
 static PyObject *isa(PyObject *self, PyObject *args) {
     const Item *items = vector_items();
     const char *name = "";
 #if defined(QKV_X86)
     name = items == qkv_paged_avx512 ? "avx512" : items == qkv_paged_avx2 ? "avx2" : "";
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
-    name = items ? "neon" : "";
+    name = items == qkv_paged_neon ? "neon" : items ? "sve" : "";
 #endif
     return PyUnicode_FromString(name);
 }
@@ -255,9 +260,10 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
 static PyMethodDef methods[] = {
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa(name): \"avx2\" runs the AVX2 item where the CPU has AVX-512 too (to test and "
-     "measure it); \"\" lets the CPU choose. Returns the setting before."},
+     "measure it), \"neon\" the NEON item where it has SVE; \"\" lets the CPU choose. "
+     "Returns the setting before."},
     {"isa", isa, METH_NOARGS,
-     "isa(): the vector item this CPU runs (\"avx512\", \"avx2\", \"neon\"; \"\": plain C "
+     "isa(): the vector item this CPU runs (\"avx512\", \"avx2\", \"sve\", \"neon\"; \"\": plain C "
      "only)."},
     {"dots", dots, METH_NOARGS,
      "dots(): whether bfloat16 queries are scored with bfloat16 dot products here "

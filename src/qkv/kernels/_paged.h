@@ -140,6 +140,9 @@ extern const Item qkv_paged_avx512_dots[4]; /* bfloat16 queries, with AVX512-BF1
 #elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC visibility push(hidden)
 extern const Item qkv_paged_neon[4];
+#ifdef QKV_SVE
+extern const Item qkv_paged_sve[4]; /* SVE with 256-bit vectors (_paged_sve.c) */
+#endif
 #pragma GCC visibility pop
 #endif
 #endif

@@ -58,11 +58,12 @@ def dots() -> bool:
 
 def isas() -> tuple[str, ...]:
     """The vector code this CPU can run: ("avx512", "avx2") on one with AVX-512 (AVX2 only
-    when pinned, :func:`use_isa`), ("avx2",), ("neon",), or none."""
+    when pinned, :func:`use_isa`), ("avx2",); on ARM64 ("sve", "neon") where SVE's vectors
+    are 256 bits and the SVE item is built (NEON only when pinned), ("neon",); or none."""
     if _paged is None:
         return ()
     found = []
-    for name in ("", "avx2"):
+    for name in ("", "avx2", "neon"):
         with use_isa(name):
             found.append(isa())
     return tuple(n for n in dict.fromkeys(found) if n)
@@ -71,8 +72,9 @@ def isas() -> tuple[str, ...]:
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
     """Within the block, the kernel runs its AVX2 code ("avx2") even where the CPU has
-    AVX-512, or the CPU's choice (""): to test and measure it on any machine. Process-wide,
-    as ``QKV_NATIVE_ISA=avx2`` is from the first call."""
+    AVX-512, its NEON code ("neon") where the CPU has SVE, or the CPU's choice (""): to
+    test and measure it on any machine. Process-wide, as ``QKV_NATIVE_ISA`` is from the
+    first call."""
     if _paged is None:
         raise RuntimeError("use_isa: the native paged kernel is not built")
     _pin_from_environment()
@@ -85,10 +87,11 @@ def use_isa(name: str) -> Iterator[None]:
 
 @functools.cache
 def _pin_from_environment() -> None:
-    """``QKV_NATIVE_ISA=avx2`` pins the kernel to its AVX2 code, read at the first call
-    (the tiled kernel reads it too, and names a wrong value)."""
-    if _paged is not None and os.environ.get("QKV_NATIVE_ISA") == "avx2":
-        _paged.use_isa("avx2")
+    """``QKV_NATIVE_ISA=avx2`` (or ``neon``) pins the kernel to its AVX2 (NEON) code, read
+    at the first call (the tiled kernel reads it too, and names a wrong value)."""
+    name = os.environ.get("QKV_NATIVE_ISA")
+    if _paged is not None and name in ("avx2", "neon"):
+        _paged.use_isa(name)
 
 
 #: How the kernel is told the pages' storage (its kv_storage field).

@@ -4,13 +4,15 @@
    with a scale per row), GQA, a sequence with no token, float32 and bfloat16 queries, for
    every vector item this machine runs (x86-64: AVX-512 and AVX2 where the CPU has them, and
    AVX-512's item that scores bfloat16 queries with bfloat16 dot products where it has
-   AVX512-BF16; ARM64: NEON, under qemu-user in tests/kernels/test_toolchains.py). Prints a line per
+   AVX512-BF16; ARM64: NEON, and SVE where its vectors are 256 bits, under qemu-user in
+   tests/kernels/test_toolchains.py). Prints a line per
    case and exits 1 if any is out of tolerance. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../../src/qkv/kernels/_cpu.h"
 #include "../../../src/qkv/kernels/_paged.h"
 
 static uint64_t state = 2463534242ull;
@@ -166,6 +168,9 @@ int main(void) {
         names[n] = "avx2", items[n++] = qkv_paged_avx2;
 #elif defined(__aarch64__)
     names[n] = "neon", items[n++] = qkv_paged_neon;
+#ifdef QKV_SVE
+    if (qkv_cpu_sve256()) names[n] = "sve", items[n++] = qkv_paged_sve;
+#endif
 #endif
     /* G = 2, 2, 1; 5 (a block of 4 heads and one more, 64 + 16 value columns) and 8 (two
        blocks; float8 keys widened into a page first where a block holds fewer heads); each

@@ -312,6 +312,20 @@ int main(void) {
     steps[n++] =
         (Step){"neon/2",          ISA_NEON, qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2,
                qkv_row_dots_neon, bfdot};
+#ifdef QKV_SVE
+    if (qkv_cpu_sve256()) { /* SVE with 256-bit vectors: its step too, both blockings */
+#ifdef QKV_NEON_BF16
+        const int svdot = qkv_cpu_sve_bf16();
+#else
+        const int svdot = 0;
+#endif
+        steps[n++] = (Step){
+            "sve", ISA_SVE, qkv_forward_item_sve, qkv_key_block_sve, qkv_row_dots_sve, svdot};
+        steps[n++] =
+            (Step){"sve/2",          ISA_SVE, qkv_forward_item_sve_rows2, qkv_key_block_sve_rows2,
+                   qkv_row_dots_sve, svdot};
+    }
+#endif
 #endif
     if (!n) {
         printf("FAIL no step runs on this CPU\n");

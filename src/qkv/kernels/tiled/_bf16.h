@@ -23,9 +23,10 @@ TARGET_BF16 static inline vf split(vf p0, vf p1, bf16 *hi, bf16 *lo) {
 /* S[i][jb..jb+32) = (q_i · k_n) · scale for MR rows (pad32(D) apart; D even) and the 32
    keys of one packed block kb (bfloat16 pairs), BF_DOT_ROWS rows at a time. (The sums stay
    in local registers until the end: a vector may alias anything, so sums kept in *S would
-   be stored and reloaded at every step.) */
+   be stored and reloaded at every step. S is declared as the pointer it is: GCC 12 would
+   not inline SVE's vector functions into this one with S declared as an array.) */
 TARGET_BF16 static void dots_bf16(int64_t D, const bf16 *qt, const bf16 *kb, int64_t jb, vf scale,
-                                  float S[MR][KT]) {
+                                  float (*S)[KT]) {
     const int64_t qs = pad32(D);
     for (int i0 = 0; i0 < MR; i0 += BF_DOT_ROWS) {
         vf acc[BF_DOT_ROWS][2];

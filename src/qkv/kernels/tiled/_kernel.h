@@ -29,9 +29,11 @@
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
 #define KB 64     /* keys per backward work item */
 
-/* The vector instruction sets the step is compiled for; float32 runs on any, bfloat16 dot
-   products on AVX-512 with AVX512-BF16 and on NEON with BFDOT. */
-enum { ISA_NONE = 0, ISA_NEON = 128, ISA_AVX2 = 256, ISA_AVX512 = 512 };
+/* The vector instruction sets the step is compiled for (by their vectors' bits; SVE's 256
+   as 257, apart from AVX2's); float32 runs on any, bfloat16 dot products on AVX-512 with
+   AVX512-BF16 and on NEON and SVE with BFDOT. SVE is built where setup.py found the
+   compiler takes it (QKV_SVE: _step_sve.c). */
+enum { ISA_NONE = 0, ISA_NEON = 128, ISA_AVX2 = 256, ISA_SVE = 257, ISA_AVX512 = 512 };
 
 /* What a call's Q, K, V and dO hold (SRC_*), bf16 and lanemask: ../_lanes.h. */
 
@@ -63,8 +65,8 @@ typedef struct {
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
     int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
-    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2 or ISA_NEON */
-    int rows;            /* AVX2, NEON: its register blocking, 3 or 2 query rows at a time */
+    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
+    int rows;            /* AVX2, NEON, SVE: its register blocking, 3 or 2 rows at a time */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
@@ -188,6 +190,15 @@ void qkv_forward_item_neon_rows2(const Job *j, int64_t it);
 void qkv_row_dots_neon(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
 void qkv_key_block_neon_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                               float *dK, float *dV, void *scratch);
+#ifdef QKV_SVE
+void qkv_forward_item_sve(const Job *j, int64_t it);
+void qkv_key_block_sve(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                       float *dV, void *scratch);
+void qkv_forward_item_sve_rows2(const Job *j, int64_t it);
+void qkv_row_dots_sve(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
+void qkv_key_block_sve_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
+                             float *dV, void *scratch);
+#endif
 #pragma GCC visibility pop
 #endif
 #endif

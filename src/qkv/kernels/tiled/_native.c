@@ -24,8 +24,8 @@
    and Python falls back to torch's flash kernel where the CPU lacks the instructions.
    QKV_NATIVE_ISA=avx2 in the environment (or `use_isa("avx2")`) runs the kernel as on an
    AVX2-only CPU (float32 on the AVX2 step, no bfloat16 dot products) on a CPU with AVX-512
-   too: to test and measure it. Without OpenMP (a compiler that lacks it) every pass runs in
-   one thread (`openmp()` says which).
+   too: to test and measure it; QKV_NATIVE_ISA=neon runs the NEON step on a CPU with SVE. Without
+   OpenMP (a compiler that lacks it) every pass runs in one thread (`openmp()` says which).
 
    Layout. q: (B, H, G, R, D) with element strides qs[0..3], D contiguous. In the forward
    K and V come packed once per pass (qkv/kernels/native.py; the backward packs each work
@@ -79,8 +79,32 @@ static void forward_item(const Job *j, int64_t it) {
     else if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
     else qkv_forward_item_avx512(j, it);
 #else
+#ifdef QKV_SVE
+    if (j->isa == ISA_SVE) {
+        if (j->rows == 2) qkv_forward_item_sve_rows2(j, it);
+        else qkv_forward_item_sve(j, it);
+        return;
+    }
+#endif
     if (j->rows == 2) qkv_forward_item_neon_rows2(j, it);
     else qkv_forward_item_neon(j, it);
+#endif
+}
+
+/* rowsum(a ∘ b) (row_dots) on the instruction set isa's step. */
+static void step_row_dots(int isa, const void *a, const void *b, int64_t n, int64_t D, int src,
+                          float *out) {
+#ifdef QKV_X86
+    if (isa == ISA_AVX2) qkv_row_dots_avx2(a, b, n, D, src, out);
+    else qkv_row_dots_avx512(a, b, n, D, src, out);
+#else
+#ifdef QKV_SVE
+    if (isa == ISA_SVE) {
+        qkv_row_dots_sve(a, b, n, D, src, out);
+        return;
+    }
+#endif
+    qkv_row_dots_neon(a, b, n, D, src, out);
 #endif
 }
 
@@ -92,6 +116,13 @@ static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *d
     else if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
     else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
 #else
+#ifdef QKV_SVE
+    if (bj->f.isa == ISA_SVE) {
+        if (bj->f.rows == 2) qkv_key_block_sve_rows2(bj, b, h, n0, dq, dK, dV, scratch);
+        else qkv_key_block_sve(bj, b, h, n0, dq, dK, dV, scratch);
+        return;
+    }
+#endif
     if (bj->f.rows == 2) qkv_key_block_neon_rows2(bj, b, h, n0, dq, dK, dV, scratch);
     else qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
 #endif
@@ -294,29 +325,44 @@ static PyObject *finite_py(PyObject *self, PyObject *args, PyObject *kwargs) {
 
 /* The instruction set this CPU runs the step on in float32 (f32; half-precision inputs
    widened) or in bfloat16 dot products: AVX-512 (F/BW/DQ/VL; bfloat16 needs AVX512-BF16
-   too), else, for float32, AVX2 + FMA + F16C; on ARM64, NEON (bfloat16 needs BFDOT);
-   ISA_NONE if none. `pinned` (use_isa;
-   QKV_NATIVE_ISA at import) runs the CPU as an AVX2-only one would: float32 on AVX2, no
-   bfloat16 dot products. */
-static int pinned = ISA_NONE;
+   too), else, for float32, AVX2 + FMA + F16C; on ARM64, SVE where its vectors are 256 bits
+   and the SVE step is built, else NEON (every ARM64 CPU; bfloat16 needs BFDOT, SVE's or
+   NEON's); ISA_NONE if none. `pinned` (use_isa; QKV_NATIVE_ISA at the first call) runs
+   the CPU as one without the wider set would: PIN_AVX2, float32 on AVX2 and no bfloat16 dot
+   products; PIN_NEON, the NEON step where the CPU has SVE. */
+static int pinned = PIN_NONE;
 
 static int cpu_isa(int f32) {
 #ifdef QKV_X86
     int avx512 = qkv_cpu_avx512(), avx2 = qkv_cpu_avx2();
-    if (!f32) return qkv_cpu_bf16() && pinned != ISA_AVX2 ? ISA_AVX512 : ISA_NONE;
-    if (avx2 && (pinned == ISA_AVX2 || !avx512)) return ISA_AVX2;
+    if (!f32) return qkv_cpu_bf16() && pinned != PIN_AVX2 ? ISA_AVX512 : ISA_NONE;
+    if (avx2 && (pinned == PIN_AVX2 || !avx512)) return ISA_AVX2;
     return avx512 ? ISA_AVX512 : ISA_NONE;
-#elif defined(QKV_NEON_BF16)
-    return f32 || qkv_cpu_bf16() ? ISA_NEON : ISA_NONE; /* NEON: every ARM64 CPU */
 #elif defined(QKV_ARM)
+#ifdef QKV_SVE
+    if (pinned != PIN_NEON && qkv_cpu_sve256()) {
+        if (f32) return ISA_SVE;
+#ifdef QKV_NEON_BF16
+        if (qkv_cpu_sve_bf16()) return ISA_SVE;
+#endif
+    }
+#endif
+#ifdef QKV_NEON_BF16
+    return f32 || qkv_cpu_bf16() ? ISA_NEON : ISA_NONE;
+#else
     return f32 ? ISA_NEON : ISA_NONE;
+#endif
 #else
     return ISA_NONE;
 #endif
 }
 
 static const char *isa_name(int isa) {
-    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : isa == ISA_NEON ? "neon" : "";
+    return isa == ISA_AVX512 ? "avx512"
+           : isa == ISA_AVX2 ? "avx2"
+           : isa == ISA_SVE  ? "sve"
+           : isa == ISA_NEON ? "neon"
+                             : "";
 }
 
 static PyObject *available(PyObject *self, PyObject *args) {
@@ -355,13 +401,7 @@ static PyObject *row_dots(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     const void *x = (const void *)(uintptr_t)a, *y = (const void *)(uintptr_t)b;
     float *o = (float *)(uintptr_t)out;
-    Py_BEGIN_ALLOW_THREADS
-#ifdef QKV_X86
-        if (isa == ISA_AVX2) qkv_row_dots_avx2(x, y, n, D, src, o);
-    else qkv_row_dots_avx512(x, y, n, D, src, o);
-#else
-        qkv_row_dots_neon(x, y, n, D, src, o);
-#endif
+    Py_BEGIN_ALLOW_THREADS step_row_dots(isa, x, y, n, D, src, o);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 #else
     PyErr_SetString(PyExc_RuntimeError, "row_dots: no step is built for this CPU");
@@ -380,17 +420,17 @@ static PyObject *openmp(PyObject *self, PyObject *args) {
 
 /* Pins float32 to AVX2 ("avx2") or lets the CPU choose (""); returns the pin before. */
 static PyObject *use_isa(PyObject *self, PyObject *args) {
-    int avx2 = pin_named(args);
-    if (avx2 < 0) return NULL;
-    PyObject *before = PyUnicode_FromString(isa_name(pinned));
-    pinned = avx2 ? ISA_AVX2 : ISA_NONE;
+    int pin = pin_named(args);
+    if (pin < 0) return NULL;
+    PyObject *before = PyUnicode_FromString(pin_name(pinned));
+    pinned = pin;
     return before;
 }
 
-/* The AVX2 and NEON steps' register blocking (use_rows): 3 or 2 query rows at a time. */
+/* The AVX2, NEON and SVE steps' register blocking (use_rows): 3 or 2 query rows at a time. */
 static int step_rows = 3;
 
-/* Sets the AVX2 and NEON steps' rows at a time (3 or 2); returns the setting before. */
+/* Sets the AVX2, NEON and SVE steps' rows at a time (3 or 2); returns the setting before. */
 static PyObject *use_rows(PyObject *self, PyObject *args) {
     int rows;
     if (!PyArg_ParseTuple(args, "i", &rows)) return NULL;
@@ -700,15 +740,16 @@ static PyMethodDef methods[] = {
      "or NEON) or in bfloat16 dot products (AVX512-BF16, or BFDOT)."},
     {"isa", isa_py, METH_VARARGS,
      "isa(float32): the instruction set the kernel runs on in float32 or bfloat16 here: "
-     "\"avx512\", \"avx2\", \"neon\", or \"\" (none)."},
+     "\"avx512\", \"avx2\", \"sve\", \"neon\", or \"\" (none)."},
     {"openmp", openmp, METH_NOARGS,
      "openmp(): whether this build runs its passes on OpenMP threads (else in one thread)."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa(name): \"avx2\" runs the kernel as on an AVX2-only CPU where this one has "
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
-     "it); \"\" lets the CPU choose. Returns the setting before."},
+     "it); \"neon\" runs the NEON step where the CPU has SVE; \"\" lets the CPU choose. "
+     "Returns the setting before."},
     {"use_rows", use_rows, METH_VARARGS,
-     "use_rows(rows): the AVX2 and NEON steps' register blocking, 3 or 2 query rows at a "
+     "use_rows(rows): the AVX2, NEON and SVE steps' register blocking, 3 or 2 query rows at a "
      "time (the same bits either way; the machine's profile measures which is faster). "
      "Returns the setting before."},
     {"row_dots", (PyCFunction)(void (*)(void))row_dots, METH_VARARGS | METH_KEYWORDS,

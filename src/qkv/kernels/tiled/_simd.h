@@ -371,8 +371,162 @@ VB vf vbf_widen(vbf x, const int half) {
                 : vcvtq_low_f32_bf16(x.q[2 * half + e_ / 2]));
 }
 #endif
+#elif QKV_ISA == 257
+/* ARM64 SVE with 256-bit vectors (the translation unit compiled for SVE, and with
+   -msve-vector-bits=256: _step_sve.c says how), run where the CPU's vectors are 256 bits
+   (AWS Graviton3's): a vf is two of them, as AVX2's, fixed-length types so that they fit
+   in structs and arrays; a masked load is a predicated one, a masked move a select. */
+#include <arm_sve.h>
+#define TARGET
+#define VI static inline __attribute__((always_inline))
+#if STEP_ROWS == 2 /* as AVX2's: compiled with 3 rows at a time and with 2 */
+#define NAMED(x) x##_sve_rows2
 #else
-#error "QKV_ISA: 512, 256 or 128"
+#define NAMED(x) x##_sve
+#endif
+#define DOT_ROWS STEP_ROWS /* as AVX2's and NEON's (SVE has their 32 registers of 256 bits: */
+#define PV_ROWS STEP_ROWS  /* room to spare, not measured on SVE hardware) */
+#define PV_COLS 2
+#define PV_ROWS_HALF 2
+#define OUTER_KEYS 2
+
+typedef svfloat32_t sv8f __attribute__((arm_sve_vector_bits(256)));
+typedef struct {
+    sv8f lo, hi;
+} vf;
+#define ALL svptrue_b32()
+#define BOTH(f, a, b) ((vf){f(ALL, (a).lo, (b).lo), f(ALL, (a).hi, (b).hi)})
+/* Lane i's bit, 1 << i, in each of the 8 lanes. */
+VI svuint32_t lane_bits(void) { return svlsl_u32_x(ALL, svdup_n_u32(1), svindex_u32(0, 1)); }
+/* The 8 lanes of m's low byte as a predicate; a predicate's lanes as 8 bits. */
+VI svbool_t pmask(unsigned m) {
+    return svcmpne_n_u32(ALL, svand_u32_x(ALL, svdup_n_u32(m & 0xffu), lane_bits()), 0);
+}
+VI lanemask pbits(svbool_t p) { return (lanemask)svaddv_u32(p, lane_bits()); }
+VI vf vzero(void) { return (vf){svdup_n_f32(0.0f), svdup_n_f32(0.0f)}; }
+VI vf vset1(float x) { return (vf){svdup_n_f32(x), svdup_n_f32(x)}; }
+VI vf vload(const float *p) { return (vf){svld1_f32(ALL, p), svld1_f32(ALL, p + 8)}; }
+VI void vstore(float *p, vf x) { svst1_f32(ALL, p, x.lo), svst1_f32(ALL, p + 8, x.hi); }
+VI vf vadd(vf a, vf b) { return BOTH(svadd_f32_x, a, b); }
+VI vf vsub(vf a, vf b) { return BOTH(svsub_f32_x, a, b); }
+VI vf vmul(vf a, vf b) { return BOTH(svmul_f32_x, a, b); }
+VI vf vmax(vf a, vf b) { return BOTH(svmax_f32_x, a, b); }
+VI vf vmin(vf a, vf b) { return BOTH(svmin_f32_x, a, b); }
+VI vf vdiv(vf a, vf b) { return BOTH(svdiv_f32_x, a, b); }
+VI vf vfma(vf a, vf b, vf c) { /* a · b + c, fused */
+    return (vf){svmla_f32_x(ALL, c.lo, a.lo, b.lo), svmla_f32_x(ALL, c.hi, a.hi, b.hi)};
+}
+VI float vsum(vf x) { return svaddv_f32(ALL, svadd_f32_x(ALL, x.lo, x.hi)); }
+/* The four sums of a, b, c, d's lanes into out[0..3]. */
+VI void vsum4(vf a, vf b, vf c, vf d, float *out) {
+    out[0] = vsum(a), out[1] = vsum(b), out[2] = vsum(c), out[3] = vsum(d);
+}
+VI float vhmax(vf x) { return svmaxv_f32(ALL, svmax_f32_x(ALL, x.lo, x.hi)); }
+VI vf vloadz(lanemask m, const float *p) { /* (inactive lanes are not read) */
+    return (vf){svld1_f32(pmask(m), p), svld1_f32(pmask(m >> 8), p + 8)};
+}
+VI vf vblend(lanemask m, vf off, vf on) {
+    return (vf){svsel_f32(pmask(m), on.lo, off.lo), svsel_f32(pmask(m >> 8), on.hi, off.hi)};
+}
+VI lanemask vge(vf a, vf b) {
+    return pbits(svcmpge_f32(ALL, a.lo, b.lo)) | pbits(svcmpge_f32(ALL, a.hi, b.hi)) << 8;
+}
+VI lanemask vne(vf a, vf b) { /* ordered: a < b or a > b */
+    const svbool_t lo = svorr_b_z(ALL, svcmplt_f32(ALL, a.lo, b.lo), svcmpgt_f32(ALL, a.lo, b.lo));
+    const svbool_t hi = svorr_b_z(ALL, svcmplt_f32(ALL, a.hi, b.hi), svcmpgt_f32(ALL, a.hi, b.hi));
+    return pbits(lo) | pbits(hi) << 8;
+}
+VI vf vexp(vf x) { return (vf){qkv_exp_sve(x.lo), qkv_exp_sve(x.hi)}; }
+VI vf viota(void) {
+    return (vf){svcvt_f32_s32_x(ALL, svindex_s32(0, 1)), svcvt_f32_s32_x(ALL, svindex_s32(8, 1))};
+}
+/* 16 bfloat16 or float16 values from p, widened to float32: each loaded into the low half
+   of a 32-bit lane (bfloat16 then shifted into the high half; float16 converted, which
+   reads the low half). */
+VI sv8f bf16x8(const uint16_t *p) {
+    return svreinterpret_f32_u32(svlsl_n_u32_x(ALL, svld1uh_u32(ALL, p), 16));
+}
+VI sv8f f16x8(const uint16_t *p) {
+    return svcvt_f32_f16_x(ALL, svreinterpret_f16_u32(svld1uh_u32(ALL, p)));
+}
+VI vf vload_bf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
+VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
+/* 16 int8 or float8 e4m3 values (as AVX-512's: e4m3 through float16's bits) as float32. */
+VI vf vload_i8(const int8_t *p) {
+    return (vf){svcvt_f32_s32_x(ALL, svld1sb_s32(ALL, p)),
+                svcvt_f32_s32_x(ALL, svld1sb_s32(ALL, p + 8))};
+}
+VI sv8f e4m3x8(const uint8_t *p) {
+    const svint32_t h =
+        svand_n_s32_x(ALL, svlsl_n_s32_x(ALL, svld1sb_s32(ALL, (const int8_t *)p), 7),
+                      0xBFFF); /* the float16's bits, in the low half */
+    return svmul_n_f32_x(ALL, svcvt_f32_f16_x(ALL, svreinterpret_f16_s32(h)), 256.0f);
+}
+VI vf vload_e4m3(const uint8_t *p) { return (vf){e4m3x8(p), e4m3x8(p + 8)}; }
+
+/* bfloat16 dot products (SVE's BFDOT, with FEAT_BF16: asked of the CPU at run time), for
+   _bf16.h, as AVX-512's: a vbf holds 32 bfloat16 values in two vectors, the pairs a vf's
+   16 lanes sum. GCC only, as NEON's (QKV_NEON_BF16). Half the rows of AVX-512's blocking:
+   the same 32 registers, each half as wide. */
+#ifdef QKV_NEON_BF16
+#define QKV_HAS_BF16 1
+#define TARGET_BF16 __attribute__((target("+bf16")))
+#define VB static inline __attribute__((always_inline, target("+bf16")))
+#define BF_DOT_ROWS 4 /* 4 rows × 32 keys: 16 vectors of sums, 4 of keys */
+#define BF_PV_ROWS 2  /* 2 rows × 4 vectors: 16 vectors of sums, 8 of values */
+#define BF_PV_COLS 4
+typedef svbfloat16_t sv16b __attribute__((arm_sve_vector_bits(256)));
+typedef struct {
+    sv16b lo, hi;
+} vbf;
+#define ALL16 svptrue_b16()
+VB vbf vbf_load(const bf16 *p) {
+    return (vbf){svreinterpret_bf16_u16(svld1_u16(ALL16, p)),
+                 svreinterpret_bf16_u16(svld1_u16(ALL16, p + 16))};
+}
+/* The 16 bfloat16 values of the 8 pairs of m's low byte, as a predicate. */
+VB svbool_t pair_mask(unsigned m) {
+    const svuint16_t bit =
+        svlsl_u16_x(ALL16, svdup_n_u16(1), svlsr_n_u16_x(ALL16, svindex_u16(0, 1), 1));
+    return svcmpne_n_u16(ALL16, svand_u16_x(ALL16, svdup_n_u16((uint16_t)(m & 0xffu)), bit), 0);
+}
+/* The pairs of the lanes of m from p, 0 in the others (not read). */
+VB vbf vbf_loadz(lanemask m, const bf16 *p) {
+    return (vbf){svreinterpret_bf16_u16(svld1_u16(pair_mask(m), p)),
+                 svreinterpret_bf16_u16(svld1_u16(pair_mask(m >> 8), p + 16))};
+}
+VB void vbf_store(bf16 *p, vbf x) {
+    svst1_u16(ALL16, p, svreinterpret_u16_bf16(x.lo));
+    svst1_u16(ALL16, p + 16, svreinterpret_u16_bf16(x.hi));
+}
+/* The pair at p in every lane. */
+VB vbf vbf_pair(const bf16 *p) {
+    uint32_t pair;
+    memcpy(&pair, p, 4);
+    const sv16b x = svreinterpret_bf16_u32(svdup_n_u32(pair));
+    return (vbf){x, x};
+}
+/* acc + the sums of a's and b's pairs, lane by lane. */
+VB vf vdot(vf acc, vbf a, vbf b) {
+    return (vf){svbfdot_f32(acc.lo, a.lo, b.lo), svbfdot_f32(acc.hi, a.hi, b.hi)};
+}
+/* 16 float32 values rounded to bfloat16 (to nearest, ties to even), in order: each
+   conversion fills the even 16-bit halves, which UZP1 gathers. */
+VB sv16b round16(vf x) {
+    return svuzp1_bf16(svcvt_bf16_f32_x(ALL, x.lo), svcvt_bf16_f32_x(ALL, x.hi));
+}
+/* lo's lanes, then hi's, rounded to bfloat16. */
+VB vbf vbf_round(vf lo, vf hi) { return (vbf){round16(lo), round16(hi)}; }
+/* Values 16 · half .. 16 · half + 15 of x as float32: each bfloat16 zipped into the high
+   half of a 32-bit lane. */
+VB vf vbf_widen(vbf x, const int half) {
+    const svuint16_t h = svreinterpret_u16_bf16(half ? x.hi : x.lo), zero = svdup_n_u16(0);
+    return (vf){svreinterpret_f32_u16(svzip1_u16(zero, h)),
+                svreinterpret_f32_u16(svzip2_u16(zero, h))};
+}
+#endif
+#else
+#error "QKV_ISA: 512, 256, 257 (SVE) or 128"
 #endif
 
 /* The 16 values from element i of p, which holds SRC (SRC_*), as float32: widened as they
@@ -400,12 +554,18 @@ VI vf vloadz_src(lanemask m, const void *p, int64_t i, const int SRC) {
 #if QKV_ISA == 512
 VI vf exp_neg(vf x) { return vblend(vge(x, vset1(-87.0f)), vzero(), vexp(x)); }
 #elif QKV_ISA == 256
-/* (AVX2 and NEON: the comparison's lanes kept as a vector mask, which the exp is and-ed
+/* (AVX2, NEON and SVE: the comparison's lanes kept as a vector mask, which the exp is and-ed
    with, not turned into a lanemask's bits and back: 3% of the AVX2 step's causal forward) */
 VI vf exp_neg(vf x) {
     const __m256 floor = _mm256_set1_ps(-87.0f);
     return (vf){_mm256_and_ps(_mm256_cmp_ps(x.lo, floor, _CMP_GE_OQ), qkv_exp8(x.lo)),
                 _mm256_and_ps(_mm256_cmp_ps(x.hi, floor, _CMP_GE_OQ), qkv_exp8(x.hi))};
+}
+#elif QKV_ISA == 257
+VI vf exp_neg(vf x) {
+    const sv8f zero = svdup_n_f32(0.0f);
+    return (vf){svsel_f32(svcmpge_n_f32(ALL, x.lo, -87.0f), qkv_exp_sve(x.lo), zero),
+                svsel_f32(svcmpge_n_f32(ALL, x.hi, -87.0f), qkv_exp_sve(x.hi), zero)};
 }
 #else
 VI vf exp_neg(vf x) {

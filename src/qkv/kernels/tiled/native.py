@@ -35,7 +35,7 @@ except ImportError:  # not built (no C compiler at install): torch's flash kerne
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
-    AVX-512, AVX2 + FMA, or NEON; bfloat16: AVX512-BF16, not while :func:`use_isa` pins
+    AVX-512, AVX2 + FMA, SVE or NEON; bfloat16: AVX512-BF16, not while :func:`use_isa` pins
     AVX2, or BFDOT on ARM64)."""
     if _native is None:
         warn_if_failed()
@@ -46,7 +46,8 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 def isa(dtype: torch.dtype = torch.float32) -> str:
     """The instruction set the native kernel runs ``dtype`` on here: "avx512", "avx2",
-    "neon", or "" where it cannot run it (not built, another CPU, another dtype)."""
+    "sve" (256-bit vectors), "neon", or "" where it cannot run it (not built, another CPU,
+    another dtype)."""
     if _native is None or dtype not in DTYPES:
         return ""
     _pin_from_environment()
@@ -60,14 +61,16 @@ def openmp() -> bool:
 
 
 def isas() -> tuple[str, ...]:
-    """The instruction sets this CPU can run the float32 step on, of the two it is compiled
-    for: both on a CPU with AVX-512 (where AVX2 runs only when pinned, :func:`use_isa`),
-    "avx2" alone on one with AVX2 + FMA + F16C only, "neon" on ARM64, or none. (bfloat16 dot
-    products run on AVX-512 with AVX512-BF16 and on NEON with BFDOT.)"""
+    """The instruction sets this CPU can run the float32 step on, of those it is compiled
+    for: ("avx512", "avx2") on a CPU with AVX-512 (where AVX2 runs only when pinned,
+    :func:`use_isa`), "avx2" alone on one with AVX2 + FMA + F16C only; on ARM64 ("sve",
+    "neon") where SVE's vectors are 256 bits and the SVE step is built (NEON only when
+    pinned), else "neon"; or none. (bfloat16 dot products run on AVX-512 with AVX512-BF16
+    and on ARM64 with BFDOT.)"""
     if not available(torch.float32):
         return ()
     found = []
-    for name in ("", "avx2"):
+    for name in ("", "avx2", "neon"):
         with use_isa(name):
             found.append(isa())
     return tuple(dict.fromkeys(found))
@@ -77,9 +80,11 @@ def isas() -> tuple[str, ...]:
 def use_isa(name: str) -> Iterator[None]:
     """Within the block, the kernel runs as on an AVX2-only CPU (``name`` "avx2": float32 on
     the AVX2 step, half precision widened to it, no bfloat16 dot products) even where the
-    CPU has AVX-512, or on the CPU's choice (""): to test and measure the AVX2 step on any
-    machine. Process-wide (every thread's calls), as ``QKV_NATIVE_ISA=avx2`` in the
-    environment is from import. The machine's profile keys its measurements by the pin."""
+    CPU has AVX-512, as on an ARM64 CPU without SVE ("neon") where it has SVE, or on the
+    CPU's choice (""): to test and measure the narrower step on any machine. A name of the
+    other architecture changes nothing (:func:`isa` says what runs). Process-wide (every
+    thread's calls), as ``QKV_NATIVE_ISA`` in the environment is from the first call. The
+    machine's profile keys its measurements by the pin."""
     if _native is None:
         raise RuntimeError("use_isa: the native kernel is not built")
     before = _native.use_isa(name)
@@ -89,13 +94,14 @@ def use_isa(name: str) -> Iterator[None]:
         _native.use_isa(before)
 
 
-#: the AVX2 and NEON steps' register blockings, query rows at a time: compiled both ways,
+#: the AVX2, NEON and SVE steps' register blockings, query rows at a time: compiled both ways,
 #: the machine's profile measures which runs faster (3 by default; docs/kernels.md)
 ROWS = (3, 2)
 
 
 def rows() -> int:
-    """The query rows the AVX2 and NEON steps keep in registers at a time (:data:`ROWS`)."""
+    """The query rows the AVX2, NEON and SVE steps keep in registers at a time
+    (:data:`ROWS`)."""
     if _native is None:
         return ROWS[0]
     before = _native.use_rows(ROWS[0])
@@ -104,7 +110,7 @@ def rows() -> int:
 
 
 def set_rows(n: int) -> None:
-    """Runs the AVX2 and NEON steps with ``n`` query rows at a time (:data:`ROWS`) in this
+    """Runs the AVX2, NEON and SVE steps with ``n`` query rows at a time (:data:`ROWS`) in this
     process, as the machine's profile chose. The same bits either way: no two rows share a
     sum."""
     if n not in ROWS:
@@ -115,7 +121,7 @@ def set_rows(n: int) -> None:
 
 @contextlib.contextmanager
 def use_rows(n: int) -> Iterator[None]:
-    """Within the block, the AVX2 and NEON steps keep ``n`` query rows in registers at a time:
+    """Within the block, the AVX2, NEON and SVE steps keep ``n`` query rows in registers:
     to test and measure each blocking. Process-wide, as :func:`use_isa`."""
     before = rows()
     set_rows(n)
@@ -127,9 +133,9 @@ def use_rows(n: int) -> Iterator[None]:
 
 @functools.cache
 def _pin_from_environment() -> None:
-    """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process, read the first
-    time the kernel is asked for (not at import). A name this build or CPU cannot run is
-    an error."""
+    """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process (``neon``: to
+    the NEON step on an ARM64 CPU with SVE), read the first time the kernel is asked for
+    (not at import). A name this build or CPU cannot run is an error."""
     name = os.environ.get("QKV_NATIVE_ISA")
     if _native is None or not name:
         return
@@ -137,8 +143,8 @@ def _pin_from_environment() -> None:
         _native.use_isa(name)
     except ValueError:
         raise ValueError(
-            f'QKV_NATIVE_ISA={name!r}: "avx2" pins float32 to the AVX2 step; unset it to '
-            "let the CPU choose"
+            f'QKV_NATIVE_ISA={name!r}: "avx2" pins float32 to the AVX2 step, "neon" to the '
+            "NEON step; unset it to let the CPU choose"
         ) from None
     if str(_native.isa(True)) != name:
         raise ValueError(f"QKV_NATIVE_ISA={name!r} names an instruction set this CPU lacks")

@@ -72,7 +72,7 @@ FLOAT32_AT = 1.1
 #: also what runs causal and unmasked bfloat16 calls natively (0.71× against SDPA's 1.02×)
 BFLOAT16_AT = 1.05
 
-#: the AVX2 or NEON step with 2 query rows at a time ÷ with 3, under which it runs 2: the
+#: the AVX2, NEON or SVE step with 2 query rows at a time ÷ with 3, under which it runs 2: the
 #: faster (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
 ROWS_AT = 1.0
 
@@ -147,13 +147,13 @@ class Probe(NamedTuple):
         return native32 / self.float32_ms
 
     def rows_ratio(self) -> float:
-        """The AVX2 or NEON step's time with 2 query rows at a time ÷ with 3 (nan: not
+        """The AVX2, NEON or SVE step's time with 2 query rows at a time ÷ with 3 (nan: not
         measured)."""
         return self.native32_rows2_ms / self.native32_ms
 
     @property
     def rows(self) -> int:
-        """The query rows the AVX2 or NEON step takes at a time here: 2 where that ran under
+        """The query rows the AVX2, NEON or SVE step takes at a time here: 2 where that ran under
         :data:`ROWS_AT` × the time of 3, else 3."""
         if self.use_rows is not None:
             return self.use_rows
@@ -207,7 +207,7 @@ def measure() -> Probe:
     for name, path, xs, compute in steps:
         if native.available(compute):
             calls[name] = _with_rows(3, _banded_pass(path, *xs))
-    if native.isa(torch.float32) in ("avx2", "neon"):  # compiled with both blockings
+    if native.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
         calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
@@ -259,7 +259,7 @@ def _banded_pass(
 
 
 def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the AVX2 or NEON step taking ``n`` query rows at a time."""
+    """``call`` with the AVX2, NEON or SVE step taking ``n`` query rows at a time."""
 
     def timed() -> object:
         with native.use_rows(n):
@@ -348,7 +348,7 @@ def _near(ratio: float, threshold: float) -> bool:
 
 
 def _ratios(p: Probe) -> list[float]:
-    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2 or NEON
+    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2, NEON or SVE
     step's 2 rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
     otherwise, torch's half precision ÷ float32 copies."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
@@ -435,7 +435,7 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
 
 @functools.cache
 def probe() -> Probe:
-    """This machine's profile (:func:`load`), read once per process; the AVX2 or NEON step
+    """This machine's profile (:func:`load`), read once per process; the AVX2, NEON or SVE step
     takes the register blocking it chose from then on."""
     found = load()[0]
     native.set_rows(found.rows)
