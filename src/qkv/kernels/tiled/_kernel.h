@@ -180,6 +180,8 @@ void qkv_row_dots_avx512(const void *a, const void *b, int64_t n, int64_t D, int
 void qkv_row_dots_avx2(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
 void qkv_key_block_avx2_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                               float *dK, float *dV, void *scratch);
+void qkv_pack32_half_avx512(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
+void qkv_pack32_half_avx2(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
 #pragma GCC visibility pop
 #elif defined(QKV_ARM)
 #pragma GCC visibility push(hidden)
@@ -190,12 +192,14 @@ void qkv_forward_item_neon_rows2(const Job *j, int64_t it);
 void qkv_row_dots_neon(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
 void qkv_key_block_neon_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                               float *dK, float *dV, void *scratch);
+void qkv_pack32_half_neon(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
 #ifdef QKV_SVE
 void qkv_forward_item_sve(const Job *j, int64_t it);
 void qkv_key_block_sve(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                        float *dV, void *scratch);
 void qkv_forward_item_sve_rows2(const Job *j, int64_t it);
 void qkv_row_dots_sve(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
+void qkv_pack32_half_sve(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
 void qkv_key_block_sve_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
                              float *dV, void *scratch);
 #endif

@@ -72,59 +72,41 @@ typedef int qkv_lock;
 #endif
 
 #ifdef QKV_STEP
-/* A forward work item or a backward one, by the call's instruction set. */
-static void forward_item(const Job *j, int64_t it) {
-#ifdef QKV_X86
-    if (j->isa == ISA_AVX2 && j->rows == 2) qkv_forward_item_avx2_rows2(j, it);
-    else if (j->isa == ISA_AVX2) qkv_forward_item_avx2(j, it);
-    else qkv_forward_item_avx512(j, it);
-#else
-#ifdef QKV_SVE
-    if (j->isa == ISA_SVE) {
-        if (j->rows == 2) qkv_forward_item_sve_rows2(j, it);
-        else qkv_forward_item_sve(j, it);
-        return;
-    }
-#endif
-    if (j->rows == 2) qkv_forward_item_neon_rows2(j, it);
-    else qkv_forward_item_neon(j, it);
-#endif
-}
+/* The entry points of one compiled step (_step.h: a unit per instruction set and register
+   blocking). */
+typedef struct {
+    void (*forward_item)(const Job *, int64_t);
+    void (*key_block)(const BJob *, int64_t, int64_t, int64_t, float *, float *, float *, void *);
+    void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
+    void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
+} StepFns;
 
-/* rowsum(a ∘ b) (row_dots) on the instruction set isa's step. */
-static void step_row_dots(int isa, const void *a, const void *b, int64_t n, int64_t D, int src,
-                          float *out) {
+/* The step of instruction set isa (not ISA_NONE) with `rows` query rows at a time (AVX2,
+   NEON, SVE: 3 or 2; its row dots and packing are the same in both). */
+static StepFns step_of(int isa, int rows) {
 #ifdef QKV_X86
-    if (isa == ISA_AVX2) qkv_row_dots_avx2(a, b, n, D, src, out);
-    else qkv_row_dots_avx512(a, b, n, D, src, out);
+    if (isa == ISA_AVX2 && rows == 2)
+        return (StepFns){qkv_forward_item_avx2_rows2, qkv_key_block_avx2_rows2, qkv_row_dots_avx2,
+                         qkv_pack32_half_avx2};
+    if (isa == ISA_AVX2)
+        return (StepFns){qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2,
+                         qkv_pack32_half_avx2};
+    return (StepFns){qkv_forward_item_avx512, qkv_key_block_avx512, qkv_row_dots_avx512,
+                     qkv_pack32_half_avx512};
 #else
 #ifdef QKV_SVE
-    if (isa == ISA_SVE) {
-        qkv_row_dots_sve(a, b, n, D, src, out);
-        return;
-    }
+    if (isa == ISA_SVE && rows == 2)
+        return (StepFns){qkv_forward_item_sve_rows2, qkv_key_block_sve_rows2, qkv_row_dots_sve,
+                         qkv_pack32_half_sve};
+    if (isa == ISA_SVE)
+        return (StepFns){qkv_forward_item_sve, qkv_key_block_sve, qkv_row_dots_sve,
+                         qkv_pack32_half_sve};
 #endif
-    qkv_row_dots_neon(a, b, n, D, src, out);
-#endif
-}
-
-static void key_block(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                      float *dV, void *scratch) {
-#ifdef QKV_X86
-    if (bj->f.isa == ISA_AVX2 && bj->f.rows == 2)
-        qkv_key_block_avx2_rows2(bj, b, h, n0, dq, dK, dV, scratch);
-    else if (bj->f.isa == ISA_AVX2) qkv_key_block_avx2(bj, b, h, n0, dq, dK, dV, scratch);
-    else qkv_key_block_avx512(bj, b, h, n0, dq, dK, dV, scratch);
-#else
-#ifdef QKV_SVE
-    if (bj->f.isa == ISA_SVE) {
-        if (bj->f.rows == 2) qkv_key_block_sve_rows2(bj, b, h, n0, dq, dK, dV, scratch);
-        else qkv_key_block_sve(bj, b, h, n0, dq, dK, dV, scratch);
-        return;
-    }
-#endif
-    if (bj->f.rows == 2) qkv_key_block_neon_rows2(bj, b, h, n0, dq, dK, dV, scratch);
-    else qkv_key_block_neon(bj, b, h, n0, dq, dK, dV, scratch);
+    if (rows == 2)
+        return (StepFns){qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2, qkv_row_dots_neon,
+                         qkv_pack32_half_neon};
+    return (StepFns){qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon,
+                     qkv_pack32_half_neon};
 #endif
 }
 #endif
@@ -211,7 +193,8 @@ static void backward_worker(Pass *ps) {
             free(mem);
             break;
         }
-        key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + dk, scratch);
+        step_of(bj->f.isa, bj->f.rows)
+            .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + dk, scratch);
         commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
         __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
@@ -219,20 +202,29 @@ static void backward_worker(Pass *ps) {
 }
 #endif /* QKV_STEP */
 
-/* Packs block `it` of B·H·(Nt/32): 32 keys of one head. */
-static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t Nt, int f32) {
+/* Packs block `it` of B·H·(Nt/32): 32 keys of one head, by pack32, or, half-precision keys
+   in float32's layout (f32), by the step of isa where one runs here (its vector loads
+   widen them: pack32 widens value by value). */
+static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t Nt, int f32,
+                       int isa) {
     int64_t bh = it / (Nt / 32), nb = it % (Nt / 32);
-    pack32(p, bh / H, bh % H, nb * 32, T, p->D, f32,
-           (char *)p->dst + it * 32 * p->D * (f32 ? 4 : 2));
+    void *dst = (char *)p->dst + it * 32 * p->D * (f32 ? 4 : 2);
+#ifdef QKV_STEP
+    if (f32 && p->src != SRC_F32 && isa != ISA_NONE) {
+        step_of(isa, 3).pack32_half(p, bh / H, bh % H, nb * 32, T, dst);
+        return;
+    }
+#endif
+    pack32(p, bh / H, bh % H, nb * 32, T, p->D, f32, dst);
 }
 
 /* Every pack of a pass in one parallel region. */
 static void pack_all(const Pack *packs, int64_t n, int64_t B, int64_t H, int64_t T, int64_t Nt,
-                     int threads, int f32) {
+                     int threads, int f32, int isa) {
     int64_t blocks = B * H * (Nt / 32);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
     for (int64_t it = 0; it < n * blocks; it++)
-        pack_block(&packs[it / blocks], it % blocks, H, T, Nt, f32);
+        pack_block(&packs[it / blocks], it % blocks, H, T, Nt, f32, isa);
 }
 
 /* What a call's inputs hold, named by torch's dtype ("float32", "bfloat16", "float16"), into
@@ -252,6 +244,8 @@ static int source_of(const char *name, int f32, const char *what, int *src) {
     }
     return 1;
 }
+
+static int cpu_isa(int f32);
 
 static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *list;
@@ -285,7 +279,8 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
         packs[i] = (Pack){
             (const void *)(uintptr_t)x, {xs0, xs1, xs2}, (void *)(uintptr_t)dst, values, D, src};
     }
-    Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, Nt, threads, f32);
+    const int isa = cpu_isa(1);
+    Py_BEGIN_ALLOW_THREADS pack_all(packs, n, B, H, T, Nt, threads, f32, isa);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
@@ -401,7 +396,7 @@ static PyObject *row_dots(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     const void *x = (const void *)(uintptr_t)a, *y = (const void *)(uintptr_t)b;
     float *o = (float *)(uintptr_t)out;
-    Py_BEGIN_ALLOW_THREADS step_row_dots(isa, x, y, n, D, src, o);
+    Py_BEGIN_ALLOW_THREADS step_of(isa, 3).row_dots(x, y, n, D, src, o);
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 #else
     PyErr_SetString(PyExc_RuntimeError, "row_dots: no step is built for this CPU");
@@ -586,7 +581,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
         Py_ssize_t c = 0; /* each thread's items only grow: its call index only moves on */
         for (int64_t it; (it = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < items;) {
             while (it >= start[c + 1]) c++;
-            forward_item(&jobs[c], it - start[c]);
+            step_of(jobs[c].isa, jobs[c].rows).forward_item(&jobs[c], it - start[c]);
         }
     }
     Py_END_ALLOW_THREADS

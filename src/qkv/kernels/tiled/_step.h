@@ -417,6 +417,13 @@ TARGET static void pack32_half(const Pack *p, int64_t b, int64_t h, int64_t n0, 
     else pack32_widened(p, b, h, n0, T, D, dst, rows, SRC_BF16);
 }
 
+/* The forward's pack of one key block of half-precision keys in float32's layout
+   (_native.c's pack_block): pack32_half. */
+TARGET void NAMED(qkv_pack32_half)(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
+                                   float *dst) {
+    pack32_half(p, b, h, n0, T, p->D, dst, NULL, p->src);
+}
+
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
    begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
    thread's `scratch` (3 · KB · MAX_D floats): no pass packs all of K and V beforehand. dq:
