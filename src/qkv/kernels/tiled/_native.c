@@ -81,34 +81,26 @@ typedef struct {
     void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
 } StepFns;
 
+/* The entry points of the unit for instruction set ISA (a name's suffix) and blocking
+   BLOCK (_rows2, or empty); its row dots and packing are the same in both blockings. */
+#define STEP_FNS(ISA, BLOCK)                                                                       \
+    ((StepFns){qkv_forward_item_##ISA##BLOCK, qkv_key_block_##ISA##BLOCK, qkv_row_dots_##ISA,      \
+               qkv_pack32_half_##ISA})
+
 /* The step of instruction set isa (not ISA_NONE) with `rows` query rows at a time (AVX2,
-   NEON, SVE: 3 or 2; its row dots and packing are the same in both). */
+   NEON, SVE: 3 or 2). */
 static StepFns step_of(int isa, int rows) {
 #ifdef QKV_X86
-    if (isa == ISA_AVX2 && rows == 2)
-        return (StepFns){qkv_forward_item_avx2_rows2, qkv_key_block_avx2_rows2, qkv_row_dots_avx2,
-                         qkv_pack32_half_avx2};
-    if (isa == ISA_AVX2)
-        return (StepFns){qkv_forward_item_avx2, qkv_key_block_avx2, qkv_row_dots_avx2,
-                         qkv_pack32_half_avx2};
-    return (StepFns){qkv_forward_item_avx512, qkv_key_block_avx512, qkv_row_dots_avx512,
-                     qkv_pack32_half_avx512};
+    if (isa == ISA_AVX2) return rows == 2 ? STEP_FNS(avx2, _rows2) : STEP_FNS(avx2, );
+    return STEP_FNS(avx512, );
 #else
 #ifdef QKV_SVE
-    if (isa == ISA_SVE && rows == 2)
-        return (StepFns){qkv_forward_item_sve_rows2, qkv_key_block_sve_rows2, qkv_row_dots_sve,
-                         qkv_pack32_half_sve};
-    if (isa == ISA_SVE)
-        return (StepFns){qkv_forward_item_sve, qkv_key_block_sve, qkv_row_dots_sve,
-                         qkv_pack32_half_sve};
+    if (isa == ISA_SVE) return rows == 2 ? STEP_FNS(sve, _rows2) : STEP_FNS(sve, );
 #endif
-    if (rows == 2)
-        return (StepFns){qkv_forward_item_neon_rows2, qkv_key_block_neon_rows2, qkv_row_dots_neon,
-                         qkv_pack32_half_neon};
-    return (StepFns){qkv_forward_item_neon, qkv_key_block_neon, qkv_row_dots_neon,
-                     qkv_pack32_half_neon};
+    return rows == 2 ? STEP_FNS(neon, _rows2) : STEP_FNS(neon, );
 #endif
 }
+#undef STEP_FNS
 #endif
 
 /* ---- the backward: dQ, dK, dV of one call, from the whole rows' lse and Delta ----------
