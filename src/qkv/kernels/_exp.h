@@ -5,6 +5,21 @@
    stays NaN. */
 #ifndef QKV_EXP_H
 #define QKV_EXP_H
+
+/* p = e^r by its degree-7 Taylor polynomial in Horner's form, for any vector width:
+   FMADD(a, b, c) is a · b + c fused, SET1(x) x in every lane. */
+#define QKV_EXP_TAYLOR(FMADD, SET1, p, r)                                                          \
+    do {                                                                                           \
+        p = SET1(1.0f / 5040);                                                                     \
+        p = FMADD(p, r, SET1(1.0f / 720));                                                         \
+        p = FMADD(p, r, SET1(1.0f / 120));                                                         \
+        p = FMADD(p, r, SET1(1.0f / 24));                                                          \
+        p = FMADD(p, r, SET1(1.0f / 6));                                                           \
+        p = FMADD(p, r, SET1(0.5f));                                                               \
+        p = FMADD(p, r, SET1(1.0f));                                                               \
+        p = FMADD(p, r, SET1(1.0f));                                                               \
+    } while (0)
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -13,14 +28,7 @@
     do {                                                                                           \
         __typeof__(x) r = PRE##_fnmadd_ps(n, PRE##_set1_ps(0.693145751953125f), x);                \
         r = PRE##_fnmadd_ps(n, PRE##_set1_ps(1.428606765330187045e-06f), r);                       \
-        p = PRE##_set1_ps(1.0f / 5040);                                                            \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 720));                                       \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 120));                                       \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 24));                                        \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f / 6));                                         \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(0.5f));                                             \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                                             \
-        p = PRE##_fmadd_ps(p, r, PRE##_set1_ps(1.0f));                                             \
+        QKV_EXP_TAYLOR(PRE##_fmadd_ps, PRE##_set1_ps, p, r);                                       \
     } while (0)
 
 /* Inputs below -104 give exp(-104): 0 in float32 or its smallest subnormal. */
@@ -48,26 +56,32 @@ static inline __attribute__((always_inline, target("avx2,fma"))) __m256 qkv_exp8
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 
+/* a · b + c, fused, in NEON's operand order. */
+static inline __attribute__((always_inline)) float32x4_t qkv_fmadd4(float32x4_t a, float32x4_t b,
+                                                                    float32x4_t c) {
+    return vfmaq_f32(c, a, b);
+}
+
 /* As qkv_exp8: 2^n built in the exponent bits, inputs below -88 give 0. */
 static inline __attribute__((always_inline)) float32x4_t qkv_exp4(float32x4_t x) {
     x = vmaxq_f32(vdupq_n_f32(-88.0f), x);
     const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
     float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));
     r = vfmsq_f32(r, n, vdupq_n_f32(1.428606765330187045e-06f));
-    float32x4_t p = vdupq_n_f32(1.0f / 5040);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 720), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
-    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
-    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    float32x4_t p;
+    QKV_EXP_TAYLOR(qkv_fmadd4, vdupq_n_f32, p, r);
     int32x4_t two_n = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
     return vmulq_f32(p, vreinterpretq_f32_s32(two_n));
 }
 
 #ifdef __ARM_FEATURE_SVE /* (a translation unit compiled for SVE: tiled/_simd.h's) */
 #include <arm_sve.h>
+
+/* a · b + c, fused, over a whole SVE vector. */
+static inline __attribute__((always_inline)) svfloat32_t qkv_fmadd_sve(svfloat32_t a, svfloat32_t b,
+                                                                       svfloat32_t c) {
+    return svmad_f32_x(svptrue_b32(), a, b, c);
+}
 
 /* As qkv_exp4, over one SVE vector of any length. */
 static inline __attribute__((always_inline)) svfloat32_t qkv_exp_sve(svfloat32_t x) {
@@ -76,14 +90,8 @@ static inline __attribute__((always_inline)) svfloat32_t qkv_exp_sve(svfloat32_t
     const svfloat32_t n = svrintn_f32_x(all, svmul_n_f32_x(all, x, 1.44269504088896341f));
     svfloat32_t r = svmls_n_f32_x(all, x, n, 0.693145751953125f); /* x - n · ln2's parts */
     r = svmls_n_f32_x(all, r, n, 1.428606765330187045e-06f);
-    svfloat32_t p = svdup_n_f32(1.0f / 5040);
-    p = svmad_n_f32_x(all, p, r, 1.0f / 720); /* p · r + c */
-    p = svmad_n_f32_x(all, p, r, 1.0f / 120);
-    p = svmad_n_f32_x(all, p, r, 1.0f / 24);
-    p = svmad_n_f32_x(all, p, r, 1.0f / 6);
-    p = svmad_n_f32_x(all, p, r, 0.5f);
-    p = svmad_n_f32_x(all, p, r, 1.0f);
-    p = svmad_n_f32_x(all, p, r, 1.0f);
+    svfloat32_t p;
+    QKV_EXP_TAYLOR(qkv_fmadd_sve, svdup_n_f32, p, r);
     const svint32_t two_n =
         svlsl_n_s32_x(all, svadd_n_s32_x(all, svcvt_s32_f32_x(all, n), 127), 23);
     return svmul_f32_x(all, p, svreinterpret_f32_s32(two_n));
