@@ -714,9 +714,10 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
     B, H_kv, G, R, T_k, k0, k1, D, D_v, bias_kind, mod, isa, source
 ):
     """The float32 step on bfloat16 or float16 inputs reads them as they are and widens each
-    value as it loads it (exact): its forward and backward equal, bit for bit, the float32
-    step on float32 copies of the same values — which the tests above hold to the float64
-    oracle — on both steps, at any head dims, with masks and modifications."""
+    value as it loads it (exact; the forward's V once, as it is packed, into float32 rows):
+    its forward and backward equal, bit for bit, the float32 step on float32 copies of the
+    same values — which the tests above hold to the float64 oracle — on both steps, at any
+    head dims, with masks and modifications."""
     if isa and isa not in native.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
     g = torch.Generator().manual_seed(R + D)
@@ -733,7 +734,10 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
     with native.use_isa(isa):
         for x in ((q5, do5, k, v), tuple(t.float() for t in (q5, do5, k, v))):
             packed = native.pack(x[2], x[3], torch.float32)
-            assert packed.v.data_ptr() == x[3].data_ptr()  # V read in place, in its dtype
+            if x[3].dtype == torch.float32:  # V read in place
+                assert packed.v.data_ptr() == x[3].data_ptr()
+            else:  # V widened once into float32 rows
+                assert packed.v.dtype == torch.float32 and torch.equal(packed.v, x[3].float())
             out, lse = native.attend(
                 x[0], packed, k0, k1, bias, scale, bounds=bounds, qpos=k0 + 5, **kw
             )

@@ -148,11 +148,13 @@ static int run_case(const Step *st, const Case *c) {
                 }
             }
 
-    /* The step's forward: K packed (float32, widened; or in bfloat16 pairs), V read in
-       place (or packed in its pairs). */
+    /* The step's forward: K packed (float32, widened; or in bfloat16 pairs), V in float32
+       rows (half precision widened, as native.pack does) or packed in its pairs. */
     const int f32 = !c->dots;
     const size_t cu = f32 ? 4 : 2; /* what the step computes in */
     char *kp = calloc(B * H * Nt * D, cu), *vpk = f32 ? NULL : calloc(B * H * Nt * Dv, 2);
+    float *vw = f32 ? malloc(sizeof(float) * B * H * T * Dv) : NULL;
+    for (int64_t i = 0; f32 && i < B * H * T * Dv; i++) vw[i] = widened(v, i, c->src);
     Pack pk = {k, {H * T * D, T * D, D}, NULL, 0, D, c->src};
     Pack pv = {v, {H * T * Dv, T * Dv, Dv}, NULL, 1, Dv, c->src};
     for (int64_t h = 0; h < H; h++)
@@ -166,7 +168,7 @@ static int run_case(const Step *st, const Case *c) {
     Seg seg = {0, 0, T, NULL, {0, 0, 0}, c->bounds ? bounds : NULL, 0};
     Job j;
     memset(&j, 0, sizeof j);
-    j.q = q, j.kp = kp, j.vp = f32 ? v : (void *)vpk, j.out = got, j.lse = got_lse;
+    j.q = q, j.kp = kp, j.vp = f32 ? (void *)vw : (void *)vpk, j.out = got, j.lse = got_lse;
     int64_t qs[4] = {H * G * R * D, G * R * D, R * D, D},
             os[4] = {H * G * R * Dv, G * R * Dv, R * Dv, Dv};
     int64_t ls[4] = {H * G * R, G * R, R, 1};
@@ -240,7 +242,7 @@ static int run_case(const Step *st, const Case *c) {
     free(q), free(k), free(v), free(dout), free(qd), free(kd), free(vd), free(dod), free(out);
     free(lse), free(dq), free(dk), free(dv), free(s), free(tt), free(kp), free(got);
     free(got_lse), free(gdq), free(gdk), free(gdv), free(share), free(dKa), free(dVa);
-    free(scratch), free(vpk);
+    free(scratch), free(vpk), free(vw);
     return ok;
 }
 

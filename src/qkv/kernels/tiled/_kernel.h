@@ -48,7 +48,7 @@ typedef struct {
 } Seg;
 
 typedef struct {
-    const void *q, *kp, *vp; /* bf16 or float (f32) */
+    const void *q, *kp, *vp; /* q as src holds it; kp and the forward's vp: bf16, or float (f32) */
     const float *bias;
     const int32_t *bounds; /* as a Seg's */
     int64_t bnb;
@@ -64,9 +64,9 @@ typedef struct {
     int64_t qpos;        /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
-    int src;             /* what Q, K, V (and dO) hold: SRC_F32, SRC_BF16 or SRC_F16 */
-    int isa;             /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
-    int rows;            /* AVX2, NEON, SVE: its register blocking, 3 or 2 rows at a time */
+    int src;  /* what Q (the backward: Q, K, V, dO) holds: SRC_F32, SRC_BF16 or SRC_F16 */
+    int isa;  /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
+    int rows; /* AVX2, NEON, SVE: its register blocking, 3 or 2 rows at a time */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;

@@ -24,8 +24,7 @@
 #define DOT_ROWS 8 /* scores: rows × 32 keys of accumulators (16 zmm) */
 #define PV_ROWS 4  /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
 #define PV_COLS 4
-#define PV_ROWS_HALF 4 /* ... with V widened from half precision: its PV_COLS vectors held too */
-#define OUTER_KEYS 4   /* dK, dV: keys × 32 columns (8 zmm) */
+#define OUTER_KEYS 4 /* dK, dV: keys × 32 columns (8 zmm) */
 
 typedef __m512 vf;
 VI vf vzero(void) { return _mm512_setzero_ps(); }
@@ -129,8 +128,7 @@ VB vf vbf_widen(vbf x, const int half) {
 #define DOT_ROWS STEP_ROWS /* rows × 32 keys: 12 ymm for 3 (the 8 rows as 3, 3, 2) */
 #define PV_ROWS STEP_ROWS  /* rows × 32 columns: 12 ymm for 3 (V read by the FMAs) */
 #define PV_COLS 2
-#define PV_ROWS_HALF 2 /* ... V widened from half precision: 8 ymm, and 4 for V's values */
-#define OUTER_KEYS 2   /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
+#define OUTER_KEYS 2 /* 2 keys × 32 columns: 8 ymm, and 4 for the row */
 
 typedef struct {
     __m256 lo, hi;
@@ -225,7 +223,6 @@ VI vf vload_e4m3(const uint8_t *p) {
 #define DOT_ROWS STEP_ROWS /* as AVX2's: the same register bytes (32 × 128 bits, 16 × 256) */
 #define PV_ROWS STEP_ROWS
 #define PV_COLS 2
-#define PV_ROWS_HALF 2
 #define OUTER_KEYS 2
 
 typedef struct {
@@ -387,7 +384,6 @@ VB vf vbf_widen(vbf x, const int half) {
 #define DOT_ROWS STEP_ROWS /* as AVX2's and NEON's (SVE has their 32 registers of 256 bits: */
 #define PV_ROWS STEP_ROWS  /* room to spare, not measured on SVE hardware) */
 #define PV_COLS 2
-#define PV_ROWS_HALF 2
 #define OUTER_KEYS 2
 
 typedef svfloat32_t sv8f __attribute__((arm_sve_vector_bits(256)));

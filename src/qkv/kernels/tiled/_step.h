@@ -76,14 +76,13 @@ TARGET static void dots_f32(int64_t D, const float *qt, const float *kb, int64_t
 }
 
 /* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
-   vs[2] apart: V itself, holding SRC, widened as it is loaded, never read past the call's
-   last key nor past its `cols` columns; O's rows pad32(cols) apart), for the NR rows from
-   i0 and NV 16-column vectors from c0. TAIL: the last vectors reach past `cols`, and V is
-   read under a mask there. */
+   vs[2] apart: float32, read in place, never past the call's last key nor past its `cols`
+   columns; O's rows pad32(cols) apart), for the NR rows from i0 and NV 16-column vectors
+   from c0. TAIL: the last vectors reach past `cols`, and V is read under a mask there. */
 TARGET static inline __attribute__((always_inline)) void
-pv_block_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live,
+pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
              const float *P, int64_t ps, float *O, int64_t cols, int i0, const int NR, int64_t c0,
-             const int NV, const int TAIL, const int SRC) {
+             const int NV, const int TAIL) {
     int64_t os = pad32(cols);
     vf acc[PV_ROWS][PV_COLS];
     lanemask in[PV_COLS];
@@ -95,22 +94,14 @@ pv_block_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *
         int64_t stop = last - n32 < 32 ? last - n32 : 32, step = j->vs[2];
         int64_t at = (n0 + n32) * step + c0;
         const float *pr = P + i0 * ps + n32;
-        for (int64_t n = 0; n < stop; n++, at += step) {
-            vf x[PV_COLS]; /* V's values, widened once for the NR rows (float32: read by each
-                              FMA from memory, which needs no register) */
-            for (int c = 0; SRC != SRC_F32 && c < NV; c++)
-                x[c] = TAIL ? vloadz_src(in[c], vp, at + 16 * c, SRC)
-                            : vload_src(vp, at + 16 * c, SRC);
+        for (int64_t n = 0; n < stop; n++, at += step)
             for (int i = 0; i < NR; i++) {
                 vf p = vset1(pr[i * ps + n]);
-                for (int c = 0; c < NV; c++) {
-                    vf y = SRC != SRC_F32 ? x[c]
-                           : TAIL         ? vloadz(in[c], (const float *)vp + at + 16 * c)
-                                          : vload((const float *)vp + at + 16 * c);
-                    acc[i][c] = vfma(p, y, acc[i][c]);
-                }
+                for (int c = 0; c < NV; c++) /* V read by each FMA: it needs no register */
+                    acc[i][c] =
+                        vfma(p, TAIL ? vloadz(in[c], vp + at + 16 * c) : vload(vp + at + 16 * c),
+                             acc[i][c]);
             }
-        }
     }
     for (int i = 0; i < NR; i++)
         for (int c = 0; c < NV; c++) vstore(O + (i0 + i) * os + c0 + 16 * c, acc[i][c]);
@@ -119,36 +110,28 @@ pv_block_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *
 /* The NR rows from i0 over every column: PV_COLS vectors at a time, then what is left
    (fewer vectors, the last one masked where `cols` ends inside it). */
 TARGET static inline __attribute__((always_inline)) void
-pv_rows(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live, const float *P,
-        int64_t ps, float *O, int64_t cols, int i0, const int NR, const int SRC) {
+pv_rows(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live, const float *P,
+        int64_t ps, float *O, int64_t cols, int i0, const int NR) {
     int64_t c0 = 0;
     for (; c0 + 16 * PV_COLS <= cols; c0 += 16 * PV_COLS)
-        pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, PV_COLS, 0, SRC);
+        pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, PV_COLS, 0);
     int64_t left = (cols - c0 + 15) / 16; /* 0 .. PV_COLS vectors */
-    if (left == 1) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 1, 1, SRC);
-    else if (left == 2) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 2, 1, SRC);
+    if (left == 1) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 1, 1);
+    else if (left == 2) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 2, 1);
 #if PV_COLS > 2
-    else if (left == 3) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 3, 1, SRC);
-    else if (left == 4) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 4, 1, SRC);
+    else if (left == 3) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 3, 1);
+    else if (left == 4) pv_block_f32(j, vp, n0, last, live, P, ps, O, cols, i0, NR, c0, 4, 1);
 #endif
 }
 
-/* The MR rows, PV_ROWS at a time (PV_ROWS_HALF where V is widened), V holding SRC. */
-TARGET static inline __attribute__((always_inline)) void
-pv_src(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live, const float *P,
-       int64_t ps, float *O, int64_t cols, const int SRC) {
-    const int NR = SRC == SRC_F32 ? PV_ROWS : PV_ROWS_HALF;
-    int i0 = 0;
-    for (; i0 + NR <= MR; i0 += NR) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, NR, SRC);
-    if (MR % NR) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, MR % NR, SRC);
-}
-
-/* float32 O[i] += P[i] · V, V as the call's inputs hold it (j->src). */
-TARGET static void pv_f32(const Job *j, const void *vp, int64_t n0, int64_t last, const int *live,
+/* float32 O[i] += P[i] · V (float32: half-precision V is widened by the forward's pack, and
+   the backward hands dQ's ·K float32 rows), the MR rows PV_ROWS at a time. */
+TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int *live,
                           const float *P, int64_t ps, float *O, int64_t cols) {
-    if (j->src == SRC_BF16) pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_BF16);
-    else if (j->src == SRC_F16) pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_F16);
-    else pv_src(j, vp, n0, last, live, P, ps, O, cols, SRC_F32);
+    int i0 = 0;
+    for (; i0 + PV_ROWS <= MR; i0 += PV_ROWS)
+        pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, PV_ROWS);
+    if (MR % PV_ROWS) pv_rows(j, vp, n0, last, live, P, ps, O, cols, i0, MR % PV_ROWS);
 }
 
 /* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype, pad32(D) apart) and
@@ -265,7 +248,8 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
         memcpy(one.bs, seg->bs, sizeof one.bs);
         int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
         const void *kp = elem(j, j->kp, b * j->ks[0] + h * j->ks[1] + j->begin * D);
-        const void *vp = raw(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
+        /* V in the dtype the call computes in (half precision widened by the pack) */
+        const void *vp = elem(j, j->vp, b * j->vs[0] + h * j->vs[1] + j->begin * j->vs[2]);
         const float *bias = j->bias ? j->bias + b * j->bs[0] + h * j->bs[1] : NULL;
         for (int64_t n0 = 0; n0 < Np; n0 += KT) {
             int64_t nk = Np - n0 < KT ? Np - n0 : KT;

@@ -232,13 +232,15 @@ class Packed(NamedTuple):
     the score loop takes together side by side, zero past the last key; Nt covers every key
     a call reads (from its first key's 32-key block, rounded up to 32). bfloat16, in the
     pairs the kernel multiplies: k (B, H_kv, Nt/32, D/2, 32, 2), v (B, H_kv, Nt/2, D_v, 2);
-    float32: k (B, H_kv, Nt/32, D, 32) (half precision widened), and v is V itself, in the
-    inputs' dtype (its rows read in place). k's dtype is the one the kernel computes in, v's
-    what the inputs hold."""
+    float32: k (B, H_kv, Nt/32, D, 32), and v (B, H_kv, T_k, D_v) — float32 V itself (its
+    rows read in place), or half-precision V widened once, here, so that the P·V loop runs
+    float32's code (widening inside it cost the AVX2 step 7%, docs/kernels.md). k's and v's
+    dtype is the one the kernel computes in; ``source`` is what the inputs held."""
 
     k: torch.Tensor
     v: torch.Tensor
     Nt: int
+    source: torch.dtype
 
     @property
     def D_v(self) -> int:
@@ -258,9 +260,10 @@ def pack(
 ) -> Packed:
     """K (B, H_kv, T_k, D) and V (B, H_kv, T_k, D_v), float32, bfloat16 or float16 with the
     head dim contiguous, packed for :func:`attend` computing in ``dtype`` (the inputs', the
-    default; float32 for half-precision inputs widened as they are loaded), in one
-    parallel region. ``transient`` (the caller drops the packs before its thread's next
-    :func:`qkv.kernels.tiled.scratch.start`): in the thread's scratch buffer."""
+    default; float32 for half-precision inputs, widened as they are packed), in one
+    parallel region (and, for widened V, one copy). ``transient`` (the caller drops the
+    packs before its thread's next :func:`qkv.kernels.tiled.scratch.start`): in the
+    thread's scratch buffer."""
     check_keys(k, v)
     dtype = k.dtype if dtype is None else dtype
     if dtype not in DTYPES or (dtype == torch.bfloat16 and k.dtype != dtype):
@@ -268,13 +271,18 @@ def pack(
     B, H_kv, T_k, D = k.shape
     D_v = v.shape[-1]
     Nt = (T_k + 31) // 32 * 32 + 32  # a call from inside a 32-key block reads into the next
-    n_k, n_v = B * H_kv * Nt * D, (0 if dtype == torch.float32 else B * H_kv * Nt * D_v)
+    n_k = B * H_kv * Nt * D
+    if dtype != torch.float32:
+        n_v = B * H_kv * Nt * D_v
+    else:
+        n_v = 0 if v.dtype == torch.float32 else B * H_kv * T_k * D_v
     if transient:
         whole = scratch.take(n_k + n_v, dtype, k.device)
     else:
         whole = torch.empty(n_k + n_v, dtype=dtype, device=k.device)
-    if dtype == torch.float32:  # V is read in place
-        kp, vp = whole.view(B, H_kv, Nt // 32, D, 32), v
+    if dtype == torch.float32:  # V read in place, or widened into float32 rows
+        kp = whole[:n_k].view(B, H_kv, Nt // 32, D, 32)
+        vp = v if n_v == 0 else whole[n_k:].view(B, H_kv, T_k, D_v).copy_(v)
     else:
         kp = whole[:n_k].view(B, H_kv, Nt // 32, D // 2, 32, 2)
         vp = whole[n_k:].view(B, H_kv, Nt // 2, D_v, 2)
@@ -288,7 +296,7 @@ def pack(
         float32=dtype == torch.float32,
         source=source(k.dtype),
     )
-    return Packed(kp, vp, Nt)
+    return Packed(kp, vp, Nt, k.dtype)
 
 
 def attend(
@@ -404,7 +412,7 @@ def attend_many(
                 alibi=alibi,
                 p_parts=p_parts,
                 float32=packed.k.dtype == torch.float32,
-                source=source(packed.v.dtype),
+                source=source(packed.source),
             )
         )
     _native.attend_many(calls=args, threads=torch.get_num_threads())
@@ -413,7 +421,7 @@ def attend_many(
 def _keys_of(packed: Packed) -> tuple[int, int, int, torch.dtype]:
     """(B, H_kv, D, dtype) of packed keys, dtype what the inputs held."""
     B, H_kv, _, d = packed.k.shape[:4]
-    return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.v.dtype
+    return B, H_kv, d if packed.k.dtype == torch.float32 else 2 * d, packed.source
 
 
 def backward(
