@@ -21,12 +21,13 @@ TARGET_BF16 static inline vf split(vf p0, vf p1, bf16 *hi, bf16 *lo) {
 }
 
 /* S[i][jb..jb+32) = (q_i · k_n) · scale for MR rows (pad32(D) apart; D even) and the 32
-   keys of one packed block kb (bfloat16 pairs), BF_DOT_ROWS rows at a time. (The sums stay
+   keys of one packed block kb (bfloat16 pairs), BF_DOT_ROWS rows at a time, and each row's
+   running lane maximum rmax[i] over them (as dots_f32). (The sums stay
    in local registers until the end: a vector may alias anything, so sums kept in *S would
    be stored and reloaded at every step. S is declared as the pointer it is: GCC 12 would
    not inline SVE's vector functions into this one with S declared as an array.) */
 TARGET_BF16 static void dots_bf16(int64_t D, const bf16 *qt, const bf16 *kb, int64_t jb, vf scale,
-                                  float (*S)[KT]) {
+                                  float (*S)[KT], vf *rmax) {
     const int64_t qs = pad32(D);
     for (int i0 = 0; i0 < MR; i0 += BF_DOT_ROWS) {
         vf acc[BF_DOT_ROWS][2];
@@ -41,8 +42,10 @@ TARGET_BF16 static void dots_bf16(int64_t D, const bf16 *qt, const bf16 *kb, int
             }
         }
         for (int i = 0; i < BF_DOT_ROWS; i++) {
-            vstore(&S[i0 + i][jb], vmul(acc[i][0], scale));
-            vstore(&S[i0 + i][jb + 16], vmul(acc[i][1], scale));
+            const vf s0 = vmul(acc[i][0], scale), s1 = vmul(acc[i][1], scale);
+            vstore(&S[i0 + i][jb], s0);
+            vstore(&S[i0 + i][jb + 16], s1);
+            if (rmax) rmax[i0 + i] = vmax(vmax(rmax[i0 + i], s0), s1);
         }
     }
 }

@@ -44,13 +44,14 @@ TARGET static void load_rows(const Job *j, const void *x, const int64_t *xs, int
 }
 
 /* float32: S[i][jb..jb+32) = (q_i · k_n) · scale for the NR rows from i0 (qt's rows
-   pad32(D) apart) and the 32 keys of the packed block kb (D, 32). (The sums stay in local
-   registers until the end: a vector type may alias anything, so sums kept in *S would be
-   stored and reloaded at every step.) */
+   pad32(D) apart) and the 32 keys of the packed block kb (D, 32), and each row's running
+   lane maximum rmax[i] taken over them. (The sums stay in local registers until the end: a
+   vector type may alias anything, so sums kept in *S would be stored and reloaded at every
+   step.) */
 TARGET static inline __attribute__((always_inline)) void dots_rows(int64_t D, const float *qt,
                                                                    const float *kb, int64_t jb,
                                                                    vf scale, float S[MR][KT],
-                                                                   int i0, const int NR) {
+                                                                   vf *rmax, int i0, const int NR) {
     int64_t qs = pad32(D);
     vf acc[DOT_ROWS][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = vzero();
@@ -62,17 +63,20 @@ TARGET static inline __attribute__((always_inline)) void dots_rows(int64_t D, co
         }
     }
     for (int i = 0; i < NR; i++) {
-        vstore(&S[i0 + i][jb], vmul(acc[i][0], scale));
-        vstore(&S[i0 + i][jb + 16], vmul(acc[i][1], scale));
+        const vf s0 = vmul(acc[i][0], scale), s1 = vmul(acc[i][1], scale);
+        vstore(&S[i0 + i][jb], s0);
+        vstore(&S[i0 + i][jb + 16], s1);
+        if (rmax) rmax[i0 + i] = vmax(vmax(rmax[i0 + i], s0), s1);
     }
 }
 
 /* The MR rows, DOT_ROWS at a time. */
 TARGET static void dots_f32(int64_t D, const float *qt, const float *kb, int64_t jb, vf scale,
-                            float S[MR][KT]) {
+                            float S[MR][KT], vf *rmax) {
     int i0 = 0;
-    for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS) dots_rows(D, qt, kb, jb, scale, S, i0, DOT_ROWS);
-    if (MR % DOT_ROWS) dots_rows(D, qt, kb, jb, scale, S, i0, MR % DOT_ROWS);
+    for (; i0 + DOT_ROWS <= MR; i0 += DOT_ROWS)
+        dots_rows(D, qt, kb, jb, scale, S, rmax, i0, DOT_ROWS);
+    if (MR % DOT_ROWS) dots_rows(D, qt, kb, jb, scale, S, rmax, i0, MR % DOT_ROWS);
 }
 
 /* float32: O[i] += P[i] · V over the keys n0..n0+last-1 (P's rows `ps` apart, V's rows
@@ -136,18 +140,20 @@ TARGET static void pv_f32(const Job *j, const float *vp, int64_t n0, int64_t las
 
 /* S[i][0..nk) = (q_i · k_n) · by for MR rows (qt, in the call's dtype, pad32(D) apart) and
    the nk keys from n0 (nk: a multiple of 32) packed D wide, -inf over the 32-key blocks not
-   live (no row of the tile may attend to them). */
+   live (no row of the tile may attend to them); rmax[i], unless rmax is NULL: row i's lane
+   maxima over them, in the order a pass over S would take them (the same bits, NaN too). */
 TARGET static void scores(const Job *j, const void *qt, const void *kp, int64_t D, int64_t n0,
-                          int64_t nk, const int *live, float by, float S[MR][KT]) {
+                          int64_t nk, const int *live, float by, float S[MR][KT], vf *rmax) {
     const vf scale = vset1(by), none = vset1(-INFINITY);
+    for (int i = 0; rmax && i < MR; i++) rmax[i] = none;
     for (int64_t jb = 0; jb < nk; jb += 32) {
         const void *kb = elem(j, kp, (n0 + jb) / 32 * D * 32);
         if (!live[jb / 32])
             for (int i = 0; i < MR; i++) vstore(&S[i][jb], none), vstore(&S[i][jb + 16], none);
 #if QKV_BF16
-        else if (!j->f32) dots_bf16(D, qt, kb, jb, scale, S);
+        else if (!j->f32) dots_bf16(D, qt, kb, jb, scale, S, rmax);
 #endif
-        else dots_f32(D, qt, kb, jb, scale, S);
+        else dots_f32(D, qt, kb, jb, scale, S, rmax);
     }
 }
 
@@ -257,8 +263,9 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
             /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
                the rest is skipped (-inf scores, no ·V). */
             int live[KT / 32];
+            vf rmax[MR]; /* each row's lane maxima of its scores */
             live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
-            scores(j, qt, kp, D, n0, nk, live, j->scale, S);
+            scores(j, qt, kp, D, n0, nk, live, j->scale, S, rmax);
             const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
             for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
                 float *s = S[i];
@@ -266,8 +273,12 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
                 int64_t kf, kl, d; /* the keys this row may see */
                 row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
                 float slope = alibi_of(j, h, r0 + i, n0, &d);
-                vf mx = vset1(-INFINITY);
-                for (int64_t n = 0; n < nk; n += 16) {
+                /* A row that sees every key of the step, unmodified and unmasked, has its
+                   scores as they are: their maximum is the dots' (the causal rows off the
+                   diagonal: most of them). The others are modified and masked here. */
+                const int plain = !j->slopes && !(j->cap > 0.0f) && !br && kf == 0 && kl == nk;
+                vf mx = plain ? rmax[i] : vset1(-INFINITY);
+                for (int64_t n = 0; n < nk && !plain; n += 16) {
                     if (!live[n / 32]) continue;
                     vf t = vzero(), x = modified(j, vload(s + n), slope, d + n, cap, inv, &t);
                     x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
@@ -469,8 +480,8 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             memcpy(df + x, &u, 4);
         }
 #endif
-        scores(j, qrows, kp, D, 0, nk, live, j->scale, S);
-        scores(j, drows, vk, Dv, 0, nk, live, 1.0f, dP);
+        scores(j, qrows, kp, D, 0, nk, live, j->scale, S, NULL);
+        scores(j, drows, vk, Dv, 0, nk, live, 1.0f, dP, NULL);
         const vf zero = vzero(), scale = vset1(j->scale), one = vset1(1.0f);
         const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
         for (int i = 0; i < MR; i++) {
