@@ -42,8 +42,9 @@ def counting(monkeypatch, *probes):
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
     measured = profile.Probe(
-        1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8
-    )
+        1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8,
+        causal_native_ms=3.0, causal_sdpa_ms=4.0, causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=1.5,
+    )  # fmt: skip
     calls = counting(monkeypatch, measured)
     found, where = profile.load()
     assert where.startswith("measured and stored") and found.float32 and found.faster
@@ -85,6 +86,28 @@ def test_the_half_precision_choice_keeps_its_stored_value_near_the_threshold(cac
     assert found.widen_bfloat16 and found.widens(torch.float16)
     assert profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 1.05×: kept
     assert not profile.load(remeasure=True)[0].widens(torch.bfloat16)  # 0.5×: changed
+
+
+@needs_native
+def test_the_causal_choice_keeps_its_stored_value_near_the_threshold(cache, monkeypatch):
+    """Whether a causal call with T_q == T_k runs natively, with a gradient and without:
+    measured against torch's kernel, stored, kept on a re-measurement within the margin,
+    changed past it; not measured (an older probe, no native kernel): torch's kernel."""
+
+    def timed(native_ms, native_fwd_ms):
+        return profile.Probe(
+            1.0, 2.0, 1.5, causal_native_ms=native_ms, causal_sdpa_ms=10.0,
+            causal_native_fwd_ms=native_fwd_ms, causal_sdpa_fwd_ms=10.0,
+        )  # fmt: skip
+
+    counting(monkeypatch, timed(7.0, 12.0), timed(9.5, 9.5), timed(12.0, 6.0))
+    found = profile.load()[0]  # 0.7×: native; 1.2× forward: torch's
+    assert found.use_causal and not found.use_causal_fwd and found.causal_ratio() == 0.7
+    kept = profile.load(remeasure=True)[0]  # 0.95× both: within the margin, both kept
+    assert kept.causal(backward=True) and not kept.causal(backward=False)
+    changed = profile.load(remeasure=True)[0]  # 1.2× and 0.6×: past it, both changed
+    assert not changed.causal(backward=True) and changed.causal(backward=False)
+    assert not profile.Probe(1.0, 2.0, 1.5).causal()  # not measured
 
 
 @needs_native
@@ -193,6 +216,52 @@ def test_the_profiled_dispatch_follows_the_stored_choice(cache, monkeypatch, tun
         monkeypatch.setattr(profile, "probe", lambda v=verdict: v)
         x = torch.randn(1, 2, 1024, 64)
         assert qkv.dispatch(x, x, x, mask=masks.sliding_window(64)).path == want
+
+
+@needs_native
+def test_causal_runs_natively_where_the_profile_measured_it_faster(monkeypatch, tune):
+    """A causal call with T_q == T_k takes the native kernel where the machine's profile
+    found its causal pass faster than torch's (the verdict with a gradient for a call that
+    needs one), torch's kernel where slower, below Tuning.native_scores, and with the probe
+    off; the two agree within float32 rounding, gradients too."""
+    tune(native_probe=True)
+
+    def verdict(with_grad, forward):
+        return profile.Probe(
+            1.0, 2.0, 1.5, use_float32=True, use_bfloat16=False, use_causal=with_grad,
+            use_causal_fwd=forward, causal_native_ms=1.0, causal_sdpa_ms=2.0,
+            causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=2.0,
+        )  # fmt: skip
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 1024, 64, generator=g) for _ in range(3))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    causal = masks.causal()
+    monkeypatch.setattr(profile, "probe", lambda: verdict(False, True))
+    chosen = qkv.dispatch(q, k, v, mask=causal)
+    assert (chosen.path, chosen.rule) == ("tiled-native", "causal square")
+    assert qkv.dispatch(qg, kg, vg, mask=causal).path == "sdpa"  # the verdict with a gradient
+    assert qkv.dispatch(q[:, :, :512], k[:, :, :512], v[:, :, :512], mask=causal).path == "sdpa"
+    if native.available(torch.float32) and native.supports(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.float32
+    ):
+        assert qkv.dispatch(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=causal).path in (
+            "tiled-native-widen",
+            "tiled-native",
+        )
+    monkeypatch.setattr(profile, "probe", lambda: verdict(True, False))
+    assert qkv.dispatch(q, k, v, mask=causal).path == "sdpa"
+    assert qkv.dispatch(qg, kg, vg, mask=causal).path == "tiled-native"
+    out = qkv.attention(qg, kg, vg, mask=causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True).sum().backward()
+    for got, exp in zip((qg, kg, vg), ref):
+        torch.testing.assert_close(got.grad, exp.grad, atol=1e-4, rtol=1e-4)
+    with qkv.tuned(native_probe=False):  # no measurement: torch's kernel
+        assert qkv.dispatch(qg, kg, vg, mask=causal).path == "sdpa"
 
 
 def test_qkv_doctor_prints_the_machine_and_its_choices(cache, capsys):

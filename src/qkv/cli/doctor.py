@@ -82,6 +82,13 @@ def run_doctor(args: argparse.Namespace) -> int:
                 if found.widens(getattr(torch, n), backward)
             ]
         print(f"  on float32 copies through torch's kernel: {', '.join(widened) or 'none'}")
+        print(
+            f"  causal over {profile.CAUSAL:,} queries, float32, native / torch's kernel ms: "
+            f"forward {found.causal_native_fwd_ms:.2f} / {found.causal_sdpa_fwd_ms:.2f}, "
+            f"forward + backward {found.causal_native_ms:.2f} / {found.causal_sdpa_ms:.2f}"
+        )
+        runs = [w for b, w in ((False, "forward"), (True, "with a gradient")) if found.causal(b)]
+        print(f"  causal with T_q == T_k natively: {', '.join(runs) or 'never'}")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 8, 4096, 64, generator=g)
     kinds = {

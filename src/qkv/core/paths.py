@@ -79,8 +79,28 @@ def widened(a: Call) -> bool:
         return False
     if a.tracing or not a.tuning.native_probe:
         return False
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (a.q, a.k, a.v))
-    return profile.probe().widens(a.q.dtype, backward=grad)
+    return profile.probe().widens(a.q.dtype, backward=needs_grad(a))
+
+
+def needs_grad(a: Call) -> bool:
+    """Whether the call will be differentiated: grad mode on and one of Q, K, V needing it."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in (a.q, a.k, a.v))
+
+
+def native_causal(a: Call) -> bool:
+    """Whether this causal call with T_q == T_k runs faster through the native kernel than
+    through torch's fused kernel here: on the CPU, from :attr:`qkv.Tuning.native_scores`
+    scores on, where the machine's profile runs float32 natively and found its causal pass
+    under :data:`~qkv.kernels.tiled.profile.CAUSAL_AT` × torch's time — forward and backward
+    for a call that needs a gradient, the forward for one that does not
+    (:meth:`qkv.kernels.tiled.profile.Probe.causal`). Never while tracing, nor with the probe
+    off (torch's kernel then, unmeasured)."""
+    if a.tracing or not (a.tuning.native and a.tuning.native_probe) or a.q.device.type != "cpu":
+        return False
+    if a.scores < a.tuning.native_scores:
+        return False
+    found = profile.probe()
+    return found.float32 and found.causal(backward=needs_grad(a))
 
 
 def tiled_path(a: Call) -> tuple[str, str]:

@@ -18,7 +18,9 @@ from .call import Call, Dispatch, Rule
 from .paths import (
     allows_everything,
     causal_at_the_end,
+    native_causal,
     native_wins,
+    needs_grad,
     sdpa_mode,
     sdpa_takes,
     tiled_path,
@@ -280,6 +282,17 @@ def _rule_causal_square(a: Call) -> Dispatch | None:
     if not a.causal_square or a.mod is not None:
         return None
     why = "causal with T_q == T_k"
+    if native_causal(a):
+        code = tiled_path(a)  # the native kernel, unless it cannot take these inputs
+        if code[0] in ("tiled-native", "tiled-native-widen"):
+            ratio = profile.probe().causal_ratio(backward=needs_grad(a))
+            return _tiled(
+                a,
+                f"{why}: the native kernel's causal pass took {ratio:.2f}× the time of torch's "
+                "fused kernel with is_causal on this machine (measured once)",
+                "causal square",
+                code=code,
+            )
     return _sdpa(
         a,
         why if a.tracing else f"{why}: torch's fused kernel with is_causal",

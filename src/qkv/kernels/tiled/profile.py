@@ -38,9 +38,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ...masks import FULL
+from ...masks import FULL, causal
 from ...tuning import Tuning
 from ..contract import Lowered
+from . import backward as tiled_backward
 from . import forward, native
 from .plan import dense_to_sparse, make_plan
 
@@ -50,9 +51,9 @@ FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
 #: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass, 5 the AVX2
 #: and NEON steps' second register blocking, 6 half precision on copies wherever torch's
-#: half-precision kernel is the slower (a file of an older format is measured again,
-#: silently)
-FORMAT = 6
+#: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's
+#: (a file of an older format is measured again, silently)
+FORMAT = 7
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -80,6 +81,17 @@ BFLOAT16_AT = 1.05
 #: faster (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
 ROWS_AT = 1.0
 
+#: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
+#: :data:`CAUSAL` queries) under which a causal call with T_q == T_k runs natively. Under
+#: 1.0, because the probe's pass overstates the native kernel's lead at longer sequences: on
+#: a Zen 4 held to AVX2 the probe measured 0.84 (forward and backward) and 0.77 (forward)
+#: where causal T = 4,096 through qkv.attention took 0.97× and 0.94× torch's time; on
+#: AVX-512 0.77 and 0.74 where it took 0.83× and 0.82× (2026-11-27)
+CAUSAL_AT = 0.9
+
+#: The probe's causal pass: its queries (and keys), of 4 heads, D = 64, float32.
+CAUSAL = 1024
+
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
@@ -97,7 +109,10 @@ class Probe(NamedTuple):
     causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
     inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
     several times slower than float32's, and without AVX512-FP16 float16's forward does
-    too."""
+    too. And a causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) through the
+    native kernel (``causal_native_ms``; nan where this CPU cannot run it) and through
+    torch's fused kernel with is_causal (``causal_sdpa_ms``), forward and backward, and
+    forward alone (``causal_*_fwd_ms``)."""
 
     native_ms: float
     float32_ms: float
@@ -110,6 +125,10 @@ class Probe(NamedTuple):
     sdpa_widened_fwd_ms: float = float("nan")
     native_widen_ms: float = float("nan")
     native32_rows2_ms: float = float("nan")
+    causal_native_ms: float = float("nan")
+    causal_sdpa_ms: float = float("nan")
+    causal_native_fwd_ms: float = float("nan")
+    causal_sdpa_fwd_ms: float = float("nan")
     #: the choices as a stored profile made them (:func:`load`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
@@ -118,6 +137,8 @@ class Probe(NamedTuple):
     widen_bfloat16_fwd: bool | None = None
     widen_float16_fwd: bool | None = None
     use_rows: int | None = None
+    use_causal: bool | None = None
+    use_causal_fwd: bool | None = None
 
     def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
         """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
@@ -135,6 +156,22 @@ class Probe(NamedTuple):
         if stored is not None:
             return bool(stored)
         return self.sdpa_ratio(dtype, backward) > WIDEN_AT
+
+    def causal_ratio(self, backward: bool = True) -> float:
+        """The native kernel's causal pass ÷ torch's fused kernel's with is_causal, forward
+        and backward or forward alone (nan: not measured)."""
+        fwd = "" if backward else "_fwd"
+        native_ms = getattr(self, f"causal_native{fwd}_ms")
+        return float(native_ms / getattr(self, f"causal_sdpa{fwd}_ms"))
+
+    def causal(self, backward: bool = True) -> bool:
+        """Whether a causal call with T_q == T_k — one that needs a gradient
+        (``backward``), or another — runs natively here: the native kernel's causal pass
+        took under :data:`CAUSAL_AT` × torch's time (not measured: no)."""
+        stored = self.use_causal if backward else self.use_causal_fwd
+        if stored is not None:
+            return stored
+        return self.causal_ratio(backward) < CAUSAL_AT
 
     @property
     def float32(self) -> bool:
@@ -213,6 +250,11 @@ def measure() -> Probe:
             calls[name] = _with_rows(3, _banded_pass(path, *xs))
     if native.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
         calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
+    for backward in (True, False):
+        fwd = "" if backward else "_fwd"
+        calls[f"causal_sdpa{fwd}"] = _causal_pass(None, backward)
+        if native.available(torch.float32):
+            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass("tiled-native", backward))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -233,6 +275,10 @@ def measure() -> Probe:
         sdpa_bfloat16_fwd_ms=median["sdpa_bfloat16_fwd"],
         sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
         sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
+        causal_native_ms=median.get("causal_native", math.nan),
+        causal_sdpa_ms=median["causal_sdpa"],
+        causal_native_fwd_ms=median.get("causal_native_fwd", math.nan),
+        causal_sdpa_fwd_ms=median["causal_sdpa_fwd"],
     )
 
 
@@ -260,6 +306,52 @@ def _banded_pass(
     plan = make_plan(*dense_to_sparse(codes), T, T, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
     call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan)
     return functools.partial(forward, call)
+
+
+class _Causal:
+    """Causal's tiles as the tiled kernel reads them (:class:`qkv.kernels.contract.MaskTiles`),
+    for the probe's pass: every query's keys are one interval, which the native kernel
+    masks by."""
+
+    shift_invariant = True
+
+    def __init__(self) -> None:
+        self.mask = causal()
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        return self.mask.block(1, 1, q0, q1, k0, k1)
+
+    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.mask.intervals(np.arange(q0, q1))
+
+
+def _causal_pass(path: str | None, backward: bool) -> Callable[[], object]:
+    """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32), forward and,
+    with ``backward``, backward: of the tiled kernel on ``path`` ("tiled-native"), or of
+    torch's fused kernel with is_causal (None)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 4, CAUSAL, 64, generator=g) for _ in range(4))
+    if path is None:
+        xs = [x.requires_grad_(backward) for x in (q, k, v)]
+        sdpa_ = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa() -> object:
+            with torch.set_grad_enabled(backward):
+                out = sdpa_(xs[0], xs[1], xs[2], is_causal=True)
+                return torch.autograd.grad(out, xs, dout) if backward else out
+
+        return sdpa
+    tuning = Tuning()
+    bq, bk = tuning.block_q, tuning.block_k
+    tiles = causal().sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
+    plan = make_plan(*tiles, CAUSAL, CAUSAL, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
+    call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan, tiles=_Causal())
+
+    def native_pass() -> object:
+        out, lse = forward(call)
+        return tiled_backward(call, out, lse, dout) if backward else out
+
+    return native_pass
 
 
 def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
@@ -354,13 +446,14 @@ def _near(ratio: float, threshold: float) -> bool:
 def _ratios(p: Probe) -> list[float]:
     """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2, NEON or SVE
     step's 2 rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
-    otherwise, torch's half precision ÷ float32 copies."""
+    otherwise, torch's half precision ÷ float32 copies, the native causal pass ÷ torch's."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
-    return [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen]
+    causal_ = [p.causal_ratio(b) for b in (True, False)]
+    return [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (ROWS_AT, FLOAT32_AT, BFLOAT16_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT, WIDEN_AT)
+THRESHOLDS = (ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT)
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -391,7 +484,14 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
             near = _near(new.sdpa_ratio(dtype, backward), WIDEN_AT)
             if old is not None and old.widens(dtype, backward) != widen[name] and near:
                 widen[name] = old.widens(dtype, backward)
-    return new._replace(use_float32=float32, use_bfloat16=bf16, **widen)
+    native_causal = {}
+    for backward in (True, False):
+        name = f"use_causal{'' if backward else '_fwd'}"
+        native_causal[name] = new.causal(backward)
+        near = _near(new.causal_ratio(backward), CAUSAL_AT)
+        if old is not None and old.causal(backward) != native_causal[name] and near:
+            native_causal[name] = old.causal(backward)
+    return new._replace(use_float32=float32, use_bfloat16=bf16, **widen, **native_causal)
 
 
 def _first(stored: Probe | None) -> Probe:
