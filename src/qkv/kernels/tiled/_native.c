@@ -156,13 +156,17 @@ typedef struct {
     int64_t next, done;
 } Pass;
 
+/* The floats of an item's dQ share (G·R·D), rounded up to whole 64-byte lines: its dK and
+   dV shares follow, each row on a line as the share itself. */
+static int64_t dq_floats(const BJob *bj) { return (bj->f.G * bj->f.R * bj->f.D + 15) / 16 * 16; }
+
 static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
     LOCK(&ps->lock);
     ps->pending[bh * ps->chain + place] = share;
     for (Share *s; ps->committed[bh] < ps->chain &&
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
         const BJob *bj = &ps->calls[s->call];
-        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D;
+        int64_t D = bj->f.D, q = dq_floats(bj);
         add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->mem + q,
                   s->mem + q + KB * pad32(D));
         free(s->mem);
@@ -174,17 +178,22 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
 
 static void backward_worker(Pass *ps) {
     int64_t items = ps->start[ps->n], c = 0;
-    void *scratch = malloc(3 * KB * MAX_D * sizeof(float)); /* this thread's packed keys */
+    /* this thread's packed keys; it and each item's shares on 64-byte lines, so that no
+       vector load or store of a row splits a cache line (malloc's 16 bytes into a line made
+       half of AVX2's do: docs/kernels.md) */
+    void *scratch = aligned_alloc(64, 3 * KB * MAX_D * sizeof(float));
     for (int64_t it; (it = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < items;) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];
         int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
-        int64_t D = bj->f.D, q = bj->f.G * bj->f.R * D, dk = KB * pad32(D);
-        float *mem = calloc((size_t)(q + dk + KB * pad32(bj->f.Dv)), sizeof(float));
+        int64_t D = bj->f.D, q = dq_floats(bj), dk = KB * pad32(D);
+        size_t bytes = (size_t)(q + dk + KB * pad32(bj->f.Dv)) * sizeof(float);
+        float *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
         if (!mem || !scratch) { /* (its item is not done: the caller raises) */
             free(mem);
             break;
         }
+        memset(mem, 0, bytes);
         step_of(bj->f.isa, bj->f.rows)
             .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + dk, scratch);
         commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
