@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +44,8 @@ from ..contract import Lowered
 from . import backward as tiled_backward
 from . import forward, native
 from .plan import dense_to_sparse, make_plan
+
+T = TypeVar("T")
 
 #: relative margin a re-measurement must clear to change a stored choice
 MARGIN = 0.1
@@ -252,9 +254,9 @@ def measure() -> Probe:
         calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
     for backward in (True, False):
         fwd = "" if backward else "_fwd"
-        calls[f"causal_sdpa{fwd}"] = _causal_pass(None, backward)
+        calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
         if native.available(torch.float32):
-            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass("tiled-native", backward))
+            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -325,27 +327,17 @@ class _Causal:
         return self.mask.intervals(np.arange(q0, q1))
 
 
-def _causal_pass(path: str | None, backward: bool) -> Callable[[], object]:
-    """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32), forward and,
-    with ``backward``, backward: of the tiled kernel on ``path`` ("tiled-native"), or of
-    torch's fused kernel with is_causal (None)."""
+def _causal_pass(backward: bool) -> Callable[[], object]:
+    """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) of the native
+    kernel ("tiled-native"), forward and, with ``backward``, backward (torch's kernel over
+    the same: :func:`_sdpa_step`)."""
     g = torch.Generator().manual_seed(2)
     q, k, v, dout = (torch.randn(1, 4, CAUSAL, 64, generator=g) for _ in range(4))
-    if path is None:
-        xs = [x.requires_grad_(backward) for x in (q, k, v)]
-        sdpa_ = torch.nn.functional.scaled_dot_product_attention
-
-        def sdpa() -> object:
-            with torch.set_grad_enabled(backward):
-                out = sdpa_(xs[0], xs[1], xs[2], is_causal=True)
-                return torch.autograd.grad(out, xs, dout) if backward else out
-
-        return sdpa
     tuning = Tuning()
     bq, bk = tuning.block_q, tuning.block_k
     tiles = causal().sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
     plan = make_plan(*tiles, CAUSAL, CAUSAL, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
-    call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan, tiles=_Causal())
+    call = Lowered(q, k, v, 0.125, 0, "tiled-native", tuning, plan=plan, tiles=_Causal())
 
     def native_pass() -> object:
         out, lse = forward(call)
@@ -364,11 +356,13 @@ def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
     return timed
 
 
-def _sdpa_step(dtype: torch.dtype, widen: bool, backward: bool) -> Callable[[], object]:
-    """One forward (and ``backward``) of torch's fused kernel, causal over 512 queries (4
-    heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
+def _sdpa_step(
+    dtype: torch.dtype, widen: bool, backward: bool, queries: int = 512
+) -> Callable[[], object]:
+    """One forward (and ``backward``) of torch's fused kernel, causal over ``queries``
+    queries (4 heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
     g = torch.Generator().manual_seed(1)
-    x = [torch.randn(1, 4, 512, 64, generator=g).to(dtype) for _ in range(3)]
+    x = [torch.randn(1, 4, queries, 64, generator=g).to(dtype) for _ in range(3)]
 
     def step() -> object:
         with torch.set_grad_enabled(backward):
@@ -462,35 +456,34 @@ def _median(probes: list[Probe]) -> Probe:
     return Probe(**{f: statistics.median(getattr(p, f) for p in probes) for f in times})
 
 
+def _kept(new: T, old: T | None, ratio: float, threshold: float) -> T:
+    """A choice the new measurement made, or the stored one where they differ and the new
+    ratio lies within :data:`MARGIN` of its threshold."""
+    return old if old is not None and old != new and _near(ratio, threshold) else new
+
+
 def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
-    rows = new.rows
-    if old is not None and old.rows != rows and _near(new.rows_ratio(), ROWS_AT):
-        rows = old.rows
+    rows = _kept(new.rows, None if old is None else old.rows, new.rows_ratio(), ROWS_AT)
     new = new._replace(use_rows=rows)  # float32's time below is that of these rows
-    float32 = new.float32
-    if old is not None and old.float32 != float32 and _near(new.float32_ratio(), FLOAT32_AT):
-        float32 = old.float32
+    stored = None if old is None else old.float32
+    float32 = _kept(new.float32, stored, new.float32_ratio(), FLOAT32_AT)
     r16 = new.bfloat16_ratio(float32)
-    bf16 = r16 < BFLOAT16_AT
-    if old is not None and old.faster != bf16 and _near(r16, BFLOAT16_AT):
-        bf16 = old.faster
+    bf16 = _kept(r16 < BFLOAT16_AT, None if old is None else old.faster, r16, BFLOAT16_AT)
     widen = {}
     for dtype in (torch.bfloat16, torch.float16):
         for backward in (True, False):
             name = f"widen_{str(dtype).removeprefix('torch.')}{'' if backward else '_fwd'}"
-            widen[name] = new.widens(dtype, backward)
-            near = _near(new.sdpa_ratio(dtype, backward), WIDEN_AT)
-            if old is not None and old.widens(dtype, backward) != widen[name] and near:
-                widen[name] = old.widens(dtype, backward)
+            stored = None if old is None else old.widens(dtype, backward)
+            ratio = new.sdpa_ratio(dtype, backward)
+            widen[name] = _kept(new.widens(dtype, backward), stored, ratio, WIDEN_AT)
     native_causal = {}
     for backward in (True, False):
-        name = f"use_causal{'' if backward else '_fwd'}"
-        native_causal[name] = new.causal(backward)
-        near = _near(new.causal_ratio(backward), CAUSAL_AT)
-        if old is not None and old.causal(backward) != native_causal[name] and near:
-            native_causal[name] = old.causal(backward)
+        stored = None if old is None else old.causal(backward)
+        native_causal[f"use_causal{'' if backward else '_fwd'}"] = _kept(
+            new.causal(backward), stored, new.causal_ratio(backward), CAUSAL_AT
+        )
     return new._replace(use_float32=float32, use_bfloat16=bf16, **widen, **native_causal)
 
 
