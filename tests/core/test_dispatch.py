@@ -240,7 +240,7 @@ def _ran(monkeypatch, call):
     monkeypatch.setattr(
         T.flash,
         "fused_forward",
-        lambda c, *, native, transient=False: (
+        lambda c, *, native, transient=False, rounded=False: (
             ran.append(
                 "tiled-flash"
                 if native is None
@@ -248,7 +248,7 @@ def _ran(monkeypatch, call):
                 if native == c.q.dtype
                 else "tiled-native-widen"
             )
-            or fused(c, native=native, transient=transient)
+            or fused(c, native=native, transient=transient, rounded=rounded)
         ),
     )
     monkeypatch.setattr(T, "loop_forward", lambda c: ran.append("tiled-loop") or loop(c))

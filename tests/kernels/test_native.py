@@ -768,6 +768,69 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
         assert torch.equal(widened, copied)
 
 
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("computed", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ["", "avx2"])
+@pytest.mark.parametrize("D,D_v", [(64, 64), (40, 18), (192, 128), (96, 34)])
+def test_half_precision_output_is_rounded_by_the_kernel_as_torch_rounds(
+    source, computed, isa, D, D_v
+):
+    """Given an output in the inputs' half precision, the forward rounds each value as it
+    writes it: the same bits as the float32 output rounded by ``.to()`` (to nearest even),
+    ties and float16's subnormals included, at head dims on and off the vectors, on every
+    step; its log-sum-exp unchanged. Ties: two keys with equal scores average two
+    neighbouring values, a float32 exactly between two half-precision ones."""
+    if computed == torch.bfloat16 and source != torch.bfloat16:
+        pytest.skip("the bfloat16 step takes bfloat16")
+    if not native.available(computed) or (isa and isa not in native.isas()):
+        pytest.skip("the native kernel cannot run this step here")
+    if isa and computed == torch.bfloat16:
+        pytest.skip("the AVX2 step computes in float32")
+    g = torch.Generator().manual_seed(D + D_v)
+    B, H_kv, G, R, T_k = 2, 2, 3, 21, 2
+    q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(source)
+    k = torch.randn(B, H_kv, 1, D, generator=g).to(source).expand(B, H_kv, T_k, D).contiguous()
+    tiny = 2.0**-20 if source == torch.float16 else 1.0  # float16's subnormals below 2^-14
+    v = (torch.randn(B, H_kv, 1, D_v, generator=g) * tiny).to(source)
+    step = v.float().abs() * 2.0**-7 + (2.0**-24 if source == torch.float16 else 0.0)
+    v = torch.cat([v, (v.float() + step).to(source)], 2)  # each pair: neighbours or near
+    with native.use_isa(isa):
+        packed = native.pack(k, v, computed)
+        want, lse = native.attend(q5, packed, 0, T_k, None, D**-0.5)
+        got = torch.empty(B, H_kv, G, R, D_v, dtype=source)
+        got, lse2 = native.attend(q5, packed, 0, T_k, None, D**-0.5, out=got)
+    assert got.dtype == source
+    assert torch.equal(got.view(torch.int16), want.to(source).view(torch.int16))
+    assert torch.equal(lse, lse2)
+    ties = (want * 2).to(source).float() / 2 == want  # exactly between two neighbours
+    assert bool(ties.any())
+
+
+def test_half_precision_attention_writes_its_output_in_its_dtype(monkeypatch, tune):
+    """qkv.attention on half precision through the native kernel hands it an output in
+    the inputs' dtype (no float32 output to round in a second pass), except with sinks,
+    which scale the float32 output before it is rounded; the results equal the float32
+    path's rounded, bit for bit."""
+    tune(native=True, native_probe=False)
+    seen = []
+    real = native._native.attend_many
+    monkeypatch.setattr(
+        native._native,
+        "attend_many",
+        lambda **kw: seen.extend(c["out_dtype"] for c in kw["calls"]) or real(**kw),
+    )
+    q, k, v = make_qkv(1, 4, 2, 70, 90, 32, 32, dtype=torch.float16, seed=5)
+    mask = qkv.masks.sliding_window(16)
+    out = qkv.attention(q, k, v, mask=mask, backend="tiled")
+    assert out.dtype == torch.float16 and set(seen) == {"float16"}
+    seen.clear()
+    sinks = torch.randn(4)
+    qkv.attention(q, k, v, mask=mask, backend="tiled", sinks=sinks)
+    assert set(seen) == {"float32"}
+    want = qkv.attention(q.float(), k.float(), v.float(), mask=mask, backend="tiled")
+    assert torch.equal(out, want.to(torch.float16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("D", [1, 5, 16, 37, 64, 576])
 @pytest.mark.parametrize("isa", ["", "avx2"])
@@ -970,7 +1033,7 @@ def test_the_boundary_to_c_is_named_fields(monkeypatch):
     with pytest.raises(TypeError, match="missing required argument 'k'"):
         run(renamed)
     extra = {**fields, "keys": fields["k"]}
-    with pytest.raises(TypeError, match="at most 14 keyword arguments"):
+    with pytest.raises(TypeError, match="at most 15 keyword arguments"):
         run(extra)
     with pytest.raises(TypeError):
         real([tuple(fields.values())], 1)  # the old positional form

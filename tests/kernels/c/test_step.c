@@ -5,7 +5,8 @@
    Cases: head dims on and off the vectors (D_v apart from D), inputs in float32, bfloat16
    and float16 (widened as the step loads them), rows masked by bounds (one row with no
    key), ALiBi with a soft-cap, GQA rows; bfloat16 in the CPU's bfloat16 dot products where
-   the step has them and the CPU runs them (AVX512-BF16; BFDOT on ARM64); and the backward's
+   the step has them and the CPU runs them (AVX512-BF16; BFDOT on ARM64); half-precision
+   outputs rounded by the step as float32's round; and the backward's
    Delta (row_dots) in each dtype and head dim. Prints a line per case and exits 1 if any is out of
    tolerance.
 
@@ -69,6 +70,23 @@ static double store(void *x, int64_t i, int src, double want) {
     }
     ((uint16_t *)x)[i] = bits;
     return (double)m / 512.0;
+}
+
+/* float32 rounded to bfloat16 or float16 to nearest even, one value at a time (the
+   reference for the step's vector stores of a half-precision output). */
+static uint16_t rounded(float f, int dst) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t a = u & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if (dst == SRC_BF16)
+        return a > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
+                               : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    if (a > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* 65520 and up: inf */
+    if (a < 0x38800000u) return sign | (uint16_t)nearbyint(fabsf(f) * 16777216.0); /* 2^-24s */
+    uint32_t h = ((a >> 23) - 112) << 10 | ((a >> 13) & 0x3ffu), rest = a & 0x1fffu;
+    return sign | (uint16_t)(h + (rest > 0x1000u || (rest == 0x1000u && (h & 1u))));
 }
 
 typedef struct {
@@ -180,6 +198,17 @@ static int run_case(const Step *st, const Case *c) {
     j.qpos = 5, j.parts = 2, j.f32 = f32, j.src = c->src, j.isa = st->isa;
     j.tiles = (G * R + ROWS - 1) / ROWS, j.items = B * H * j.tiles, j.segs = &seg, j.nseg = 1;
     for (int64_t it = 0; it < j.items; it++) st->forward(&j, it);
+    /* Half-precision inputs: the output again, written in their dtype by the step, each
+       value rounded as the float32 one rounds. */
+    int rounding_ok = 1;
+    if (c->src != SRC_F32) {
+        uint16_t *half = malloc(sizeof(uint16_t) * rows * Dv);
+        Job jh = j;
+        jh.out = half, jh.dst = c->src;
+        for (int64_t it = 0; it < jh.items; it++) st->forward(&jh, it);
+        for (int64_t i = 0; i < rows * Dv; i++) rounding_ok &= half[i] == rounded(got[i], c->src);
+        free(half);
+    }
 
     /* The step's backward, key block by key block, its shares summed here. */
     for (int64_t i = 0; i < rows; i++) {
@@ -233,12 +262,13 @@ static int run_case(const Step *st, const Case *c) {
     const double tol[5] = {2e-5, 2e-5, 1e-4, 1e-4, 1e-4};
     int ok = 1;
     for (int i = 0; i < 5; i++) ok &= worst[i] <= tol[i]; /* (NaN fails) */
+    ok &= rounding_ok;
     const char *src = c->src == SRC_F32 ? "float32" : c->src == SRC_BF16 ? "bfloat16" : "float16";
     printf("%s %-6s %-8s%s D=%3lld Dv=%3lld G=%lld%s%s: out %.1e lse %.1e dq %.1e dk %.1e "
-           "dv %.1e\n",
+           "dv %.1e%s\n",
            ok ? "ok  " : "FAIL", st->name, src, c->dots ? " dots" : "", (long long)D, (long long)Dv,
            (long long)G, c->bounds ? " bounds" : "", c->mod ? " alibi+softcap" : "", worst[0],
-           worst[1], worst[2], worst[3], worst[4]);
+           worst[1], worst[2], worst[3], worst[4], rounding_ok ? "" : " (rounded output differs)");
     free(q), free(k), free(v), free(dout), free(qd), free(kd), free(vd), free(dod), free(out);
     free(lse), free(dq), free(dk), free(dv), free(s), free(tt), free(kp), free(got);
     free(got_lse), free(gdq), free(gdk), free(gdv), free(share), free(dKa), free(dVa);

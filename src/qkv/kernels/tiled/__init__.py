@@ -24,13 +24,17 @@ from .loop import loop_backward, loop_forward
 from .plan import row_dot
 
 
-def forward(call: Lowered, *, transient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    call: Lowered, *, transient: bool = False, rounded: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, H, T_q, D_v) and lse (B, H, T_q), both in the accumulation dtype, without
     autograd: the call's flash calls (torch's kernel, or qkv's native one) or the PyTorch
     loop, as ``call.path`` says. ``transient``: the caller copies out and drops it before
-    this thread's next kernel call (:func:`flash.fused_forward`)."""
+    this thread's next kernel call; ``rounded``: out may come in the inputs' dtype, rounded
+    by the native kernel (:func:`flash.fused_forward`)."""
     if call.path in FUSED:
-        return flash.fused_forward(call, native=_native_dtype(call), transient=transient)
+        native = _native_dtype(call)
+        return flash.fused_forward(call, native=native, transient=transient, rounded=rounded)
     return loop_forward(call)
 
 
@@ -92,8 +96,10 @@ class _TiledAttention(torch.autograd.Function):
         v: torch.Tensor,
         *mod_tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # out is rounded to the inputs' dtype below (a copy) where it is not in it already
-        out, lse = forward(call, transient=q.dtype != accumulation_dtype(q.dtype))
+        # Half precision: the native kernel rounds out as it writes it, unless sinks scale
+        # it after; otherwise out is rounded below (a copy of the float32 one).
+        half = q.dtype != accumulation_dtype(q.dtype)
+        out, lse = forward(call, transient=half, rounded=half and sinks is None)
         if sinks is not None:  # in place: out is the forward's own buffer
             factor, lse = sink_factor(lse, sinks)
             out.mul_(factor[..., None].to(out.dtype))

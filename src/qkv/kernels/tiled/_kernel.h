@@ -52,7 +52,8 @@ typedef struct {
     const float *bias;
     const int32_t *bounds; /* as a Seg's */
     int64_t bnb;
-    float *out, *lse;
+    void *out; /* float32, or (dst) the inputs' half precision, rounded to nearest even */
+    float *lse;
     int64_t qs[4], ks[2], vs[3], bs[3], os[4], ls[4]; /* vs[2]: from key to key of vp */
     int64_t B, H, G, R, D, Dv;                        /* Dv: V's head dim (D: Q's and K's) */
     int64_t begin; /* the first packed key the call reads (a multiple of 32) */
@@ -65,6 +66,7 @@ typedef struct {
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
     int src;  /* what Q (the backward: Q, K, V, dO) holds: SRC_F32, SRC_BF16 or SRC_F16 */
+    int dst;  /* what out holds: SRC_F32, or SRC_BF16 or SRC_F16 (the forward) */
     int isa;  /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
     int rows; /* AVX2, NEON, SVE: its register blocking, 3 or 2 rows at a time */
     int64_t items, tiles;

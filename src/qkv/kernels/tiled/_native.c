@@ -37,7 +37,8 @@
    them. bias: float32, (B|1, H|1, G·R, N) with strides bs[0..2] (0 where broadcast), N
    contiguous, or NULL; bounds (instead of a bias, masks whose every row sees one interval
    of keys): int32 (B|1, R, 2), each query position's keys [lo, hi) counted from k0,
-   stride bnb over B (0 where broadcast), or NULL; out: float32 (B, H, G, R, D) with
+   stride bnb over B (0 where broadcast), or NULL; out: float32, or bfloat16 or float16
+   (each value rounded once, to nearest even, as torch rounds float32), (B, H, G, R, D) with
    strides os[0..3], D_v contiguous; lse: float32 (B, H, G, R) with strides ls[0..3]. D
    (Q's and K's head dim) and D_v (V's) are any sizes up to 576 (bfloat16: even, for the
    pairs the backward multiplies V in too); the step's own row buffers are padded to 32 and V is
@@ -491,22 +492,26 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
-    int parts, f32, src;
-    const char *source;
+    int parts, f32, src, dst;
+    const char *source, *out_dtype;
     PyObject *ranges;
     memset(j, 0, sizeof *j);
-    static char *names[] = {"q",     "k",       "v",       "ranges", "out",
-                            "lse",   "sizes",   "Nt",      "scale",  "softcap",
-                            "alibi", "p_parts", "float32", "source", NULL};
-    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLLL)Ldd(KL)ips",
+    static char *names[] = {"q",       "k",      "v",         "ranges",  "out",   "lse",
+                            "sizes",   "Nt",     "scale",     "softcap", "alibi", "p_parts",
+                            "float32", "source", "out_dtype", NULL};
+    if (!parse_fields(args, "attend", "$(KLLLL)(KLL)(KLLL)O!(KLLLL)(KLLLL)(LLLLLL)Ldd(KL)ipss",
                       names, &q, &qs0, &qs1, &qs2, &qs3, &kp, &ks0, &ks1, &vp, &vs0, &vs1, &vs2,
                       &PyList_Type, &ranges, &out, &os0, &os1, &os2, &os3, &lse, &ls0, &ls1, &ls2,
                       &ls3, &B, &H, &G, &R, &D, &Dv, &Nt, &scale, &cap, &slopes, &qpos, &parts,
-                      &f32, &source) ||
-        !source_of(source, f32, "attend", &src))
+                      &f32, &source, &out_dtype) ||
+        !source_of(source, f32, "attend", &src) || !source_of(out_dtype, 1, "attend: out", &dst))
         return 0;
+    if (dst != SRC_F32 && dst != src) {
+        PyErr_SetString(PyExc_ValueError, "attend: out is float32 or the inputs' dtype");
+        return 0;
+    }
     if (!call_sizes(j, "attend", B, H, G, R, D, Dv, scale, cap, f32, threads)) return 0;
-    j->src = src;
+    j->src = src, j->dst = dst;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
     Py_ssize_t n = PyList_GET_SIZE(ranges);
     Seg *segs = calloc(n > 0 ? (size_t)n : 1, sizeof(Seg));
@@ -531,7 +536,7 @@ static int parse_call(Job *j, PyObject *args, int threads) {
     j->q = (const void *)(uintptr_t)q;
     j->kp = (const void *)(uintptr_t)kp;
     j->vp = (const void *)(uintptr_t)vp;
-    j->out = (float *)(uintptr_t)out;
+    j->out = (void *)(uintptr_t)out;
     j->lse = (float *)(uintptr_t)lse;
     int64_t qs[4] = {qs0, qs1, qs2, qs3}, ks[2] = {ks0, ks1}, vs[3] = {vs0, vs1, vs2},
             os[4] = {os0, os1, os2, os3}, ls[4] = {ls0, ls1, ls2, ls3};
@@ -775,9 +780,9 @@ static PyMethodDef methods[] = {
      "dealt from one counter. A call is a dict: q=(ptr, *4 strides), k=(kp, *2), "
      "v=(vp, *2), ranges=[dict k0, N, bias=(ptr|0, *3), bounds=(ptr|0, *1)], "
      "out=(ptr, *4), lse=(ptr, *4), sizes=(B, H, G, R, D, D_v), Nt, scale, softcap, "
-     "alibi=(slopes|0, qpos), p_parts, float32, source (as backward_many's): the step "
-     "over key ranges of the packed buffers (one online softmax across them), into out and "
-     "lse (float32)."},
+     "alibi=(slopes|0, qpos), p_parts, float32, source (as backward_many's), out_dtype "
+     "(\"float32\" or the source's): the step over key ranges of the packed buffers (one "
+     "online softmax across them), into out and lse (float32)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {

@@ -80,6 +80,22 @@ VI vf vload_e4m3(const uint8_t *p) {
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 
+/* 16 float32 values rounded to bfloat16 (to nearest even, as torch rounds; a NaN stays a
+   quiet NaN) or to float16, stored at p. */
+VI void vstore_bf16(uint16_t *p, vf x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i even =
+        _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, even), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+VI void vstore_f16(uint16_t *p, vf x) {
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 /* bfloat16 dot products (AVX512-BF16), for _bf16.h: a vbf holds 32 bfloat16 values, the
    pairs a vf's 16 lanes sum (VDPBF16PS). */
 #define QKV_HAS_BF16 1
@@ -203,6 +219,24 @@ VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
 VI __m256 i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+/* 8 float32 values as bfloat16 bits in 32-bit lanes (as AVX-512's vstore_bf16 rounds). */
+VI __m256i bf16x8_bits(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+    const __m256i even =
+        _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)),
+                              _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+/* 16 float32 values rounded to bfloat16 or float16 (as AVX-512's), stored at p. */
+VI void vstore_bf16(uint16_t *p, vf x) { /* the pack interleaves 64-bit quarters: reorder */
+    const __m256i w = _mm256_packus_epi32(bf16x8_bits(x.lo), bf16x8_bits(x.hi));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(w, 0xD8));
+}
+VI void vstore_f16(uint16_t *p, vf x) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(x.lo, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(x.hi, _MM_FROUND_TO_NEAREST_INT));
+}
 /* 16 int8 or float8 e4m3 values (as AVX-512's: e4m3 through float16's bits) as float32. */
 VI vf vload_i8(const int8_t *p) { return (vf){i8x8(p), i8x8(p + 8)}; }
 VI vf vload_e4m3(const uint8_t *p) {
@@ -298,6 +332,19 @@ VI vf vload_bf16(const uint16_t *p) {
 }
 VI vf vload_f16(const uint16_t *p) {
     EACH(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * e_))));
+}
+/* 16 float32 values rounded to bfloat16 or float16 (as AVX-512's), stored at p. */
+VI uint16x4_t bf16x4_bits(float32x4_t x) {
+    const uint32x4_t u = vreinterpretq_u32_f32(x), hi = vshrq_n_u32(u, 16);
+    const uint32x4_t even = vaddq_u32(vdupq_n_u32(0x7fff), vandq_u32(hi, vdupq_n_u32(1)));
+    const uint32x4_t r = vshrq_n_u32(vaddq_u32(u, even), 16);
+    return vmovn_u32(vbslq_u32(vceqq_f32(x, x), r, vorrq_u32(hi, vdupq_n_u32(0x40))));
+}
+VI void vstore_bf16(uint16_t *p, vf x) {
+    for (int e = 0; e < 4; e++) vst1_u16(p + 4 * e, bf16x4_bits(x.q[e]));
+}
+VI void vstore_f16(uint16_t *p, vf x) {
+    for (int e = 0; e < 4; e++) vst1_u16(p + 4 * e, vreinterpret_u16_f16(vcvt_f16_f32(x.q[e])));
 }
 /* 16 int8 or float8 e4m3 values (as AVX-512's) as float32. */
 VI vf vload_i8(const int8_t *p) {
@@ -447,6 +494,20 @@ VI sv8f f16x8(const uint16_t *p) {
 }
 VI vf vload_bf16(const uint16_t *p) { return (vf){bf16x8(p), bf16x8(p + 8)}; }
 VI vf vload_f16(const uint16_t *p) { return (vf){f16x8(p), f16x8(p + 8)}; }
+/* 16 float32 values rounded to bfloat16 or float16 (as AVX-512's), stored at p: each
+   result in the low half of a 32-bit lane (float16's conversion puts it there), stored
+   16 bits a lane. */
+VI void bf16x8_store(uint16_t *p, sv8f x) {
+    const svuint32_t u = svreinterpret_u32_f32(x), hi = svlsr_n_u32_x(ALL, u, 16);
+    const svuint32_t even = svadd_n_u32_x(ALL, svand_n_u32_x(ALL, hi, 1), 0x7fff);
+    const svuint32_t r = svlsr_n_u32_x(ALL, svadd_u32_x(ALL, u, even), 16);
+    svst1h_u32(ALL, p, svsel_u32(svcmpuo_f32(ALL, x, x), svorr_n_u32_x(ALL, hi, 0x40), r));
+}
+VI void vstore_bf16(uint16_t *p, vf x) { bf16x8_store(p, x.lo), bf16x8_store(p + 8, x.hi); }
+VI void vstore_f16(uint16_t *p, vf x) {
+    svst1h_u32(ALL, p, svreinterpret_u32_f16(svcvt_f16_f32_x(ALL, x.lo)));
+    svst1h_u32(ALL, p + 8, svreinterpret_u32_f16(svcvt_f16_f32_x(ALL, x.hi)));
+}
 /* 16 int8 or float8 e4m3 values (as AVX-512's: e4m3 through float16's bits) as float32. */
 VI vf vload_i8(const int8_t *p) {
     return (vf){svcvt_f32_s32_x(ALL, svld1sb_s32(ALL, p)),

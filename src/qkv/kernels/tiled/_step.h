@@ -227,6 +227,21 @@ static inline float alibi_of(const Job *j, int64_t h, int64_t row, int64_t n0, i
     return j->slopes ? j->slopes[h * j->G + row / j->R] : 0.0f;
 }
 
+/* dst[0..n) = x[0..n) · by rounded to bfloat16 or float16 (dst_kind: SRC_BF16, SRC_F16),
+   to nearest even as torch rounds float32: the output written in the inputs' dtype, not
+   in float32 to be rounded by a second pass. x is read in whole vectors (rows pad32 wide). */
+TARGET static void narrowed_row(const float *x, float by, int64_t n, uint16_t *dst, int dst_kind) {
+    const vf s = vset1(by);
+    for (int64_t d = 0; d < n; d += 16) {
+        uint16_t part[16];
+        uint16_t *to = n - d >= 16 ? dst + d : part;
+        vf y = vmul(vload(x + d), s);
+        if (dst_kind == SRC_BF16) vstore_bf16(to, y);
+        else vstore_f16(to, y);
+        if (to == part) memcpy(dst + d, part, (size_t)(n - d) * sizeof *part);
+    }
+}
+
 /* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
    padding) over the keys of every range of the job, one online softmax: then out and lse. */
 TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
@@ -314,9 +329,11 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     }
     for (int i = 0; i < rows; i++) {
         int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
-        float *o = job->out + b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
+        int64_t at = b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
         float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
-        for (int64_t d = 0; d < Dv; d++) o[d] = O[i * os + d] * inv;
+        if (job->dst == SRC_F32)
+            for (int64_t d = 0; d < Dv; d++) ((float *)job->out)[at + d] = O[i * os + d] * inv;
+        else narrowed_row(O + i * os, inv, Dv, (uint16_t *)job->out + at, job->dst);
         job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
             l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }

@@ -54,7 +54,7 @@ def _working(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def fused_forward(
-    call: Lowered, *, native: torch.dtype | None, transient: bool = False
+    call: Lowered, *, native: torch.dtype | None, transient: bool = False, rounded: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward pass as fused calls. With ``native`` (a dtype: the inputs', or float32
     for half-precision inputs, widened as the kernel loads them; the dispatch has checked
@@ -67,7 +67,10 @@ def fused_forward(
     (:func:`_working`). Each call holds the G query heads of a key/value head as rows (GQA
     reads each key/value head once). out in the accumulation dtype, as lse; ``transient``
     (the caller copies out and drops it before this thread's next kernel call): out in the
-    thread's scratch buffer (:mod:`qkv.kernels.tiled.scratch`), as the packs are."""
+    thread's scratch buffer (:mod:`qkv.kernels.tiled.scratch`), as the packs are.
+    ``rounded`` (half-precision inputs, the native kernel): out in the inputs' dtype
+    instead, each value rounded by the kernel as it writes it (as ``.to()`` rounds the
+    float32 one: the same bits, with no float32 output written and read again)."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
     mod = _native_mod(call, native)
     if native is None:
@@ -78,7 +81,9 @@ def fused_forward(
     q5 = _blocked(q, H_kv)
     scratch.start()
     n_out = B * H_kv * G * T_q * D_v
-    if transient:
+    if rounded and native is not None:
+        out = torch.empty(B, H_kv, G, T_q, D_v, dtype=q.dtype, device=q.device)
+    elif transient:
         out = scratch.take(n_out, acc, q.device).view(B, H_kv, G, T_q, D_v)
     else:
         out = torch.empty(B, H_kv, G, T_q, D_v, dtype=acc, device=q.device)

@@ -346,7 +346,9 @@ class Job:
     """One call of :func:`attend_many`: queries q5 over the keys of ``ranges`` (disjoint),
     one online softmax across them, into ``out`` (B, H_kv, G, R, D_v) and ``lse`` (made
     when None), as in :func:`attend` (``qpos``: its first query's position, for ALiBi). No
-    ranges: every row has no key (out 0, lse -inf)."""
+    ranges: every row has no key (out 0, lse -inf). ``out`` is float32, or the inputs'
+    half precision: each value then rounded once, as ``.to()`` rounds float32, and written
+    by the kernel (no float32 output to round in a second pass)."""
 
     def __init__(
         self,
@@ -386,12 +388,12 @@ def attend_many(
             out.shape != (B, H_kv, G, R, D_v)
             or lse.shape != (B, H_kv, G, R)
             or out.stride(-1) != 1
-            or out.dtype != torch.float32
+            or out.dtype not in (torch.float32, packed.source)
             or lse.dtype != torch.float32
         ):
             raise ValueError(
-                "native.attend: out (B, H_kv, G, R, D_v) and lse (B, H_kv, G, R), "
-                "float32, out's last dim contiguous"
+                "native.attend: out (B, H_kv, G, R, D_v), float32 or the inputs' dtype, "
+                "its last dim contiguous, and lse (B, H_kv, G, R), float32"
             )
         ranges = [
             dict(k0=r.k0, N=r.k1 - r.k0, bias=bias_at(r.bias), bounds=bounds_at(r.bounds))
@@ -413,6 +415,7 @@ def attend_many(
                 p_parts=p_parts,
                 float32=packed.k.dtype == torch.float32,
                 source=source(packed.source),
+                out_dtype=source(out.dtype),
             )
         )
     _native.attend_many(calls=args, threads=torch.get_num_threads())
