@@ -21,6 +21,7 @@ import torch
 
 from .._checks import Problem
 from ..kernels import Lowered
+from ..kernels.contract import DenseTiles, PredicateTiles
 from ..kernels.flex import BLOCK
 from ..masks import FULL, PARTIAL, Mask, MaskLike
 from ..scores import ScoreMod
@@ -77,46 +78,6 @@ def _qkv_mask(mask: MaskLike) -> Mask | None:
     return mask
 
 
-class PredicateTiles:
-    """A qkv mask evaluated on one tile at a time, at the call's absolute positions. A
-    shift-invariant mask's tile is evaluated once per offset from the diagonal."""
-
-    def __init__(self, mask: Mask, p: Problem, device: torch.device) -> None:
-        self.mask, self.p, self.device = mask, p, device
-        self.shift_invariant = mask.shift_invariant
-        self._seen: dict[tuple[int, int, int], torch.Tensor] = {}
-
-    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        o, p = self.p.q_offset, self.p
-        if not self.shift_invariant:
-            return self.mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=self.device)
-        # The same pattern recurs along each diagonal: evaluate it once per call.
-        key = (q1 - q0, k1 - k0, o + q0 - k0)
-        if key not in self._seen:
-            self._seen[key] = self.mask.block(p.B, p.H, o + q0, o + q1, k0, k1, device=self.device)
-        return self._seen[key]
-
-    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
-        return self.mask.intervals(np.arange(q0, q1) + self.p.q_offset)
-
-
-class DenseTiles:
-    """A dense bool mask read one tile at a time (its size-1, broadcast dims kept whole)."""
-
-    shift_invariant = False
-
-    def __init__(self, dense: torch.Tensor) -> None:
-        self.dense = dense
-
-    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        rows = slice(q0, q1) if self.dense.shape[-2] > 1 else slice(None)
-        cols = slice(k0, k1) if self.dense.shape[-1] > 1 else slice(None)
-        return self.dense[..., rows, cols]
-
-    def bounds(self, q0: int, q1: int) -> None:
-        return None  # a tensor's mask is not known to be intervals
-
-
 def mask_tiles(
     mask: MaskLike, p: Problem, device: torch.device
 ) -> PredicateTiles | DenseTiles | None:
@@ -124,7 +85,7 @@ def mask_tiles(
     if mask is None:
         return None
     if isinstance(mask, Mask):
-        return PredicateTiles(mask, p, device)
+        return PredicateTiles(mask, p.B, p.H, p.q_offset, device)
     dense = dense_mask(mask, p, device)
     assert dense is not None
     return DenseTiles(dense)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..masks import Mask
 from ..tuning import Tuning
 
 #: The code that runs a call, as :func:`qkv.dispatch` names it.
@@ -54,6 +55,48 @@ class MaskTiles(Protocol):
         [lo, hi) of each, (B|1, q1 - q0) arrays in the call's key positions (the native
         kernel masks by them, no tile evaluated); None where they are not."""
         ...
+
+
+class PredicateTiles:
+    """A qkv mask evaluated on one tile at a time (a :class:`MaskTiles`), for a call of B
+    batches and H heads whose query 0 sits at ``q_offset``. A shift-invariant mask's tile is
+    evaluated once per offset from the diagonal."""
+
+    def __init__(self, mask: Mask, B: int, H: int, q_offset: int, device: torch.device) -> None:
+        self.mask, self.B, self.H, self.q_offset, self.device = mask, B, H, q_offset, device
+        self.shift_invariant = mask.shift_invariant
+        self._seen: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        o, B, H = self.q_offset, self.B, self.H
+        if not self.shift_invariant:
+            return self.mask.block(B, H, o + q0, o + q1, k0, k1, device=self.device)
+        # The same pattern recurs along each diagonal: evaluate it once per call.
+        key = (q1 - q0, k1 - k0, o + q0 - k0)
+        if key not in self._seen:
+            self._seen[key] = self.mask.block(B, H, o + q0, o + q1, k0, k1, device=self.device)
+        return self._seen[key]
+
+    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.mask.intervals(np.arange(q0, q1) + self.q_offset)
+
+
+class DenseTiles:
+    """A dense bool mask read one tile at a time (a :class:`MaskTiles`; its size-1,
+    broadcast dims kept whole)."""
+
+    shift_invariant = False
+
+    def __init__(self, dense: torch.Tensor) -> None:
+        self.dense = dense
+
+    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        rows = slice(q0, q1) if self.dense.shape[-2] > 1 else slice(None)
+        cols = slice(k0, k1) if self.dense.shape[-1] > 1 else slice(None)
+        return self.dense[..., rows, cols]
+
+    def bounds(self, q0: int, q1: int) -> None:
+        return None  # a tensor's mask is not known to be intervals
 
 
 class ModTiles(Protocol):

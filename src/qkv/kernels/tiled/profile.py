@@ -40,7 +40,7 @@ import torch
 
 from ...masks import FULL, causal
 from ...tuning import Tuning
-from ..contract import Lowered
+from ..contract import Lowered, PredicateTiles
 from . import backward as tiled_backward
 from . import forward, native
 from .plan import dense_to_sparse, make_plan
@@ -310,23 +310,6 @@ def _banded_pass(
     return functools.partial(forward, call)
 
 
-class _Causal:
-    """Causal's tiles as the tiled kernel reads them (:class:`qkv.kernels.contract.MaskTiles`),
-    for the probe's pass: every query's keys are one interval, which the native kernel
-    masks by."""
-
-    shift_invariant = True
-
-    def __init__(self) -> None:
-        self.mask = causal()
-
-    def __call__(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
-        return self.mask.block(1, 1, q0, q1, k0, k1)
-
-    def bounds(self, q0: int, q1: int) -> tuple[np.ndarray, np.ndarray] | None:
-        return self.mask.intervals(np.arange(q0, q1))
-
-
 def _causal_pass(backward: bool) -> Callable[[], object]:
     """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) of the native
     kernel ("tiled-native"), forward and, with ``backward``, backward (torch's kernel over
@@ -335,9 +318,20 @@ def _causal_pass(backward: bool) -> Callable[[], object]:
     q, k, v, dout = (torch.randn(1, 4, CAUSAL, 64, generator=g) for _ in range(4))
     tuning = Tuning()
     bq, bk = tuning.block_q, tuning.block_k
-    tiles = causal().sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
+    mask = causal()
+    tiles = mask.sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
     plan = make_plan(*tiles, CAUSAL, CAUSAL, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
-    call = Lowered(q, k, v, 0.125, 0, "tiled-native", tuning, plan=plan, tiles=_Causal())
+    call = Lowered(
+        q,
+        k,
+        v,
+        0.125,
+        0,
+        "tiled-native",
+        tuning,
+        plan=plan,
+        tiles=PredicateTiles(mask, 1, 1, 0, q.device),
+    )
 
     def native_pass() -> object:
         out, lse = forward(call)
