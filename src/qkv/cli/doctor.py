@@ -14,7 +14,7 @@ import torch
 from .. import masks
 from ..functional import dispatch
 from ..kernels import built, paged
-from ..kernels.tiled import native, profile
+from ..kernels.tiled import measurement, native, profile
 
 #: the instruction flags that decide which step runs
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16", "sve")
@@ -52,7 +52,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         found, where = profile.load(remeasure=args.remeasure)
         print(f"profile: {where}")
         print(f"  machine: {profile.machine_key()}")
-        T, W = profile.BANDED
+        T, W = measurement.BANDED
         print(
             f"  probe (4 heads, D = 64, {T:,} queries over the {W} keys before each, as tiles): "
             f"native bfloat16 "
@@ -83,7 +83,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             ]
         print(f"  on float32 copies through torch's kernel: {', '.join(widened) or 'none'}")
         print(
-            f"  causal over {profile.CAUSAL:,} queries, float32, native / torch's kernel ms: "
+            f"  causal over {measurement.CAUSAL:,} queries, float32, native / torch's kernel ms: "
             f"forward {found.causal_native_fwd_ms:.2f} / {found.causal_sdpa_fwd_ms:.2f}, "
             f"forward + backward {found.causal_native_ms:.2f} / {found.causal_sdpa_ms:.2f}"
         )

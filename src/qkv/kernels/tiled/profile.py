@@ -28,22 +28,14 @@ import math
 import os
 import platform
 import statistics
-import time
 import warnings
-from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-import numpy as np
 import torch
 
-from ...masks import FULL, causal
-from ...tuning import Tuning
-from ..contract import Lowered, PredicateTiles
-from . import backward as tiled_backward
-from . import forward, native
-from .plan import dense_to_sparse, make_plan
+from . import measurement, native
 
 T = TypeVar("T")
 
@@ -84,37 +76,36 @@ BFLOAT16_AT = 1.05
 ROWS_AT = 1.0
 
 #: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
-#: :data:`CAUSAL` queries) under which a causal call with T_q == T_k runs natively. Under
-#: 1.0, because the probe's pass overstates the native kernel's lead at longer sequences: on
-#: a Zen 4 held to AVX2 the probe measured 0.84 (forward and backward) and 0.77 (forward)
-#: where causal T = 4,096 through qkv.attention took 0.97× and 0.94× torch's time; on
-#: AVX-512 0.77 and 0.74 where it took 0.83× and 0.82× (2026-11-27)
+#: :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries) under which a causal call with
+#: T_q == T_k runs natively. Under 1.0, because the probe's pass overstates the native
+#: kernel's lead at longer sequences: on a Zen 4 held to AVX2 the probe measured 0.84
+#: (forward and backward) and 0.77 (forward) where causal T = 4,096 through qkv.attention
+#: took 0.97× and 0.94× torch's time; on AVX-512 0.77 and 0.74 where it took 0.83× and
+#: 0.82× (2026-11-27)
 CAUSAL_AT = 0.9
-
-#: The probe's causal pass: its queries (and keys), of 4 heads, D = 64, float32.
-CAUSAL = 1024
 
 
 class Probe(NamedTuple):
-    """One measurement, made once per machine (:func:`load`), medians of 7 interleaved
-    runs each. One forward pass of the tiled kernel over :data:`BANDED` — 4 heads, D = 64,
-    2,048 queries, each over the 256 keys before it, in the kernel's tiles: the many small
-    calls of the masked calls it decides, where the native kernel's one parallel region per
-    pass tells as much as its arithmetic — four ways: the
-    native kernel in bfloat16 (``native_ms``), torch's flash kernel in float32
-    (``float32_ms``: what float32 runs without the native kernel), and the native kernel in
-    float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16 inputs
-    widened as it loads them (``native_widen_ms``). Where the float32 step is AVX2's or
-    NEON's, it is timed with each register blocking (:data:`native.ROWS`): 3 query rows at
-    a time (``native32_ms``) and 2 (``native32_rows2_ms``; nan elsewhere). And torch's
-    fused kernel (SDPA) forward and backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``),
-    causal over 512 queries, in bfloat16 and float16 and on float32 copies of bfloat16
-    inputs: where the CPU has no bfloat16 dot product, torch's half-precision backward runs
-    several times slower than float32's, and without AVX512-FP16 float16's forward does
-    too. And a causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) through the
-    native kernel (``causal_native_ms``; nan where this CPU cannot run it) and through
-    torch's fused kernel with is_causal (``causal_sdpa_ms``), forward and backward, and
-    forward alone (``causal_*_fwd_ms``)."""
+    """One measurement, made once per machine (:func:`load`), medians of 7 interleaved runs each
+    (:mod:`qkv.kernels.tiled.measurement`). One forward pass of the tiled kernel over
+    :data:`~qkv.kernels.tiled.measurement.BANDED` — 4 heads, D = 64, 2,048 queries, each
+    over the 256 keys before it, in the kernel's tiles: the many small calls of the masked
+    calls it decides, where the native kernel's one parallel region per pass tells as much
+    as its arithmetic — four ways: the native kernel in bfloat16 (``native_ms``), torch's
+    flash kernel in float32 (``float32_ms``: what float32 runs without the native kernel),
+    and the native kernel in float32 (``native32_ms``; nan where this CPU cannot run it),
+    and on the bfloat16 inputs widened as it loads them (``native_widen_ms``). Where the
+    float32 step is AVX2's or NEON's, it is timed with each register blocking
+    (:data:`native.ROWS`): 3 query rows at a time (``native32_ms``) and 2
+    (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel (SDPA) forward and
+    backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``), causal over 512
+    queries, in bfloat16 and float16 and on float32 copies of bfloat16 inputs: where the CPU
+    has no bfloat16 dot product, torch's half-precision backward runs several times slower
+    than float32's, and without AVX512-FP16 float16's forward does too. And a causal pass
+    over :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries (4 heads, D = 64, float32)
+    through the native kernel (``causal_native_ms``; nan where this CPU cannot run it) and
+    through torch's fused kernel with is_causal (``causal_sdpa_ms``), forward and backward,
+    and forward alone (``causal_*_fwd_ms``)."""
 
     native_ms: float
     float32_ms: float
@@ -222,150 +213,14 @@ class Probe(NamedTuple):
 
 def measure() -> Probe:
     """Measure whether this CPU runs the native kernel faster than torch's flash kernel,
-    and torch's half-precision backward slower than float32's (see :class:`Probe`). The
-    dispatch reads it from the machine's profile (:func:`probe`),
-    measured once per machine: on one Intel Xeon with AVX512-BF16 but no AMX the native
-    bfloat16 path ran slower than float32, on the AMD EPYC of this project's sessions
-    faster — the instruction-set flag alone does not say which wins."""
-    g = torch.Generator().manual_seed(0)
-    x32 = [torch.randn(1, 4, BANDED[0], 64, generator=g) for _ in range(3)]
-    x16 = [x.to(torch.bfloat16) for x in x32]
-    calls: dict[str, Callable[[], object]] = {
-        "float32": _banded_pass("tiled-flash", *x32),
-        **{
-            f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
-            for name, dtype, widen in (
-                ("bfloat16", torch.bfloat16, False),
-                ("float16", torch.float16, False),
-                ("widened", torch.bfloat16, True),
-            )
-            for backward in (True, False)
-        },
-    }
-    steps = (
-        ("native", "tiled-native", x16, torch.bfloat16),
-        ("native32", "tiled-native", x32, torch.float32),
-        ("native_widen", "tiled-native-widen", x16, torch.float32),
-    )
-    for name, path, xs, compute in steps:
-        if native.available(compute):
-            calls[name] = _with_rows(3, _banded_pass(path, *xs))
-    if native.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
-        calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
-    for backward in (True, False):
-        fwd = "" if backward else "_fwd"
-        calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
-        if native.available(torch.float32):
-            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
-    runs: dict[str, list[float]] = {name: [] for name in calls}
-    for i in range(8):
-        for name in calls if i % 2 else reversed(list(calls)):
-            t0 = time.perf_counter()
-            calls[name]()
-            if i:  # the first round warms up
-                runs[name].append(time.perf_counter() - t0)
-    median = {name: statistics.median(t) * 1e3 for name, t in runs.items()}
-    return Probe(
-        median.get("native", math.nan),
-        median["float32"],
-        median.get("native32", math.nan),
-        native_widen_ms=median.get("native_widen", math.nan),
-        native32_rows2_ms=median.get("native32_rows2", math.nan),
-        sdpa_bfloat16_ms=median["sdpa_bfloat16"],
-        sdpa_float16_ms=median["sdpa_float16"],
-        sdpa_widened_ms=median["sdpa_widened"],
-        sdpa_bfloat16_fwd_ms=median["sdpa_bfloat16_fwd"],
-        sdpa_float16_fwd_ms=median["sdpa_float16_fwd"],
-        sdpa_widened_fwd_ms=median["sdpa_widened_fwd"],
-        causal_native_ms=median.get("causal_native", math.nan),
-        causal_sdpa_ms=median["causal_sdpa"],
-        causal_native_fwd_ms=median.get("causal_native_fwd", math.nan),
-        causal_sdpa_fwd_ms=median["causal_sdpa_fwd"],
-    )
-
-
-#: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
-#: itself, in the tiled kernel's blocks, every tile whole (a sliding window's tiles without
-#: its partial ones' masking).
-BANDED = (2048, 256)
-
-
-def _banded_pass(
-    path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> Callable[[], object]:
-    """The probe's pass (:data:`BANDED`) over q, k, v (B, H, T, D) as the tiled kernel runs it
-    forward on ``path`` ("tiled-flash", "tiled-native", "tiled-native-widen"): every call of
-    the pass, with the merging and writing of their results, as a masked call pays them."""
-    T, W = BANDED
-    tuning = Tuning()
-    bq, bk = tuning.block_q, tuning.block_k
-    nq, nk = -(-T // bq), -(-T // bk)
-    first = np.maximum(0, np.arange(nq) * bq - W) // bk  # each query block's first key block
-    last = np.minimum(nk - 1, ((np.arange(nq) + 1) * bq - 1) // bk)
-    codes = np.zeros((nq, nk), np.int8)
-    for i in range(nq):
-        codes[i, first[i] : last[i] + 1] = FULL
-    plan = make_plan(*dense_to_sparse(codes), T, T, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
-    call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan)
-    return functools.partial(forward, call)
-
-
-def _causal_pass(backward: bool) -> Callable[[], object]:
-    """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) of the native
-    kernel ("tiled-native"), forward and, with ``backward``, backward (torch's kernel over
-    the same: :func:`_sdpa_step`)."""
-    g = torch.Generator().manual_seed(2)
-    q, k, v, dout = (torch.randn(1, 4, CAUSAL, 64, generator=g) for _ in range(4))
-    tuning = Tuning()
-    bq, bk = tuning.block_q, tuning.block_k
-    mask = causal()
-    tiles = mask.sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
-    plan = make_plan(*tiles, CAUSAL, CAUSAL, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
-    call = Lowered(
-        q,
-        k,
-        v,
-        0.125,
-        0,
-        "tiled-native",
-        tuning,
-        plan=plan,
-        tiles=PredicateTiles(mask, 1, 1, 0, q.device),
-    )
-
-    def native_pass() -> object:
-        out, lse = forward(call)
-        return tiled_backward(call, out, lse, dout) if backward else out
-
-    return native_pass
-
-
-def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the AVX2, NEON or SVE step taking ``n`` query rows at a time."""
-
-    def timed() -> object:
-        with native.use_rows(n):
-            return call()
-
-    return timed
-
-
-def _sdpa_step(
-    dtype: torch.dtype, widen: bool, backward: bool, queries: int = 512
-) -> Callable[[], object]:
-    """One forward (and ``backward``) of torch's fused kernel, causal over ``queries``
-    queries (4 heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
-    g = torch.Generator().manual_seed(1)
-    x = [torch.randn(1, 4, queries, 64, generator=g).to(dtype) for _ in range(3)]
-
-    def step() -> object:
-        with torch.set_grad_enabled(backward):
-            inputs = [t.requires_grad_(backward) for t in x]
-            q, k, v = (t.float() for t in inputs) if widen else inputs
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return torch.autograd.grad(out.to(dtype).sum(), inputs) if backward else out
-
-    return step
+    and torch's half-precision backward slower than float32's (see :class:`Probe`; the
+    passes timed: :mod:`qkv.kernels.tiled.measurement`). The dispatch reads it from the
+    machine's profile (:func:`probe`), measured once per machine: on one Intel Xeon with
+    AVX512-BF16 but no AMX the native bfloat16 path ran slower than float32, on the AMD EPYC
+    of this project's sessions faster — the instruction-set flag alone does not say which
+    wins."""
+    ms: dict[str, Any] = measurement.times()  # nan: a pass this CPU cannot run
+    return Probe(**{f: ms.get(f, math.nan) for f in Probe._fields if f.endswith("_ms")})
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,154 @@
+"""What the machine's profile times (:mod:`qkv.kernels.tiled.profile` stores it and decides
+from it): the tiled kernel's passes through each of its paths, and torch's fused kernel in
+half precision and on float32 copies, each a median of interleaved runs (:func:`times`).
+
+Legend: B batch · H heads · T queries (and keys) · D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ...masks import FULL, causal
+from ...tuning import Tuning
+from ..contract import Lowered, PredicateTiles
+from . import backward as tiled_backward
+from . import forward, native
+from .plan import dense_to_sparse, make_plan
+
+#: The probe's causal pass: its queries (and keys), of 4 heads, D = 64, float32.
+CAUSAL = 1024
+
+
+def times() -> dict[str, float]:
+    """Every pass the profile times, each a median of 7 runs (interleaved, in alternating
+    order, after one round to warm up), in ms by the :class:`~qkv.kernels.tiled.profile.Probe`
+    field it fills; a pass this CPU cannot run is left out."""
+    g = torch.Generator().manual_seed(0)
+    x32 = [torch.randn(1, 4, BANDED[0], 64, generator=g) for _ in range(3)]
+    x16 = [x.to(torch.bfloat16) for x in x32]
+    calls: dict[str, Callable[[], object]] = {
+        "float32": _banded_pass("tiled-flash", *x32),
+        **{
+            f"sdpa_{name}{'' if backward else '_fwd'}": _sdpa_step(dtype, widen, backward)
+            for name, dtype, widen in (
+                ("bfloat16", torch.bfloat16, False),
+                ("float16", torch.float16, False),
+                ("widened", torch.bfloat16, True),
+            )
+            for backward in (True, False)
+        },
+    }
+    steps = (
+        ("native", "tiled-native", x16, torch.bfloat16),
+        ("native32", "tiled-native", x32, torch.float32),
+        ("native_widen", "tiled-native-widen", x16, torch.float32),
+    )
+    for name, path, xs, compute in steps:
+        if native.available(compute):
+            calls[name] = _with_rows(3, _banded_pass(path, *xs))
+    if native.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
+        calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
+    for backward in (True, False):
+        fwd = "" if backward else "_fwd"
+        calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
+        if native.available(torch.float32):
+            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
+    runs: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(8):
+        for name in calls if i % 2 else reversed(list(calls)):
+            t0 = time.perf_counter()
+            calls[name]()
+            if i:  # the first round warms up
+                runs[name].append(time.perf_counter() - t0)
+    return {f"{name}_ms": statistics.median(t) * 1e3 for name, t in runs.items()}
+
+
+#: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
+#: itself, in the tiled kernel's blocks, every tile whole (a sliding window's tiles without
+#: its partial ones' masking).
+BANDED = (2048, 256)
+
+
+def _banded_pass(
+    path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], object]:
+    """The probe's pass (:data:`BANDED`) over q, k, v (B, H, T, D) as the tiled kernel runs it
+    forward on ``path`` ("tiled-flash", "tiled-native", "tiled-native-widen"): every call of
+    the pass, with the merging and writing of their results, as a masked call pays them."""
+    T, W = BANDED
+    tuning = Tuning()
+    bq, bk = tuning.block_q, tuning.block_k
+    nq, nk = -(-T // bq), -(-T // bk)
+    first = np.maximum(0, np.arange(nq) * bq - W) // bk  # each query block's first key block
+    last = np.minimum(nk - 1, ((np.arange(nq) + 1) * bq - 1) // bk)
+    codes = np.zeros((nq, nk), np.int8)
+    for i in range(nq):
+        codes[i, first[i] : last[i] + 1] = FULL
+    plan = make_plan(*dense_to_sparse(codes), T, T, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
+    call = Lowered(q, k, v, 0.125, 0, path, tuning, plan=plan)
+    return functools.partial(forward, call)
+
+
+def _causal_pass(backward: bool) -> Callable[[], object]:
+    """A causal pass over :data:`CAUSAL` queries (4 heads, D = 64, float32) of the native
+    kernel ("tiled-native"), forward and, with ``backward``, backward (torch's kernel over
+    the same: :func:`_sdpa_step`)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 4, CAUSAL, 64, generator=g) for _ in range(4))
+    tuning = Tuning()
+    bq, bk = tuning.block_q, tuning.block_k
+    mask = causal()
+    tiles = mask.sparse_blocks(1, 4, CAUSAL, CAUSAL, block_q=bq, block_k=bk, q_offset=0)
+    plan = make_plan(*tiles, CAUSAL, CAUSAL, block_q=bq, block_k=bk, chunk_k=tuning.chunk_k)
+    call = Lowered(
+        q,
+        k,
+        v,
+        0.125,
+        0,
+        "tiled-native",
+        tuning,
+        plan=plan,
+        tiles=PredicateTiles(mask, 1, 1, 0, q.device),
+    )
+
+    def native_pass() -> object:
+        out, lse = forward(call)
+        return tiled_backward(call, out, lse, dout) if backward else out
+
+    return native_pass
+
+
+def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with the AVX2, NEON or SVE step taking ``n`` query rows at a time."""
+
+    def timed() -> object:
+        with native.use_rows(n):
+            return call()
+
+    return timed
+
+
+def _sdpa_step(
+    dtype: torch.dtype, widen: bool, backward: bool, queries: int = 512
+) -> Callable[[], object]:
+    """One forward (and ``backward``) of torch's fused kernel, causal over ``queries``
+    queries (4 heads, D = 64) of ``dtype``, or on float32 copies of them (``widen``)."""
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(1, 4, queries, 64, generator=g).to(dtype) for _ in range(3)]
+
+    def step() -> object:
+        with torch.set_grad_enabled(backward):
+            inputs = [t.requires_grad_(backward) for t in x]
+            q, k, v = (t.float() for t in inputs) if widen else inputs
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.autograd.grad(out.to(dtype).sum(), inputs) if backward else out
+
+    return step
