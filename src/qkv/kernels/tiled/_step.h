@@ -227,18 +227,18 @@ static inline float alibi_of(const Job *j, int64_t h, int64_t row, int64_t n0, i
     return j->slopes ? j->slopes[h * j->G + row / j->R] : 0.0f;
 }
 
-/* dst[0..n) = x[0..n) · by rounded to bfloat16 or float16 (dst_kind: SRC_BF16, SRC_F16),
-   to nearest even as torch rounds float32: the output written in the inputs' dtype, not
-   in float32 to be rounded by a second pass. x is read in whole vectors (rows pad32 wide). */
-TARGET static void narrowed_row(const float *x, float by, int64_t n, uint16_t *dst, int dst_kind) {
+/* to[0..n) = x[0..n) · by rounded to bfloat16 or float16 (kind: SRC_BF16, SRC_F16), to
+   nearest even as torch rounds float32: the output written in the inputs' dtype, not in
+   float32 to be rounded by a second pass. x is read in whole vectors (rows pad32 wide). */
+TARGET static void narrowed_row(const float *x, float by, int64_t n, uint16_t *to, int kind) {
     const vf s = vset1(by);
     for (int64_t d = 0; d < n; d += 16) {
-        uint16_t part[16];
-        uint16_t *to = n - d >= 16 ? dst + d : part;
+        uint16_t part[16]; /* the last, partial vector's values, copied after */
+        uint16_t *at = n - d >= 16 ? to + d : part;
         vf y = vmul(vload(x + d), s);
-        if (dst_kind == SRC_BF16) vstore_bf16(to, y);
-        else vstore_f16(to, y);
-        if (to == part) memcpy(dst + d, part, (size_t)(n - d) * sizeof *part);
+        if (kind == SRC_BF16) vstore_bf16(at, y);
+        else vstore_f16(at, y);
+        if (at == part) memcpy(to + d, part, (size_t)(n - d) * sizeof *part);
     }
 }
 

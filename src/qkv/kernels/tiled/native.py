@@ -314,15 +314,16 @@ def attend(
     slopes: torch.Tensor | None = None,
     qpos: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp, both float32
-    (with ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query head — the scaled scores
-    plus slope · (kv_idx − q_idx) first, kv_idx a key's index in K and q_idx = ``qpos`` + the
-    row's; then, with ``softcap`` > 0, soft-capped, cap · tanh(s / cap)):
-    q5 (B, H_kv, G, R, D) with its last dim contiguous, and a float32 bias (B|1, H_kv|1,
-    G·R, k1 - k0), or None, or instead ``bounds`` as a :class:`Range`'s. A row with no
-    allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
-    (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D_v) and ``lse``
-    (B, H_kv, G, R), float32 views, where given."""
+    """softmax(Q Kᵀ · scale + bias) V over keys k0..k1-1 and its log-sum-exp (out float32 unless
+    given in half precision; with ALiBi ``slopes`` — float32 (H_kv · G,), a slope per query
+    head — the scaled scores plus slope · (kv_idx − q_idx) first, kv_idx a key's index in K
+    and q_idx = ``qpos`` + the row's; then, with ``softcap`` > 0, soft-capped, cap · tanh(s
+    / cap)): q5 (B, H_kv, G, R, D) with its last dim contiguous, and a float32 bias (B|1,
+    H_kv|1, G·R, k1 - k0), or None, or instead ``bounds`` as a :class:`Range`'s. A row with
+    no allowed key: out 0, lse -inf. P enters ·V as ``p_parts`` bfloat16 parts
+    (:attr:`qkv.Tuning.p_parts`). Written into ``out`` (B, H_kv, G, R, D_v; float32, or the
+    inputs' half precision, each value rounded as it is written: :class:`Job`) and ``lse``
+    (B, H_kv, G, R; float32), where given."""
     B, H_kv, G, R, _ = q5.shape
     out = torch.empty(B, H_kv, G, R, packed.D_v) if out is None else out
     job = Job(q5, [Range(k0, k1, bias, bounds)], out, lse, qpos)
