@@ -22,6 +22,12 @@ from . import backward as tiled_backward
 from . import forward, native
 from .plan import dense_to_sparse, make_plan
 
+#: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
+#: itself, in the tiled kernel's blocks, every tile whole (a sliding window's tiles without
+#: its partial ones' masking).
+BANDED = (2048, 256)
+
+
 #: The probe's causal pass: its queries (and keys), of 4 heads, D = 64, float32.
 CAUSAL = 1024
 
@@ -68,12 +74,6 @@ def times() -> dict[str, float]:
             if i:  # the first round warms up
                 runs[name].append(time.perf_counter() - t0)
     return {f"{name}_ms": statistics.median(t) * 1e3 for name, t in runs.items()}
-
-
-#: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
-#: itself, in the tiled kernel's blocks, every tile whole (a sliding window's tiles without
-#: its partial ones' masking).
-BANDED = (2048, 256)
 
 
 def _banded_pass(

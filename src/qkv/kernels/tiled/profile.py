@@ -211,6 +211,10 @@ class Probe(NamedTuple):
         return self.bfloat16_ratio() < BFLOAT16_AT
 
 
+#: The Probe's times (its fields in ms), as :func:`measure` and :func:`_median` fill them.
+TIMES = tuple(f for f in Probe._fields if f.endswith("_ms"))
+
+
 def measure() -> Probe:
     """Measure whether this CPU runs the native kernel faster than torch's flash kernel,
     and torch's half-precision backward slower than float32's (see :class:`Probe`; the
@@ -220,7 +224,7 @@ def measure() -> Probe:
     of this project's sessions faster — the instruction-set flag alone does not say which
     wins."""
     ms: dict[str, Any] = measurement.times()  # nan: a pass this CPU cannot run
-    return Probe(**{f: ms.get(f, math.nan) for f in Probe._fields if f.endswith("_ms")})
+    return Probe(**{f: ms.get(f, math.nan) for f in TIMES})
 
 
 def cache_dir() -> Path:
@@ -301,8 +305,7 @@ THRESHOLDS = (ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUS
 
 def _median(probes: list[Probe]) -> Probe:
     """Each time the median of the measurements' (``nan`` where not measured)."""
-    times = [f for f in Probe._fields if f.endswith("_ms")]
-    return Probe(**{f: statistics.median(getattr(p, f) for p in probes) for f in times})
+    return Probe(**{f: statistics.median(getattr(p, f) for p in probes) for f in TIMES})
 
 
 def _kept(new: T, old: T | None, ratio: float, threshold: float) -> T:
