@@ -17,7 +17,7 @@ processes (a Python busy loop each) run beside it. Medians of interleaved rounds
 slowdown of each is busy ÷ quiet, and the table's last column is qkv's slowdown ÷ SDPA's
 (the issue's target: ≤ 1.25). torch keeps its default thread count. Name the CPU beside
 the figures (``lscpu``). ``--isa avx2`` runs the float32 cases alone, on the native
-kernel's AVX2 step (what a CPU without AVX-512 runs; ``qkv.kernels.tiled.native.use_isa``);
+kernel's AVX2 step (what a CPU without AVX-512 runs; ``qkv.kernels.tiled.steps.use_isa``);
 add ``ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`` to the
 environment to hold torch (SDPA, and the "native off" rows) to AVX2 as well.
 """
@@ -159,10 +159,10 @@ def main() -> None:
     parser.add_argument("--isa", choices=["", "avx2"], default="", help="pin float32's step")
     parser.add_argument("--only", default="", help="the cases whose name holds this text")
     args = parser.parse_args()
-    from qkv.kernels.tiled import native
+    from qkv.kernels.tiled import steps
 
-    with native.use_isa(args.isa):
-        run(args, native.isa())
+    with steps.use_isa(args.isa):
+        run(args, steps.isa())
 
 
 def run(args, isa: str) -> None:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from qkv.kernels.tiled import native
+from qkv.kernels.tiled import native, steps
 from qkv.kernels.tiled.torch_ops import FLASH
 
 H, D = 8, 64
@@ -42,7 +42,7 @@ def main() -> None:
         ),
     }
     for dtype in (torch.float32, torch.bfloat16):
-        if native.available(dtype):
+        if steps.available(dtype):
             q5 = q.to(dtype).view(1, H, 1, T, D)
             packed = native.pack(k.to(dtype), v.to(dtype))
             calls[f"native {str(dtype).removeprefix('torch.')}"] = (

@@ -259,7 +259,7 @@ def _ran(monkeypatch, call):
 def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
     # For a call of each kind: the path qkv.dispatch names is the code qkv.attention runs,
     # and the rule that chose it is named.
-    from qkv.kernels.tiled import native
+    from qkv.kernels.tiled import steps
 
     q, k, v = make_qkv(1, 2, 2, 700, 700, 16, 16, dtype=torch.float32)
     k_nan = k.clone()
@@ -283,7 +283,7 @@ def test_dispatch_names_the_code_that_runs(monkeypatch, tune):
     with qkv.tuned(fused=False):
         assert qkv.dispatch(q, k, v, mask=window).path == "tiled-loop"
         assert _ran(monkeypatch, lambda: qkv.attention(q, k, v, mask=window)) == "tiled-loop"
-    if native.available():
+    if steps.available():
         qb, kb, vb = make_qkv(1, 2, 2, 1024, 1024, 32, 32, dtype=torch.bfloat16)
         d = qkv.dispatch(qb, kb, vb, mask=masks.causal())
         assert (d.path, d.rule) == ("tiled-native", "native bfloat16")
@@ -299,9 +299,9 @@ def test_the_native_kernel_runs_only_where_the_probe_measured_it_worth_it(monkey
     kernel at 0.71× float32's speed): where the probe says slower, bfloat16 takes the
     float32 path, and float32 torch's flash kernel; pinned (native_probe=False) it runs
     wherever the CPU can; qkv.dispatch says which."""
-    from qkv.kernels.tiled import native, profile
+    from qkv.kernels.tiled import profile, steps
 
-    if not native.available():
+    if not steps.available():
         pytest.skip("native kernel not built, or no AVX512-BF16 here")
     found = profile.probe()
     assert profile.probe() is found  # read once per process
@@ -448,9 +448,9 @@ def test_head_dims_that_differ_run_the_native_kernel_under_a_qkv_mask(monkeypatc
     equal to the float64 oracle, output and gradients, for every qkv mask of the zoo, with
     T_q != T_k, GQA and odd head dims; a tensor mask, no mask, dropout, D == D_v and fewer
     scores stay with the rules below."""
-    from qkv.kernels.tiled import native
+    from qkv.kernels.tiled import steps
 
-    if not native.available():
+    if not steps.available():
         pytest.skip("no native kernel here")
     tune(native_probe=False, unequal_scores=30 * 41)
     B, T_q, T_k = 2, 30, 41

@@ -411,7 +411,7 @@ def test_float32_every_mask(T, world):
 def worker_bfloat16(rank, world, port, T):
     """bfloat16 through the ring, where each rank's calls run qkv's native kernel (on a
     CPU that has it): out and gradients against one process's, which runs it too."""
-    from qkv.kernels.tiled import native
+    from qkv.kernels.tiled import native, steps
 
     dist.init_process_group(
         "gloo",
@@ -425,7 +425,7 @@ def worker_bfloat16(rank, world, port, T):
         q = torch.randn(1, 4, T, 64, generator=g).bfloat16()
         k, v = (torch.randn(1, 2, T, 64, generator=g).bfloat16() for _ in range(2))
         w = torch.randn(1, 4, T, 64, generator=g).bfloat16()
-        assert native.supports(q, k, v) == native.available()
+        assert native.supports(q, k, v) == steps.available()
         for mask in (masks.causal(), masks.sliding_window(100)):
             full = [x.clone().requires_grad_() for x in (q, k, v)]
             want = qkv.attention(*full, mask=mask, backend="tiled")

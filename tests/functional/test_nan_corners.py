@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.kernels import paged as paged_kernel
-from qkv.kernels.tiled import native
+from qkv.kernels.tiled import steps
 from tests.helpers import make_qkv, oracle, small_tiles
 from tests.tolerances import FLOAT64, LOW_PRECISION
 
@@ -99,7 +99,7 @@ def test_gradients_with_infinite_sinks_equal_the_reference_backends(backend, tun
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_infinite_sinks_on_the_native_kernel(dtype, tune):
-    if not native.available(dtype):
+    if not steps.available(dtype):
         pytest.skip(f"no native {dtype} kernel on this CPU or build")
     tune(small_scores=0)
     q, k, v = make_qkv(1, 4, 4, 70, 70, 64, 64, dtype=dtype)

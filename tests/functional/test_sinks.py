@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.kernels.tiled import native
+from qkv.kernels.tiled import steps
 from tests.helpers import make_qkv, mask_zoo, oracle, small_tiles
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
@@ -190,7 +190,7 @@ def test_sinks_inside_torch_compile():
     assert np.abs(fn(q, k, v, sinks).numpy() - want).max() < 1e-12
 
 
-@pytest.mark.skipif(not native.available(), reason="no native bfloat16 kernel here")
+@pytest.mark.skipif(not steps.available(), reason="no native bfloat16 kernel here")
 def test_sinks_on_the_native_bfloat16_path():
     q, k, v = make_qkv(1, 4, 2, 300, 300, 64, 64, dtype=torch.bfloat16)
     sinks = sinks_for(4, torch.float32)

@@ -23,16 +23,16 @@ from qkv.core.call import Call
 from qkv.core.dispatch import choose
 from qkv.core.lowering import lower
 from qkv.kernels import paged as paged_kernel
-from qkv.kernels.tiled import flash, native, profile
+from qkv.kernels.tiled import flash, native, profile, steps
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
 
 if os.environ.get("QKV_REQUIRE_NATIVE") and native._native is None:  # CI: it must build
     raise RuntimeError("QKV_REQUIRE_NATIVE is set, but the native kernel was not built")
 pytestmark = pytest.mark.skipif(
-    not native.available(torch.float32), reason="native kernel not built, or no AVX-512/AVX2 here"
+    not steps.available(torch.float32), reason="native kernel not built, or no AVX-512/AVX2 here"
 )
-BF16 = pytest.mark.skipif(not native.available(torch.bfloat16), reason="no AVX512-BF16 here")
+BF16 = pytest.mark.skipif(not steps.available(torch.bfloat16), reason="no AVX512-BF16 here")
 STEPS = {
     "bf16": (torch.bfloat16, ""),
     "f32": (torch.float32, ""),
@@ -44,15 +44,15 @@ BOTH = pytest.mark.parametrize("dtype", list(STEPS), indirect=True)
 @pytest.fixture
 def dtype(request):
     """The dtype a test runs the kernel in, and the step it runs on: "f32-avx2" pins float32
-    to the AVX2 step (native.use_isa), which a CPU with AVX-512 runs too — so that CI tests
+    to the AVX2 step (steps.use_isa), which a CPU with AVX-512 runs too — so that CI tests
     both steps on whichever CPU it has."""
     dtype, isa = STEPS[request.param]
-    if not native.available(dtype):
+    if not steps.available(dtype):
         pytest.skip(f"this CPU cannot run the kernel in {dtype}")
-    if isa and isa not in native.isas():
+    if isa and isa not in steps.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
-    with native.use_isa(isa):
-        assert not isa or native.isa(dtype) == isa
+    with steps.use_isa(isa):
+        assert not isa or steps.isa(dtype) == isa
         yield dtype
 
 
@@ -579,15 +579,15 @@ def test_the_dispatch_names_the_step_that_runs(isa, tune):
     """``qkv.dispatch`` says which instruction set's step runs float32, and pinning it to
     AVX2 (``QKV_NATIVE_ISA=avx2`` / ``use_isa``; NEON on a CPU with SVE) changes what it
     says and what runs."""
-    if isa and isa not in native.isas():
+    if isa and isa not in steps.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
     tune(native_probe=False)
     q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, dtype=torch.float32, seed=3)
-    with native.use_isa(isa):
-        want = isa or native.isa()
+    with steps.use_isa(isa):
+        want = isa or steps.isa()
         d = qkv.dispatch(q, k, v, mask=qkv.masks.sliding_window(64))
         assert d.path == "tiled-native" and f"native float32 kernel ({want})" in d.reason
-    assert native.isa() == native.isas()[0]  # the pin is undone after the block
+    assert steps.isa() == steps.isas()[0]  # the pin is undone after the block
     with pytest.raises(ValueError, match="avx2"):
         native._native.use_isa("sse")
 
@@ -718,7 +718,7 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
     its forward and backward equal, bit for bit, the float32 step on float32 copies of the
     same values — which the tests above hold to the float64 oracle — on both steps, at any
     head dims, with masks and modifications."""
-    if isa and isa not in native.isas():
+    if isa and isa not in steps.isas():
         pytest.skip(f"this CPU cannot run the {isa} step")
     g = torch.Generator().manual_seed(R + D)
     q5 = torch.randn(B, H_kv, G, R, D, generator=g).to(source)
@@ -731,7 +731,7 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
     if bias_kind != "none":
         bias, bounds, _ = random_mask(bias_kind, B, H_kv, G, R, N, g)
     runs = []
-    with native.use_isa(isa):
+    with steps.use_isa(isa):
         for x in ((q5, do5, k, v), tuple(t.float() for t in (q5, do5, k, v))):
             packed = native.pack(x[2], x[3], torch.float32)
             if x[3].dtype == torch.float32:  # V read in place
@@ -782,7 +782,7 @@ def test_half_precision_output_is_rounded_by_the_kernel_as_torch_rounds(
     neighbouring values, a float32 exactly between two half-precision ones."""
     if computed == torch.bfloat16 and source != torch.bfloat16:
         pytest.skip("the bfloat16 step takes bfloat16")
-    if not native.available(computed) or (isa and isa not in native.isas()):
+    if not steps.available(computed) or (isa and isa not in steps.isas()):
         pytest.skip("the native kernel cannot run this step here")
     if isa and computed == torch.bfloat16:
         pytest.skip("the AVX2 step computes in float32")
@@ -794,7 +794,7 @@ def test_half_precision_output_is_rounded_by_the_kernel_as_torch_rounds(
     v = (torch.randn(B, H_kv, 1, D_v, generator=g) * tiny).to(source)
     step = v.float().abs() * 2.0**-7 + (2.0**-24 if source == torch.float16 else 0.0)
     v = torch.cat([v, (v.float() + step).to(source)], 2)  # each pair: neighbours or near
-    with native.use_isa(isa):
+    with steps.use_isa(isa):
         packed = native.pack(k, v, computed)
         want, lse = native.attend(q5, packed, 0, T_k, None, D**-0.5)
         got = torch.empty(B, H_kv, G, R, D_v, dtype=source)
@@ -838,11 +838,11 @@ def test_the_backwards_delta_reads_half_precision_as_it_is(dtype, D, isa):
     """native.row_dot: rowsum(a ∘ b) of bfloat16 or float16 rows, widened as read, equal to
     float64's sum of the same values within float32 rounding, at head dims on and off the
     vectors, on both steps; None for what it does not take."""
-    if not native.available(torch.float32) or (isa and isa not in native.isas()):
+    if not steps.available(torch.float32) or (isa and isa not in steps.isas()):
         pytest.skip("the native kernel cannot run this step here")
     g = torch.Generator().manual_seed(D)
     a, b = (torch.randn(2, 3, 7, D, generator=g).to(dtype) for _ in range(2))
-    with native.use_isa(isa):
+    with steps.use_isa(isa):
         got = native.row_dot(a, b)
     assert got is not None and got.dtype == torch.float32 and got.shape == (2, 3, 7)
     want = (a.double() * b.double()).sum(-1)
@@ -898,25 +898,25 @@ def test_the_avx2_steps_two_register_blockings_give_the_same_bits(name, dtype, m
     which is faster): the same output, lse and gradients, bit for bit, in float32 and on
     widened bfloat16, with every mask, odd sizes, T_q != T_k, D_v != D; the 3-row one is held
     to the float64 oracle above."""
-    if "avx2" not in native.isas():
+    if "avx2" not in steps.isas():
         pytest.skip("this CPU cannot run the AVX2 step")
     tune(native=True, native_probe=False)
     mask = mask_zoo(2, 75, 61)[name]
     q, k, v = make_qkv(2, 4, 2, 61, 75, 40, 24, dtype=dtype, seed=5)
     g = torch.randn(2, 4, 61, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
     runs = []
-    with native.use_isa("avx2"):
+    with steps.use_isa("avx2"):
         assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path.startswith("tiled-native")
-        for n in native.ROWS:
-            with native.use_rows(n):
-                assert native.rows() == n
+        for n in steps.ROWS:
+            with steps.use_rows(n):
+                assert steps.rows() == n
                 out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
                 runs.append((out, lse, *grads(q, k, v, g, mask, backend="tiled")))
-    assert native.rows() == native.ROWS[0]  # undone after the block
+    assert steps.rows() == steps.ROWS[0]  # undone after the block
     for three, two in zip(*runs):
         assert torch.equal(three, two)
     with pytest.raises(ValueError, match="rows at a time"):
-        native.set_rows(4)
+        steps.set_rows(4)
 
 
 def test_float32_reads_values_in_place_at_any_row_stride():

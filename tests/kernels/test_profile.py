@@ -14,10 +14,10 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels.tiled import native, profile
+from qkv.kernels.tiled import native, profile, steps
 
 needs_native = pytest.mark.skipif(
-    not native.available(torch.float32), reason="the native kernel is not built here"
+    not steps.available(torch.float32), reason="the native kernel is not built here"
 )
 
 
@@ -127,10 +127,10 @@ def test_the_avx2_register_blocking_is_measured_kept_near_the_line_and_applied(c
     monkeypatch.setattr(profile, "load", lambda: (two_faster, "stored"))
     profile.probe.cache_clear()
     try:
-        assert profile.probe().rows == 2 and native.rows() == 2
+        assert profile.probe().rows == 2 and steps.rows() == 2
     finally:
         profile.probe.cache_clear()
-        native.set_rows(native.ROWS[0])
+        steps.set_rows(steps.ROWS[0])
 
 
 @needs_native
@@ -195,7 +195,7 @@ def test_a_bad_isa_pin_is_an_error_when_the_kernel_is_first_asked_for(name):
     if name == "other":
         name = "neon" if os.uname().machine == "x86_64" else "avx2"
     env = {**os.environ, "QKV_NATIVE_ISA": name}
-    code = "import qkv.kernels.tiled.native as n; print('imported'); n.available()"
+    code = "import qkv.kernels.tiled.steps as n; print('imported'); n.available()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
@@ -242,7 +242,7 @@ def test_causal_runs_natively_where_the_profile_measured_it_faster(monkeypatch, 
     assert (chosen.path, chosen.rule) == ("tiled-native", "causal square")
     assert qkv.dispatch(qg, kg, vg, mask=causal).path == "sdpa"  # the verdict with a gradient
     assert qkv.dispatch(q[:, :, :512], k[:, :, :512], v[:, :, :512], mask=causal).path == "sdpa"
-    if native.available(torch.float32) and native.supports(
+    if steps.available(torch.float32) and native.supports(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.float32
     ):
         assert qkv.dispatch(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=causal).path in (
@@ -273,6 +273,6 @@ def test_qkv_doctor_prints_the_machine_and_its_choices(cache, capsys):
     out = capsys.readouterr().out
     assert "CPU:" in out and "threads:" in out and "which code runs" in out
     assert "sliding_window(256)" in out
-    if native.available(torch.float32):
+    if steps.available(torch.float32):
         assert "profile: measured and stored" in out
         assert main(["doctor"]) == 0 and "profile: stored in" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.kernels.tiled import native, scratch
+from qkv.kernels.tiled import scratch, steps
 from tests.helpers import make_qkv
 
 WIDEN = pytest.param(torch.float16, id="float16-widened")
@@ -36,7 +36,7 @@ def step(q, k, v, mask, g):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_results_neither_change_with_scratch_nor_share_its_memory(dtype, every_size, monkeypatch):
-    if not native.available(torch.float32):
+    if not steps.available(torch.float32):
         pytest.skip("the native kernel does not run here")
     mask = qkv.masks.sliding_window(16)
     first = make_qkv(1, 4, 2, 45, 45, 32, 32, dtype=dtype, seed=1)
@@ -110,7 +110,7 @@ def test_a_buffer_made_under_inference_mode_serves_training_calls(every_size):
     tensor refuses in-place updates outside it (the sinks' forward scales its float32
     output in place; a view in another dtype happens to pass today, not a thing to rely
     on)."""
-    if not native.available(torch.float32):
+    if not steps.available(torch.float32):
         pytest.skip("the native kernel does not run here")
     mask = qkv.masks.causal()
     q, k, v = make_qkv(1, 4, 4, 300, 300, 32, 32, dtype=torch.bfloat16, seed=3)

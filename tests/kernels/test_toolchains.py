@@ -220,9 +220,9 @@ def test_a_kernel_that_fails_to_build_is_named_when_qkv_runs(tmp_path):
 CHECK = """
 import torch, qkv
 from qkv.kernels import paged
-from qkv.kernels.tiled import native
-assert native.available(torch.float32) and paged.available(), "not built"
-print(native.openmp())
+from qkv.kernels.tiled import steps
+assert steps.available(torch.float32) and paged.available(), "not built"
+print(steps.openmp())
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 4, 300, 48, generator=g).requires_grad_() for _ in range(3))
 mask = qkv.masks.sliding_window(40)

@@ -82,13 +82,13 @@ def test_the_deepseek_head_shapes_run_natively_and_agree():
     """DeepSeek V3's sizes (2 of its heads): the expanded form attends D = 192 / D_v = 128
     and the absorbed one D = 576 / D_v = 512 over one key/value head; under a sliding window
     both run in qkv's native kernel where it is built, and agree in float32."""
-    from qkv.kernels.tiled import native
+    from qkv.kernels.tiled import steps
 
     mla = make(sizes=DEEPSEEK, E=64, H=2, dtype=torch.float32)
     x = torch.randn(1, 1100, 64)  # enough scores for the tiled kernel
     window = qkv.masks.sliding_window(32)
     paths = {f: mla.dispatch(x, mask=window, form=f).path for f in ("expanded", "absorbed")}
-    if native.available(torch.float32):
+    if steps.available(torch.float32):
         assert paths == {"expanded": "tiled-native", "absorbed": "tiled-native"}
     a = mla(x, mask=window, form="expanded")
     b = mla(x, mask=window, form="absorbed")

@@ -14,7 +14,7 @@ import torch
 from .. import masks
 from ..functional import dispatch
 from ..kernels import built, paged
-from ..kernels.tiled import measurement, native, profile
+from ..kernels.tiled import measurement, profile, steps
 
 #: the instruction flags that decide which step runs
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16", "sve")
@@ -29,18 +29,18 @@ def run_doctor(args: argparse.Namespace) -> int:
     print(f"threads: {torch.get_num_threads()} (torch's)")
     for name, why in built.failed().items():
         print(f"{name}: failed to build at install: {why} (pip install -v shows the compiler)")
-    if not native.available(torch.float32):
+    if not steps.available(torch.float32):
         print("native tiled kernel: not built or not runnable here (PyTorch paths run)")
     else:
         bf16 = (
             "bfloat16 dot products"
-            if native.available(torch.bfloat16)
+            if steps.available(torch.bfloat16)
             else "widened to float32 as loaded (no bfloat16 dot product here)"
         )
-        threads = "OpenMP threads" if native.openmp() else "one thread (built without OpenMP)"
+        threads = "OpenMP threads" if steps.openmp() else "one thread (built without OpenMP)"
         print(
-            f"native tiled kernel: float32 on {native.isa(torch.float32)} "
-            f"(steps built: {', '.join(native.isas())}); bfloat16: {bf16}; float16: widened; "
+            f"native tiled kernel: float32 on {steps.isa(torch.float32)} "
+            f"(steps built: {', '.join(steps.isas())}); bfloat16: {bf16}; float16: widened; "
             f"{threads}"
         )
     if paged.available():
@@ -48,7 +48,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"native paged decode kernel: {paged.isa() or 'plain C'}{scored}")
     else:
         print("native paged decode kernel: not built")
-    if native.available(torch.float32):
+    if steps.available(torch.float32):
         found, where = profile.load(remeasure=args.remeasure)
         print(f"profile: {where}")
         print(f"  machine: {profile.machine_key()}")
@@ -65,7 +65,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"{'natively' if found.faster else 'as float32 does'}"
         )
         if not math.isnan(found.rows_ratio()):
-            step = native.isa(torch.float32)
+            step = steps.isa(torch.float32)
             print(
                 f"  the {step} step takes {found.rows} query rows at a time (with 2: "
                 f"{found.native32_rows2_ms:.2f} ms, {found.rows_ratio():.2f}× the time of 3)"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import Problem
-from ..kernels.tiled import flash, native, profile
+from ..kernels.tiled import flash, native, profile, steps
 from ..masks import FULL, Mask
 from ..scores import ScoreMod
 from .call import Call
@@ -124,14 +124,14 @@ def tiled_path(a: Call) -> tuple[str, str]:
     if a.tuning.native and a.key_finite:
         if native.supports(a.q, a.k, a.v) and native_wins(a, a.q.dtype):
             name = str(a.q.dtype).removeprefix("torch.")
-            on = native.isa(a.q.dtype)
+            on = steps.isa(a.q.dtype)
             return "tiled-native", (
                 f"qkv's native {name} kernel ({on}) runs the plan in one call{capped}"
             )
         half = a.q.dtype in (torch.bfloat16, torch.float16)
         if half and native.supports(a.q, a.k, a.v, torch.float32) and native_wins(a, torch.float32):
             return "tiled-native-widen", (
-                f"qkv's native float32 kernel ({native.isa()}) runs the plan in one call, on "
+                f"qkv's native float32 kernel ({steps.isa()}) runs the plan in one call, on "
                 f"float32 copies{capped}"
             )
     if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):

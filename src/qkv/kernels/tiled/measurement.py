@@ -19,7 +19,7 @@ from ...masks import FULL, causal
 from ...tuning import Tuning
 from ..contract import Lowered, PredicateTiles
 from . import backward as tiled_backward
-from . import forward, native
+from . import forward, steps
 from .plan import dense_to_sparse, make_plan
 
 #: The probe's pass: (T, window): T queries, each over the keys from ``window`` before it to
@@ -51,20 +51,20 @@ def times() -> dict[str, float]:
             for backward in (True, False)
         },
     }
-    steps = (
+    natives = (
         ("native", "tiled-native", x16, torch.bfloat16),
         ("native32", "tiled-native", x32, torch.float32),
         ("native_widen", "tiled-native-widen", x16, torch.float32),
     )
-    for name, path, xs, compute in steps:
-        if native.available(compute):
+    for name, path, xs, compute in natives:
+        if steps.available(compute):
             calls[name] = _with_rows(3, _banded_pass(path, *xs))
-    if native.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
+    if steps.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
         calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
     for backward in (True, False):
         fwd = "" if backward else "_fwd"
         calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
-        if native.available(torch.float32):
+        if steps.available(torch.float32):
             calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
@@ -130,7 +130,7 @@ def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
     """``call`` with the AVX2, NEON or SVE step taking ``n`` query rows at a time."""
 
     def timed() -> object:
-        with native.use_rows(n):
+        with steps.use_rows(n):
             return call()
 
     return timed

@@ -4,9 +4,11 @@ no AVX-512; NEON on ARM64) or bfloat16 (Q, K and V kept in bfloat16 — the matm
 dot products accumulated in float32, AVX512-BF16's or ARM's BFDOT, P and dS entering their
 matmul as bfloat16 hi + lo parts, about 16 bits). The softmax state in float32 either way.
 The float32 step also takes bfloat16 and float16 inputs as they are, widening them as it
-loads them (no float32 copies).
+loads them (no float32 copies of Q, K or dO; V is widened once, as K is packed).
 docs/kernels.md#the-native-kernel gives its measurements. Where it is not built or the CPU
-lacks the instructions, the fused calls run torch's flash kernel in float32 instead.
+lacks the instructions, the fused calls run torch's flash kernel in float32 instead. Which
+step runs here (the instruction set, a pin, the register blocking):
+:mod:`qkv.kernels.tiled.steps`.
 
 Legend: B batch · H_kv key/value heads · G = H / H_kv · R query rows · T_k keys · D head dim
 of Q and K · D_v of V.
@@ -14,140 +16,20 @@ of Q and K · D_v of V.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from ..built import warn_if_failed
 from ..reference import all_finite
 from . import scratch
 from .args import DTYPES, SOURCES, alibi_at, bias_at, bounds_at, check_call, check_keys, source
+from .steps import available
 
 try:
     from . import _native  # type: ignore[attr-defined]
 except ImportError:  # not built (no C compiler at install): torch's flash kernel runs
     _native = None
-
-
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the native kernel is built and this CPU runs it in ``dtype`` (float32:
-    AVX-512, AVX2 + FMA, SVE or NEON; bfloat16: AVX512-BF16, not while :func:`use_isa` pins
-    AVX2, or BFDOT on ARM64)."""
-    if _native is None:
-        warn_if_failed()
-        return False
-    _pin_from_environment()
-    return dtype in DTYPES and bool(_native.available(dtype == torch.float32))
-
-
-def isa(dtype: torch.dtype = torch.float32) -> str:
-    """The instruction set the native kernel runs ``dtype`` on here: "avx512", "avx2",
-    "sve" (256-bit vectors), "neon", or "" where it cannot run it (not built, another CPU,
-    another dtype)."""
-    if _native is None or dtype not in DTYPES:
-        return ""
-    _pin_from_environment()
-    return str(_native.isa(dtype == torch.float32))
-
-
-def openmp() -> bool:
-    """Whether the native kernel was built with OpenMP, its passes on torch's thread pool
-    (else, built by a compiler without it, in one thread); False where it is not built."""
-    return _native is not None and bool(_native.openmp())
-
-
-def isas() -> tuple[str, ...]:
-    """The instruction sets this CPU can run the float32 step on, of those it is compiled
-    for: ("avx512", "avx2") on a CPU with AVX-512 (where AVX2 runs only when pinned,
-    :func:`use_isa`), "avx2" alone on one with AVX2 + FMA + F16C only; on ARM64 ("sve",
-    "neon") where SVE's vectors are 256 bits and the SVE step is built (NEON only when
-    pinned), else "neon"; or none. (bfloat16 dot products run on AVX-512 with AVX512-BF16
-    and on ARM64 with BFDOT.)"""
-    if not available(torch.float32):
-        return ()
-    found = []
-    for name in ("", "avx2", "neon"):
-        with use_isa(name):
-            found.append(isa())
-    return tuple(dict.fromkeys(found))
-
-
-@contextlib.contextmanager
-def use_isa(name: str) -> Iterator[None]:
-    """Within the block, the kernel runs as on an AVX2-only CPU (``name`` "avx2": float32 on
-    the AVX2 step, half precision widened to it, no bfloat16 dot products) even where the
-    CPU has AVX-512, as on an ARM64 CPU without SVE ("neon") where it has SVE, or on the
-    CPU's choice (""): to test and measure the narrower step on any machine. A name of the
-    other architecture changes nothing (:func:`isa` says what runs). Process-wide (every
-    thread's calls), as ``QKV_NATIVE_ISA`` in the environment is from the first call. The
-    machine's profile keys its measurements by the pin."""
-    if _native is None:
-        raise RuntimeError("use_isa: the native kernel is not built")
-    before = _native.use_isa(name)
-    try:
-        yield
-    finally:
-        _native.use_isa(before)
-
-
-#: the AVX2, NEON and SVE steps' register blockings, query rows at a time: compiled both ways,
-#: the machine's profile measures which runs faster (3 by default; docs/kernels.md)
-ROWS = (3, 2)
-
-
-def rows() -> int:
-    """The query rows the AVX2, NEON and SVE steps keep in registers at a time
-    (:data:`ROWS`)."""
-    if _native is None:
-        return ROWS[0]
-    before = _native.use_rows(ROWS[0])
-    _native.use_rows(before)
-    return int(before)
-
-
-def set_rows(n: int) -> None:
-    """Runs the AVX2, NEON and SVE steps with ``n`` query rows at a time (:data:`ROWS`) in this
-    process, as the machine's profile chose. The same bits either way: no two rows share a
-    sum."""
-    if n not in ROWS:
-        raise ValueError(f"set_rows: one of {ROWS} rows at a time, not {n!r}")
-    if _native is not None:
-        _native.use_rows(n)
-
-
-@contextlib.contextmanager
-def use_rows(n: int) -> Iterator[None]:
-    """Within the block, the AVX2, NEON and SVE steps keep ``n`` query rows in registers:
-    to test and measure each blocking. Process-wide, as :func:`use_isa`."""
-    before = rows()
-    set_rows(n)
-    try:
-        yield
-    finally:
-        set_rows(before)
-
-
-@functools.cache
-def _pin_from_environment() -> None:
-    """``QKV_NATIVE_ISA=avx2`` pins float32 to the AVX2 step for the process (``neon``: to
-    the NEON step on an ARM64 CPU with SVE), read the first time the kernel is asked for
-    (not at import). A name this build or CPU cannot run is an error."""
-    name = os.environ.get("QKV_NATIVE_ISA")
-    if _native is None or not name:
-        return
-    try:
-        _native.use_isa(name)
-    except ValueError:
-        raise ValueError(
-            f'QKV_NATIVE_ISA={name!r}: "avx2" pins float32 to the AVX2 step, "neon" to the '
-            "NEON step; unset it to let the CPU choose"
-        ) from None
-    if str(_native.isa(True)) != name:
-        raise ValueError(f"QKV_NATIVE_ISA={name!r} names an instruction set this CPU lacks")
 
 
 def supports(

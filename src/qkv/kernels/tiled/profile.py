@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from . import measurement, native
+from . import measurement, steps
 
 T = TypeVar("T")
 
@@ -96,7 +96,7 @@ class Probe(NamedTuple):
     and the native kernel in float32 (``native32_ms``; nan where this CPU cannot run it),
     and on the bfloat16 inputs widened as it loads them (``native_widen_ms``). Where the
     float32 step is AVX2's or NEON's, it is timed with each register blocking
-    (:data:`native.ROWS`): 3 query rows at a time (``native32_ms``) and 2
+    (:data:`steps.ROWS`): 3 query rows at a time (``native32_ms``) and 2
     (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel (SDPA) forward and
     backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``), causal over 512
     queries, in bfloat16 and float16 and on float32 copies of bfloat16 inputs: where the CPU
@@ -260,7 +260,7 @@ def machine_key() -> str:
     digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]
     return (
         f"{model} | flags {digest} | threads {torch.get_num_threads()} | qkv {qkv_version} "
-        f"| torch {torch.__version__} | isa {native.isa(torch.float32) or 'none'}"
+        f"| torch {torch.__version__} | isa {steps.isa(torch.float32) or 'none'}"
     )
 
 
@@ -387,5 +387,5 @@ def probe() -> Probe:
     """This machine's profile (:func:`load`), read once per process; the AVX2, NEON or SVE step
     takes the register blocking it chose from then on."""
     found = load()[0]
-    native.set_rows(found.rows)
+    steps.set_rows(found.rows)
     return found
