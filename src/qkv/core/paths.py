@@ -122,8 +122,8 @@ def tiled_path(a: Call) -> tuple[str, str]:
         return "tiled-loop", "the PyTorch loop: fused calls turned off (Tuning.fused)"
     capped = "" if mod is None else f", {mod} applied in it"
     if a.tuning.native and a.key_finite:
+        name = str(a.q.dtype).removeprefix("torch.")
         if native.supports(a.q, a.k, a.v) and native_wins(a, a.q.dtype):
-            name = str(a.q.dtype).removeprefix("torch.")
             on = steps.isa(a.q.dtype)
             return "tiled-native", (
                 f"qkv's native {name} kernel ({on}) runs the plan in one call{capped}"
@@ -131,8 +131,8 @@ def tiled_path(a: Call) -> tuple[str, str]:
         half = a.q.dtype in (torch.bfloat16, torch.float16)
         if half and native.supports(a.q, a.k, a.v, torch.float32) and native_wins(a, torch.float32):
             return "tiled-native-widen", (
-                f"qkv's native float32 kernel ({steps.isa()}) runs the plan in one call, on "
-                f"float32 copies{capped}"
+                f"qkv's native float32 kernel ({steps.isa()}) runs the plan in one call, "
+                f"widening {name} as it loads it{capped}"
             )
     if not flash.supports(a.q, a.k, a.v, key_finite=a.key_finite):
         return "tiled-loop", (
