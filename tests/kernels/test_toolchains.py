@@ -39,8 +39,8 @@ TESTS = {
             128: ["tiled/_step128.c", "tiled/_step128_rows2.c"],
             257: ["tiled/_step_sve.c", "tiled/_step_sve_rows2.c"],
         },
-        48,
-        12,
+        51,
+        13,
     ),
     "test_paged": (
         {

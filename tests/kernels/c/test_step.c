@@ -6,7 +6,8 @@
    and float16 (widened as the step loads them), rows masked by bounds (one row with no
    key), ALiBi with a soft-cap, GQA rows; bfloat16 in the CPU's bfloat16 dot products where
    the step has them and the CPU runs them (AVX512-BF16; BFDOT on ARM64); half-precision
-   outputs rounded by the step as float32's round; and the backward's
+   outputs rounded by the step as float32's round; a call of 600 rows, whose backward
+   items sum dK and dV over more than FOLD rows; and the backward's
    Delta (row_dots) in each dtype and head dim. Prints a line per case and exits 1 if any is out of
    tolerance.
 
@@ -233,7 +234,7 @@ static int run_case(const Step *st, const Case *c) {
     float *gdv = calloc(B * H * T * Dv, sizeof(float));
     float *share = malloc(sizeof(float) * G * R * D), *dKa = malloc(sizeof(float) * KB * pad32(D));
     float *dVa = malloc(sizeof(float) * KB * pad32(Dv));
-    void *scratch = malloc(3 * KB * MAX_D * sizeof(float));
+    void *scratch = malloc(KEY_BLOCK_SCRATCH * sizeof(float));
     for (int64_t h = 0; h < H; h++)
         for (int64_t kb = 0; kb < blocks; kb++) {
             memset(share, 0, sizeof(float) * G * R * D);
@@ -374,6 +375,13 @@ int main(void) {
                     failed += !run_case(&steps[i], &c);
                     cases++;
                 }
+    /* a call of G · R = 600 rows: each backward item sums dK and dV over its first FOLD
+       rows, then over the rest apart, and adds that in */
+    for (int i = 0; i < n; i++)
+        for (int src = SRC_F32; src <= SRC_F16; src++, cases++) {
+            Case c = {1, 2, 300, 75, 64, 64, src, 0, 0};
+            failed += !run_case(&steps[i], &c);
+        }
     /* bfloat16 in the CPU's dot products: even head dims (pairs), V's columns on and off
        the vectors */
     const int64_t even[][2] = {{64, 64}, {30, 94}, {80, 48}, {192, 128}};
@@ -384,6 +392,12 @@ int main(void) {
                           SRC_BF16, variant == 1,         variant == 2, 1};
                 failed += !run_case(&steps[i], &c);
             }
+    for (int i = 0; i < n; i++) /* and the call of 600 rows */
+        if (steps[i].dots) {
+            Case c = {1, 2, 300, 75, 64, 64, SRC_BF16, 0, 0, 1};
+            failed += !run_case(&steps[i], &c);
+            cases++;
+        }
     printf("%d steps in bfloat16 dot products\n", n_dots(steps, n));
     for (int i = 0; i < n; i++) /* the backward's Delta, on and off the vectors */
         for (int src = SRC_F32; src <= SRC_F16; src++)

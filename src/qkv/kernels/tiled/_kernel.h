@@ -28,6 +28,10 @@
 #define ROWS 32   /* query rows per work item */
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
 #define KB 64     /* keys per backward work item */
+#define FOLD 512  /* a backward item sums dK and dV over this many live rows, then adds in */
+/* The floats of scratch a backward work item takes (qkv_key_block): its K and V packed, K's
+   rows, and the partial sums of dK and dV of FOLD rows. */
+#define KEY_BLOCK_SCRATCH (5 * KB * MAX_D)
 
 /* The vector instruction sets the step is compiled for (by their vectors' bits; SVE's 256
    as 257, apart from AVX2's); float32 runs on any, bfloat16 dot products on AVX-512 with

@@ -182,7 +182,7 @@ static void backward_worker(Pass *ps) {
     /* this thread's packed keys; it and each item's shares on 64-byte lines, so that no
        vector load or store of a row splits a cache line (malloc's 16 bytes into a line made
        half of AVX2's do: docs/kernels.md) */
-    void *scratch = aligned_alloc(64, 3 * KB * MAX_D * sizeof(float));
+    void *scratch = aligned_alloc(64, KEY_BLOCK_SCRATCH * sizeof(float));
     for (int64_t it; (it = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < items;) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];

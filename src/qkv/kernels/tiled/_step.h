@@ -398,6 +398,14 @@ TARGET static void outer(const float W[MR][KB], const float *x, int64_t D, int r
     }
 }
 
+/* acc[x] += part[x] and part[x] = 0 for the n floats from 0 (n a multiple of 16). */
+TARGET static void fold(float *acc, float *part, int64_t n) {
+    for (int64_t x = 0; x < n; x += 16) {
+        vstore(acc + x, vadd(vload(acc + x), vload(part + x)));
+        vstore(part + x, vzero());
+    }
+}
+
 /* Keys n0..n0+31 of head (b, h) of p, held in half precision (SRC), packed at dst in
    float32's layout (D, 32) as pack32 does, each row widened by the vector loads first (pack32
    widens value by value); the widened rows also kept at rows, D apart, if given (for dQ's
@@ -438,8 +446,14 @@ TARGET void NAMED(qkv_pack32_half)(const Pack *p, int64_t b, int64_t h, int64_t 
 
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
    begin) of head (b, h), over all the call's rows. Its keys are packed here, into the
-   thread's `scratch` (3 · KB · MAX_D floats): no pass packs all of K and V beforehand. dq:
-   this item's (G, R, D) share; dKa, dVa: its keys' (KB, pad32(D)) and (KB, pad32(Dv)). */
+   thread's `scratch` (KEY_BLOCK_SCRATCH floats): no pass packs all of K and V beforehand.
+   dq: this item's (G, R, D) share; dKa, dVa: its keys' (KB, pad32(D)) and (KB, pad32(Dv)).
+   dK and dV sum over every row of the call that sees the key (G · R of them: 8,192 for 2
+   query heads a key/value head over 4,096 queries): summed FOLD rows at a time, each sum
+   then added in, so that no float32 chain runs the length of the call. One chain gave them
+   2–4 times the rounding error of torch's blocked backward where every query sees the key
+   (tests/kernels/test_native.py); a call's item that sees FOLD rows or fewer (a window)
+   sums as before, at no cost. */
 TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
                                  float *dKa, float *dVa, void *scratch) {
     const Job *j = &bj->f;
@@ -449,6 +463,7 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
     size_t size = j->f32 ? 4 : 2;
     char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * Dv * size;
+    float *dKc = (float *)scratch + 3 * KB * MAX_D, *dVc = dKc + KB * MAX_D; /* later rows' sums */
     /* half precision widened: K's and V's rows widened 16 values at a time, and K's rows
        kept in float32 (kvb) for dQ's ·K, which then reads them as they are */
     const int widen = j->f32 && j->src != SRC_F32;
@@ -479,6 +494,10 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     float O[MR * MAX_D];
     memset(dKa, 0, sizeof(float) * KB * Dp);
     memset(dVa, 0, sizeof(float) * KB * Dvp);
+    /* the first FOLD rows are summed in dKa and dVa, the later ones FOLD at a time in dKc and
+       dVc (zeroed when first taken), each such sum then added in */
+    float *sumK = dKa, *sumV = dVa;
+    int64_t summed = 0; /* rows in sumK and sumV since they were last emptied */
     for (int64_t r0 = 0; r0 < GR; r0 += MR) {
         int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
         int live[KT / 32], any = 0;
@@ -527,8 +546,19 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
                 vstore(&dS[i][n], ds);
             }
         }
-        outer(P, df, Dvp, rows, live, nk, dVa);
-        outer(dS, qf, Dp, rows, live, nk, dKa);
+        outer(P, df, Dvp, rows, live, nk, sumV);
+        outer(dS, qf, Dp, rows, live, nk, sumK);
+        if ((summed += rows) >= FOLD) {
+            if (sumK == dKa) { /* the first FOLD rows are in: the next go to dKc and dVc */
+                memset(dKc, 0, sizeof(float) * KB * Dp);
+                memset(dVc, 0, sizeof(float) * KB * Dvp);
+                sumK = dKc, sumV = dVc;
+            } else { /* FOLD rows' sums into the item's */
+                fold(dKa, dKc, nk * Dp);
+                fold(dVa, dVc, nk * Dvp);
+            }
+            summed = 0;
+        }
         memset(O, 0, sizeof(float) * MR * Dp);
 #if QKV_BF16
         if (!j->f32) { /* dS enters ·K as bfloat16 hi + lo */
@@ -542,5 +572,9 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
             float *dqr = dq + (g * j->R + r) * D;
             for (int64_t d = 0; d < D; d++) dqr[d] += O[i * Dp + d];
         }
+    }
+    if (summed && sumK != dKa) {
+        fold(dKa, dKc, nk * Dp);
+        fold(dVa, dVc, nk * Dvp);
     }
 }
