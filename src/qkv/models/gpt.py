@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import Layout
-from ..nn.cache import Cache, KVCache
+from ..nn.cache import Cache, KVCache, LatentCache
 from ..nn.mha import MultiHeadAttention
-from ..nn.mla import LatentCache, MultiHeadLatentAttention
+from ..nn.mla import MultiHeadLatentAttention
 from ..nn.rope import RoPE
 from ..nn.streaming import StreamingCache
 from ..serving import Batcher, PackedBatch, PagedBatch, PagedCaches, PagedKVCache

@@ -1,9 +1,11 @@
-"""A KV cache: keys and values of the tokens seen so far, for incremental decoding.
+"""The caches of incremental decoding: the tokens seen so far, for a module to attend over.
 
-An explicit object with preallocated buffers (no global state): a module appends the new
+Explicit objects with preallocated buffers (no global state): a module appends the new
 tokens' keys and values and attends over everything cached. Queries then sit at absolute
 positions ``length - T_q .. length - 1``, which is exactly the bottom-right alignment of
-qkv's causal mask.
+qkv's causal mask. :class:`KVCache` holds keys and values per head; :class:`LatentCache`
+holds multi-head latent attention's one row per token (:mod:`qkv.nn.mla`), keys and values
+both.
 
 Legend: B batch · H_kv key/value heads · T tokens appended · D head dim · D_v value dim.
 """
@@ -18,6 +20,7 @@ from .._checks import check_appended, check_sizes
 from ..functional import MaskLike, attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..masks.library import with_causal
+from ..serving.latent import attend_in_place, check_rows, check_values_view
 from ..varlen import paged_attention
 
 
@@ -213,4 +216,153 @@ class KVCache:
         return (
             f"KVCache(batch={B}, num_kv_heads={H_kv}, length={self.length}, "
             f"max_len={max_len}, head_dim={D}, dtype={self.keys.dtype})"
+        )
+
+
+class LatentCache:
+    """The cache of a :class:`MultiHeadLatentAttention` layer: one row per token of its
+    latent (``kv_lora_rank`` values) followed by its rotary key (``rope_dim`` values),
+    (B, 1, max_len, r + rope). The absorbed form attends over these rows as they are: one
+    key/value head whose values are the first r columns of its keys (a view, no copy).
+
+    ``dtype=torch.int8`` or ``torch.float8_e4m3fn`` quantizes each row with a float32 scale
+    (``scales``, (B, 1, max_len)); :meth:`append` then gives the rows back dequantized to
+    ``compute_dtype``.
+
+    Example:
+        >>> import torch, qkv
+        >>> mla = qkv.nn.MultiHeadLatentAttention(
+        ...     64, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        >>> cache = mla.new_cache(batch=1, max_len=10)
+        >>> _ = mla(torch.randn(1, 3, 64), cache=cache)
+        >>> cache.length, {n: tuple(t.shape) for n, t in cache.tensors().items()}
+        (3, {'rows': (1, 1, 10, 40)})
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        check_sizes(batch=batch, max_len=max_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+        self.kv_lora_rank = kv_lora_rank
+        self.rows = torch.zeros(
+            batch, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
+        )
+        self.scales: torch.Tensor | None = None
+        self._like = self.rows  # what appended rows must be (dtype, device)
+        if is_quantized(dtype):
+            self.scales = torch.zeros(batch, 1, max_len, device=device)
+            self._like = torch.empty(0, dtype=compute_dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.rows.shape[2]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What the cache stores, by name: its rows (B, 1, max_len, r + rope), and a
+        quantized cache's scales (B, 1, max_len)."""
+        return {"rows": self.rows} | ({} if self.scales is None else {"scales": self.scales})
+
+    def bytes_per_token(self) -> int:
+        """Bytes the cache holds per token of one sequence (one layer)."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors().values())
+
+    def held(self) -> torch.Tensor:
+        """The cached rows (B, 1, length, r + rope), dequantized where quantized."""
+        rows = self.rows[:, :, : self.length]
+        if self.scales is None:
+            return rows
+        return dequantize(rows, self.scales[:, :, : self.length], self._like.dtype)
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        """Store rows (B, 1, T, r + rope) after the cached ones, and return all cached rows
+        (B, 1, length, r + rope): a view, or dequantized."""
+        self.store(rows)
+        return self.held()
+
+    def store(self, rows: torch.Tensor) -> None:
+        """Store rows (B, 1, T, r + rope) after the cached ones (quantized, in a quantized
+        cache), returning nothing: :meth:`append` without the read."""
+        B, _, max_len, width = self.rows.shape
+        check_rows(rows, B, width, self._like, "the cache")
+        T = rows.shape[2]
+        if self.length + T > max_len:
+            raise ValueError(
+                f"LatentCache overflow: appending T={T} tokens to {self.length} cached would "
+                f"exceed max_len={max_len}"
+            )
+        at, end = self.length, self.length + T
+        if self.scales is None:
+            self.rows[:, :, at:end] = rows
+        else:
+            check_no_grad(rows)
+            check_finite(rows, "latent row", lambda b, t: (b, at + t))
+            self.rows[:, :, at:end], self.scales[:, :, at:end] = quantize(rows, self.rows.dtype)
+        self.length = end
+
+    def positions(self, T: int) -> int:
+        """New tokens follow the cached ones: the first sits at ``length``."""
+        return self.length
+
+    def reads_in_place(self, T_q: int, mask: MaskLike, dropout_p: float) -> bool:
+        """Whether :meth:`attend` reads the stored rows where they lie (a quantized cache's
+        decode step) rather than attending over the rows :meth:`held` gives."""
+        return self.scales is not None and T_q == 1 and mask is None and not dropout_p
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: MaskLike,
+        causal: bool,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Append the new rows k (B, 1, T, r + rope), then attend the absorbed queries q
+        (B, H, T, r + rope) over every cached row, its first r columns the values:
+        (B, H, T, r) (:class:`qkv.nn.Cache`). v must be k's first r columns (a view): the
+        values are part of the rows, never stored apart. A quantized cache's decode step
+        (one query, no mask or dropout) reads the stored rows in place
+        (:func:`qkv.paged_attention`, each sequence one page, keys and values one row)."""
+        r = self.kv_lora_rank
+        check_values_view(k, v, r, "LatentCache.attend")
+        if self.scales is not None and self.reads_in_place(q.shape[2], mask, dropout_p):
+            self.store(k)
+            B = self.rows.shape[0]  # each sequence one page of max_len rows
+            table = torch.arange(B, device=q.device)[:, None]
+            lengths = torch.full((B,), self.length, device=q.device)
+            pages, scales = self.rows.transpose(1, 2), self.scales.transpose(1, 2)
+            return attend_in_place(q, pages, scales, table, lengths, r, scale, sinks)
+        rows = self.append(k)
+        return attention(
+            q,
+            rows,
+            rows[..., :r],
+            mask=with_causal(mask, causal),
+            dropout_p=dropout_p,
+            sinks=sinks,
+            scale=scale,
+        )
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffer is kept)."""
+        self.length = 0
+
+    def __repr__(self) -> str:
+        B, _, max_len, width = self.rows.shape
+        return (
+            f"LatentCache(batch={B}, length={self.length}, max_len={max_len}, "
+            f"kv_lora_rank={self.kv_lora_rank}, rope_dim={width - self.kv_lora_rank}, "
+            f"dtype={self.rows.dtype})"
         )

@@ -14,7 +14,8 @@ forms compute the same attention:
   values being the first 512 columns of the keys — and W_UV is applied to the result.
 
 Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim values (576), against
-2 · H · head_dim for multi-head attention (32,768 for DeepSeek V3's 128 heads of 128).
+2 · H · head_dim for multi-head attention (32,768 for DeepSeek V3's 128 heads of 128): a
+:class:`qkv.nn.LatentCache` (:mod:`qkv.nn.cache`).
 
 Legend: B batch · H heads · T_q/T_k query/key length · E model width · r = kv_lora_rank ·
 nope, rope = the query/key head dim without and with rotary position · v = value head dim.
@@ -32,9 +33,9 @@ from torch import nn
 from .._checks import check_sizes
 from ..core.call import Dispatch
 from ..functional import MaskLike, attention, dispatch
-from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..masks.library import with_causal
-from ..serving.latent import PagedLatentBatch, attend_in_place, check_rows, check_values_view
+from ..serving.latent import PagedLatentBatch
+from .cache import LatentCache
 from .modules import check_input
 from .rope import RoPE
 
@@ -50,155 +51,6 @@ class RMSNorm(nn.RMSNorm):
         if x.dtype in (torch.float16, torch.bfloat16):
             return super().forward(x.float()).to(x.dtype)
         return super().forward(x)
-
-
-class LatentCache:
-    """The cache of a :class:`MultiHeadLatentAttention` layer: one row per token of its
-    latent (``kv_lora_rank`` values) followed by its rotary key (``rope_dim`` values),
-    (B, 1, max_len, r + rope). The absorbed form attends over these rows as they are: one
-    key/value head whose values are the first r columns of its keys (a view, no copy).
-
-    ``dtype=torch.int8`` or ``torch.float8_e4m3fn`` quantizes each row with a float32 scale
-    (``scales``, (B, 1, max_len)); :meth:`append` then gives the rows back dequantized to
-    ``compute_dtype``.
-
-    Example:
-        >>> import torch, qkv
-        >>> mla = qkv.nn.MultiHeadLatentAttention(
-        ...     64, 4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-        >>> cache = mla.new_cache(batch=1, max_len=10)
-        >>> _ = mla(torch.randn(1, 3, 64), cache=cache)
-        >>> cache.length, {n: tuple(t.shape) for n, t in cache.tensors().items()}
-        (3, {'rows': (1, 1, 10, 40)})
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        kv_lora_rank: int,
-        rope_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        compute_dtype: torch.dtype = torch.float32,
-    ) -> None:
-        check_sizes(batch=batch, max_len=max_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
-        self.kv_lora_rank = kv_lora_rank
-        self.rows = torch.zeros(
-            batch, 1, max_len, kv_lora_rank + rope_dim, dtype=dtype, device=device
-        )
-        self.scales: torch.Tensor | None = None
-        self._like = self.rows  # what appended rows must be (dtype, device)
-        if is_quantized(dtype):
-            self.scales = torch.zeros(batch, 1, max_len, device=device)
-            self._like = torch.empty(0, dtype=compute_dtype, device=device)
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.rows.shape[2]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What the cache stores, by name: its rows (B, 1, max_len, r + rope), and a
-        quantized cache's scales (B, 1, max_len)."""
-        return {"rows": self.rows} | ({} if self.scales is None else {"scales": self.scales})
-
-    def bytes_per_token(self) -> int:
-        """Bytes the cache holds per token of one sequence (one layer)."""
-        return sum(t[0, :, 0].numel() * t.element_size() for t in self.tensors().values())
-
-    def held(self) -> torch.Tensor:
-        """The cached rows (B, 1, length, r + rope), dequantized where quantized."""
-        rows = self.rows[:, :, : self.length]
-        if self.scales is None:
-            return rows
-        return dequantize(rows, self.scales[:, :, : self.length], self._like.dtype)
-
-    def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Store rows (B, 1, T, r + rope) after the cached ones, and return all cached rows
-        (B, 1, length, r + rope): a view, or dequantized."""
-        self.store(rows)
-        return self.held()
-
-    def store(self, rows: torch.Tensor) -> None:
-        """Store rows (B, 1, T, r + rope) after the cached ones (quantized, in a quantized
-        cache), returning nothing: :meth:`append` without the read."""
-        B, _, max_len, width = self.rows.shape
-        check_rows(rows, B, width, self._like, "the cache")
-        T = rows.shape[2]
-        if self.length + T > max_len:
-            raise ValueError(
-                f"LatentCache overflow: appending T={T} tokens to {self.length} cached would "
-                f"exceed max_len={max_len}"
-            )
-        at, end = self.length, self.length + T
-        if self.scales is None:
-            self.rows[:, :, at:end] = rows
-        else:
-            check_no_grad(rows)
-            check_finite(rows, "latent row", lambda b, t: (b, at + t))
-            self.rows[:, :, at:end], self.scales[:, :, at:end] = quantize(rows, self.rows.dtype)
-        self.length = end
-
-    def positions(self, T: int) -> int:
-        """New tokens follow the cached ones: the first sits at ``length``."""
-        return self.length
-
-    def reads_in_place(self, T_q: int, mask: MaskLike, dropout_p: float) -> bool:
-        """Whether :meth:`attend` reads the stored rows where they lie (a quantized cache's
-        decode step) rather than attending over the rows :meth:`held` gives."""
-        return self.scales is not None and T_q == 1 and mask is None and not dropout_p
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: MaskLike,
-        causal: bool,
-        dropout_p: float,
-        sinks: torch.Tensor | None,
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        """Append the new rows k (B, 1, T, r + rope), then attend the absorbed queries q
-        (B, H, T, r + rope) over every cached row, its first r columns the values:
-        (B, H, T, r) (:class:`qkv.nn.Cache`). v must be k's first r columns (a view): the
-        values are part of the rows, never stored apart. A quantized cache's decode step
-        (one query, no mask or dropout) reads the stored rows in place
-        (:func:`qkv.paged_attention`, each sequence one page, keys and values one row)."""
-        r = self.kv_lora_rank
-        check_values_view(k, v, r, "LatentCache.attend")
-        if self.scales is not None and self.reads_in_place(q.shape[2], mask, dropout_p):
-            self.store(k)
-            B = self.rows.shape[0]  # each sequence one page of max_len rows
-            table = torch.arange(B, device=q.device)[:, None]
-            lengths = torch.full((B,), self.length, device=q.device)
-            pages, scales = self.rows.transpose(1, 2), self.scales.transpose(1, 2)
-            return attend_in_place(q, pages, scales, table, lengths, r, scale, sinks)
-        rows = self.append(k)
-        return attention(
-            q,
-            rows,
-            rows[..., :r],
-            mask=with_causal(mask, causal),
-            dropout_p=dropout_p,
-            sinks=sinks,
-            scale=scale,
-        )
-
-    def reset(self) -> None:
-        """Forget every cached token (the buffer is kept)."""
-        self.length = 0
-
-    def __repr__(self) -> str:
-        B, _, max_len, width = self.rows.shape
-        return (
-            f"LatentCache(batch={B}, length={self.length}, max_len={max_len}, "
-            f"kv_lora_rank={self.kv_lora_rank}, rope_dim={width - self.kv_lora_rank}, "
-            f"dtype={self.rows.dtype})"
-        )
 
 
 class MultiHeadLatentAttention(nn.Module):
