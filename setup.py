@@ -84,7 +84,14 @@ def sve_flags() -> tuple[list[str], list[tuple[str, str]]]:
 class BuildExt(build_ext):
     """setuptools' build_ext, which also writes ``qkv/kernels/_built.py`` beside the kernels:
     each one that failed to build and the error, read by ``qkv.kernels.built`` to warn at run
-    time (an optional extension that fails is otherwise silent under pip)."""
+    time (an optional extension that fails is otherwise silent under pip). The two
+    extensions compile side by side where the machine has two cores or more (``-j`` /
+    ``--parallel`` overrides)."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = min(2, os.cpu_count() or 1)
 
     def run(self) -> None:
         self.failed: dict[str, str] = {}
