@@ -96,23 +96,28 @@ def test_native_equals_the_oracle(dtype, shape, layout, isa):
 @native
 @pytest.mark.parametrize("isa", ["", "avx2"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_long_context_keeps_float32_accuracy(isa, seed):
-    """65,536 keys: the vector item sums each page's P·V apart and adds it to the output's
-    sum; summed into the output key by key (one chain of 65,536 FMAs), its error against
-    float64 was 40–62 units of float32's epsilon times the largest output, now 14–22
-    (torch's SDPA on the same problem: 4–5)."""
+@pytest.mark.parametrize(
+    "G, D", [(4, 64), (16, 64), (4, 40)], ids=["vector-item", "many-heads-item", "plain-c-item"]
+)
+def test_a_long_context_keeps_float32_accuracy(isa, seed, G, D):
+    """65,536 keys, with each item (the vector item; AVX-512's for 16 query heads or more
+    per key/value head; the plain C one, for head dims off the vectors): an item sums a
+    stretch of about 2,048 keys apart (512 in plain C), page by page, and folds it into its
+    totals. Error against float64 in units of float32's epsilon times the largest output,
+    1.9–5.0 over the three items; with the pages summed into one sum 15–26 (the plain C item's key by
+    key 56–94), torch's SDPA 44–63 on the same problem (torch 2.13, this CPU)."""
     if isa and isa not in paged.isas():
         pytest.skip(f"this CPU has no {isa}")
-    L, P, D = 65536, 16, 64
+    L, P = 65536, 16
     g = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(L // P, P, 1, D, generator=g) for _ in range(2))
-    q = torch.randn(1, 4, D, generator=g)
+    q = torch.randn(1, G, D, generator=g)
     table, lengths = torch.arange(L // P)[None], torch.tensor([L])
     with paged.use_isa(isa):
         out = qkv.paged_attention(q, k, v, table, lengths)
     want, _ = expected(q.double(), k.double(), v.double(), table, lengths)
     error = np.abs(out.double().numpy() - want).max() / np.abs(want).max()
-    assert error < 30 * torch.finfo(torch.float32).eps, error
+    assert error < 10 * torch.finfo(torch.float32).eps, error
 
 
 @native

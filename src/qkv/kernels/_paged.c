@@ -60,11 +60,14 @@
 CLONES
 static void item(const Job *j, int64_t b, int64_t hk, float *work) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
-    float *qf = work, *acc = qf + G * D, *s = acc + G * D_v, *kbuf = s + G * P, *vbuf = kbuf + D;
-    float m[G > 0 ? G : 1], l[G > 0 ? G : 1];
-    begin(j, b, hk, qf, acc, m, l, kbuf);
+    /* acc, l, mt: the totals; part, lp: the stretch's sums under m (fold) */
+    float *qf = work, *acc = qf + G * D, *part = acc + G * D_v, *s = part + G * D_v;
+    float *kbuf = s + G * P, *vbuf = kbuf + D;
+    float m[G > 0 ? G : 1], lp[G > 0 ? G : 1], l[G > 0 ? G : 1], mt[G > 0 ? G : 1];
+    begin(j, b, hk, qf, part, m, lp, kbuf);
+    zero_totals(G, D_v, acc, l, mt);
     const int64_t len = j->lengths[b];
-    for (int64_t p0 = 0, page_i = 0; p0 < len; p0 += P, page_i++) {
+    for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
         for (int64_t t = 0; t < n; t++) {
@@ -82,8 +85,8 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
             for (int64_t t = 0; t < n; t++) mx = s[g * P + t] > mx ? s[g * P + t] : mx;
             if (mx > m[g]) { /* a new maximum: rescale what was summed under the old one */
                 const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-                l[g] *= alpha;
-                for (int64_t d = 0; d < D_v; d++) acc[g * D_v + d] *= alpha;
+                lp[g] *= alpha;
+                for (int64_t d = 0; d < D_v; d++) part[g * D_v + d] *= alpha;
                 m[g] = mx;
             }
             /* Every score so far -inf: no weight (exp(-inf - -inf) would be NaN). */
@@ -96,14 +99,19 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
             const float *vr = kv_row(j, 0, page, t, hk, D_v, vbuf);
             for (int64_t g = 0; g < G; g++) {
                 const float w = s[g * P + t];
-                float *a = acc + g * D_v;
-                l[g] += w;
+                float *a = part + g * D_v;
+                lp[g] += w;
 #pragma omp simd
                 for (int64_t d = 0; d < D_v; d++) a[d] += w * vr[d];
             }
         }
+        stretch += n;
+        if (stretch >= FOLD_KEYS / 4 || p0 + n >= len) {
+            fold(G, D_v, acc, l, mt, part, lp, m);
+            stretch = 0;
+        }
     }
-    finish(j, b, hk, acc, m, l);
+    finish(j, b, hk, acc, mt, l);
 }
 
 /* The vector item this CPU runs (NULL: the plain C one): AVX-512, else AVX2 + FMA + F16C

@@ -14,18 +14,21 @@ TARGET static inline __attribute__((always_inline)) void
 wide512(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P;
     const int64_t GV = (G + 15) / 16 * 16;
-    float *qT = work, *acc = qT + D * GV, *sT = acc + G * D_v, *kbuf = sT + P * GV,
-          *vbuf = kbuf + D, *m = vbuf + D_v, *l = m + GV, *vpage = l + GV;
+    /* acc, l, mt: the totals; part, lp: the stretch's sums under m (fold) */
+    float *qT = work, *acc = qT + D * GV, *part = acc + G * D_v, *sT = part + G * D_v,
+          *kbuf = sT + P * GV, *vbuf = kbuf + D, *m = vbuf + D_v, *lp = m + GV, *l = lp + GV,
+          *mt = l + GV, *vpage = mt + GV;
     for (int64_t i = 0; i < D * GV; i++) qT[i] = 0.0f;
     for (int64_t g = 0; g < G; g++) {
         const float *src = row(j, j->q, b * j->qs[0] + (hk * G + g) * j->qs[1], D, kbuf);
         for (int64_t d = 0; d < D; d++) qT[d * GV + g] = src[d] * j->scale;
     }
-    for (int64_t i = 0; i < G * D_v; i++) acc[i] = 0.0f;
-    for (int64_t g = 0; g < GV; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    for (int64_t i = 0; i < G * D_v; i++) part[i] = 0.0f;
+    for (int64_t g = 0; g < GV; g++) m[g] = -INFINITY, lp[g] = 0.0f;
+    zero_totals(G, D_v, acc, l, mt);
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY), nan = _mm512_set1_ps(NAN);
     const int64_t len = j->lengths[b];
-    for (int64_t p0 = 0, page_i = 0; p0 < len; p0 += P, page_i++) {
+    for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
         for (int64_t t = 0; t < n; t++) {
@@ -56,14 +59,14 @@ wide512(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
             if (grew) {
                 const __m512 alpha = _mm512_mask_blend_ps(grew, _mm512_set1_ps(1.0f),
                                                           qkv_exp16(_mm512_sub_ps(old, mx)));
-                _mm512_storeu_ps(l + gv, _mm512_mul_ps(_mm512_loadu_ps(l + gv), alpha));
+                _mm512_storeu_ps(lp + gv, _mm512_mul_ps(_mm512_loadu_ps(lp + gv), alpha));
                 float al[16];
                 _mm512_storeu_ps(al, alpha);
                 for (int64_t g = gv; g < gv + 16 && g < G; g++)
                     if ((grew >> (g - gv)) & 1)
                         for (int64_t d = 0; d < D_v; d += 16)
-                            _mm512_storeu_ps(acc + g * D_v + d,
-                                             _mm512_mul_ps(_mm512_loadu_ps(acc + g * D_v + d),
+                            _mm512_storeu_ps(part + g * D_v + d,
+                                             _mm512_mul_ps(_mm512_loadu_ps(part + g * D_v + d),
                                                            _mm512_set1_ps(al[g - gv])));
             }
             _mm512_storeu_ps(m + gv, mx);
@@ -77,11 +80,16 @@ wide512(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
                 _mm512_storeu_ps(sT + t * GV + gv, e);
                 sum = _mm512_add_ps(sum, e);
             }
-            _mm512_storeu_ps(l + gv, _mm512_add_ps(_mm512_loadu_ps(l + gv), sum));
+            _mm512_storeu_ps(lp + gv, _mm512_add_ps(_mm512_loadu_ps(lp + gv), sum));
         }
-        pv_page(j, page, n, hk, acc, sT, 1, GV, vpage, SRC);
+        pv_page(j, page, n, hk, part, sT, 1, GV, vpage, SRC);
+        stretch += n;
+        if (stretch >= FOLD_KEYS || p0 + n >= len) {
+            fold(G, D_v, acc, l, mt, part, lp, m);
+            stretch = 0;
+        }
     }
-    finish(j, b, hk, acc, m, l);
+    finish(j, b, hk, acc, mt, l);
 }
 
 PER_KIND(wide512, qkv_paged_avx512_wide);

@@ -45,8 +45,9 @@
 
 /* P·V of NH heads from head g0 over 64 columns from d: acc[g] += Σ_t w[g·wg + t·wt] · V_t,
    value row t read as SRC from element v0 + t·vt of v. The page's sum is taken apart and
-   then added to acc, so that no float32 chain runs the length of the sequence (one FMA a
-   key into acc gave 40–62 units of float32's epsilon of error at 65,536 keys, 14–22 so). */
+   then added to acc, the item's sums of its current stretch of pages (fold adds those into
+   its totals), so that no float32 chain runs the length of the sequence (one FMA a key into
+   one sum gave 40–62 units of float32's epsilon of error at 65,536 keys). */
 TARGET static inline __attribute__((always_inline)) void
 pv_block(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64_t v0, int64_t vt,
          int64_t n, int64_t D_v, int64_t g0, int64_t d, const int NH, const int SRC) {
@@ -288,29 +289,38 @@ TARGET static inline __attribute__((always_inline)) void
 paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P, NH = heads_per_item(j);
     const int64_t SP = (P + 15) / 16 * 16; /* a head's scores, padded to whole vectors */
-    const int64_t DM = D > D_v ? D : D_v, per_head = G * (D + D_v + SP);
-    /* head h's query rows (qf), outputs (acc) and scores from work + h · per_head */
-    float *page_buf = work + NH * per_head, m[NH * G], l[NH * G];
+    const int64_t DM = D > D_v ? D : D_v, per_head = G * (D + 2 * D_v + SP);
+    /* head h's query rows (qf), the stretch's output sums (part), scores (s) and output
+       totals (acc, read only by fold: last, after what each page reads) from
+       work + h · per_head; maxima m, sums lp, l and the totals' maxima mt */
+    float *page_buf = work + NH * per_head, m[NH * G], lp[NH * G], l[NH * G], mt[NH * G];
     for (int64_t h = 0; h < NH; h++) {
-        float *qf = work + h * per_head, *acc = qf + G * D;
-        begin(j, b, hk0 + h, qf, acc, m + h * G, l + h * G, page_buf + P * DM); /* (D past it) */
+        float *qf = work + h * per_head, *part = qf + G * D, *acc = part + G * (D_v + SP);
+        begin(j, b, hk0 + h, qf, part, m + h * G, lp + h * G, page_buf + P * DM); /* (D past) */
+        zero_totals(G, D_v, acc, l + h * G, mt + h * G);
     }
     const int64_t len = j->lengths[b];
-    for (int64_t p0 = 0, page_i = 0; p0 < len; p0 += P, page_i++) {
+    for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
         const int64_t n = len - p0 < P ? len - p0 : P;
+        stretch += n;
         for (int64_t h = 0; h < NH; h++) {
-            float *qf = work + h * per_head, *acc = qf + G * D, *s = acc + G * D_v;
+            float *qf = work + h * per_head, *part = qf + G * D, *s = part + G * D_v;
+            float *acc = s + G * SP;
             const bf16 *qh = /* the bfloat16 query rows themselves, where score_dots takes them */
                 QKV_PAGED_DOTS && j->bf16
                     ? (const bf16 *)j->q + b * j->qs[0] + (hk0 + h) * G * j->qs[1]
                     : NULL;
-            page_step(j, page, n, hk0 + h, qf, qh, acc, s, SP, m + h * G, l + h * G, page_buf, SRC);
+            const int64_t at = h * G;
+            page_step(j, page, n, hk0 + h, qf, qh, part, s, SP, m + at, lp + at, page_buf, SRC);
+            if (stretch >= FOLD_KEYS || p0 + n >= len)
+                fold(G, D_v, acc, l + at, mt + at, part, lp + at, m + at);
         }
+        if (stretch >= FOLD_KEYS) stretch = 0;
     }
     for (int64_t h = 0; h < NH; h++) {
-        float *acc = work + h * per_head + G * D;
-        finish(j, b, hk0 + h, acc, m + h * G, l + h * G);
+        float *acc = work + h * per_head + G * (D + D_v + SP);
+        finish(j, b, hk0 + h, acc, mt + h * G, l + h * G);
     }
 }
 
