@@ -104,8 +104,9 @@ def test_a_long_context_keeps_float32_accuracy(isa, seed, G, D):
     per key/value head; the plain C one, for head dims off the vectors): an item sums a
     stretch of about 2,048 keys apart (512 in plain C), page by page, and folds it into its
     totals. Error against float64 in units of float32's epsilon times the largest output,
-    1.9–5.0 over the three items; with the pages summed into one sum 15–26 (the plain C item's key by
-    key 56–94), torch's SDPA 44–63 on the same problem (torch 2.13, this CPU)."""
+    1.9–5.0 over the three items; with the pages summed into one sum 15–26 (the plain C
+    item's key by key 56–94), torch's SDPA 44–63 on the same problem (torch 2.13, this
+    CPU)."""
     if isa and isa not in paged.isas():
         pytest.skip(f"this CPU has no {isa}")
     L, P = 65536, 16
