@@ -65,7 +65,7 @@ static void item(const Job *j, int64_t b, int64_t hk, float *work) {
     float *kbuf = s + G * P, *vbuf = kbuf + D;
     float m[G > 0 ? G : 1], lp[G > 0 ? G : 1], l[G > 0 ? G : 1], mt[G > 0 ? G : 1];
     begin(j, b, hk, qf, part, m, lp, kbuf);
-    zero_totals(G, D_v, acc, l, mt);
+    zero_sums(G, D_v, acc, l, mt);
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];

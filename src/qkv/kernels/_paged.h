@@ -78,27 +78,26 @@ static inline const float *kv_row(const Job *j, int k, int64_t page, int64_t t, 
     return buf;
 }
 
-/* An item's start: its G query rows scaled into qf (G × D), outputs and sums zero, maxima
-   -inf. buf: D floats of scratch. */
-static inline void begin(const Job *j, int64_t b, int64_t hk, float *qf, float *acc, float *m,
-                         float *l, float *buf) {
-    const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
+/* G heads' output sums acc (G × D_v) and weights' sums l zero, their maxima m -inf: an
+   item's start, for the sums of its stretch of pages (begin) and its totals (fold). */
+static inline void zero_sums(int64_t G, int64_t D_v, float *acc, float *l, float *m) {
     for (int64_t g = 0; g < G; g++) {
-        const float *src = row(j, j->q, b * j->qs[0] + (hk * G + g) * j->qs[1], D, buf);
-        for (int64_t d = 0; d < D; d++) qf[g * D + d] = src[d] * j->scale;
         for (int64_t d = 0; d < D_v; d++) acc[g * D_v + d] = 0.0f;
-        m[g] = -INFINITY;
         l[g] = 0.0f;
+        m[g] = -INFINITY;
     }
 }
 
-/* The totals of fold zero, their maxima -inf: an item's start, beside begin. */
-static inline void zero_totals(int64_t G, int64_t D_v, float *acc, float *l, float *mt) {
+/* An item's start: its G query rows scaled into qf (G × D), outputs and sums zero, maxima
+   -inf (zero_sums). buf: D floats of scratch. */
+static inline void begin(const Job *j, int64_t b, int64_t hk, float *qf, float *acc, float *m,
+                         float *l, float *buf) {
+    const int64_t G = j->H / j->H_kv, D = j->D;
     for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D_v; d++) acc[g * D_v + d] = 0.0f;
-        l[g] = 0.0f;
-        mt[g] = -INFINITY;
+        const float *src = row(j, j->q, b * j->qs[0] + (hk * G + g) * j->qs[1], D, buf);
+        for (int64_t d = 0; d < D; d++) qf[g * D + d] = src[d] * j->scale;
     }
+    zero_sums(G, j->D_v, acc, l, m);
 }
 
 /* Each head's output and log-sum-exp from its running sum l, maximum m and P·V in acc
@@ -130,7 +129,8 @@ static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc,
    the vector items' (whose sums are per page, then per stretch); the plain C item, whose
    sums run key by key, folds four times as often. Every fold reads the totals back from
    memory, which the pages read since have pushed out of the caches: folding every 512 keys
-   made the int8 step 1.09–1.11× slower (Zen 4, H = 32 over 8), every 2,048 1.02–1.03×.
+   made the int8 step 1.09–1.11× slower (Zen 4, H = 32 over 8); every 2,048 keys, with the
+   totals placed after what each page reads, 1.003–1.008×.
    tests/kernels/c/test_paged.c builds with fewer, so that its short sequences fold too. */
 #ifndef FOLD_KEYS
 #define FOLD_KEYS 2048
@@ -141,7 +141,8 @@ static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc,
    the running maxima m, as one level did before, then adds them into its totals `acc` and
    `l`, kept under the maxima `mt` of the last fold (mt ≤ m: a running maximum only grows),
    rescaled to m; the stretch's sums start again from zero. One level gave 14–22 units of
-   float32's epsilon × the largest output at 65,536 keys, two give 1.9–3.3. */
+   float32's epsilon × the largest output at 65,536 keys, two give 1.9–3.3 (the plain C
+   item: 56–94 key by key, 3.8–5.0). */
 static inline void fold(int64_t G, int64_t D_v, float *acc, float *l, float *mt, float *part,
                         float *lp, const float *m) {
     for (int64_t g = 0; g < G; g++) {

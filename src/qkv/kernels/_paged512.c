@@ -25,7 +25,7 @@ wide512(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
     }
     for (int64_t i = 0; i < G * D_v; i++) part[i] = 0.0f;
     for (int64_t g = 0; g < GV; g++) m[g] = -INFINITY, lp[g] = 0.0f;
-    zero_totals(G, D_v, acc, l, mt);
+    zero_sums(G, D_v, acc, l, mt);
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY), nan = _mm512_set1_ps(NAN);
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {

@@ -297,7 +297,7 @@ paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
     for (int64_t h = 0; h < NH; h++) {
         float *qf = work + h * per_head, *part = qf + G * D, *acc = part + G * (D_v + SP);
         begin(j, b, hk0 + h, qf, part, m + h * G, lp + h * G, page_buf + P * DM); /* (D past) */
-        zero_totals(G, D_v, acc, l + h * G, mt + h * G);
+        zero_sums(G, D_v, acc, l + h * G, mt + h * G);
     }
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
