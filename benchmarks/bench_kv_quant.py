@@ -51,25 +51,29 @@ def page_bytes() -> None:
 def decode_step(rounds: int, H: int) -> None:
     B, H_kv, D, L, P = 32, 8, 128, 4096, 16
     g = torch.Generator().manual_seed(0)
-    # qkv's pool layout, (H_kv, pages, P, D), seen as (pages, P, H_kv, D): each head's page
-    # one block (as PagedKVCache.pages() gives it)
-    k = torch.randn(H_kv, B * L // P, P, D, generator=g).permute(1, 2, 0, 3)
-    v = torch.randn(H_kv, B * L // P, P, D, generator=g).permute(1, 2, 0, 3)
+    # qkv's pools (PagedKVCache: (H_kv, pages, P, D), on huge pages where Linux gives them),
+    # read as (pages, P, H_kv, D): each head's page one block (as PagedKVCache.pages() gives it)
+    k = torch.randn(H_kv, B * L // P, P, D, generator=g)
+    v = torch.randn(H_kv, B * L // P, P, D, generator=g)
     table = torch.arange(B * L // P).view(B, L // P)
     lengths = torch.full((B,), L)
     q = torch.randn(B, H, D, generator=g)
     calls = {}
     for name, dtype in KINDS.items():
-
-        def stored(x):  # in dtype, keeping the pool's layout
-            return x.permute(2, 0, 1, 3).to(dtype).permute(1, 2, 0, 3)
-
+        pool = qkv.PagedKVCache(B * L // P, P, H_kv, D, dtype=dtype)
+        scales = {}
         if dtype in (torch.float32, torch.bfloat16):
-            kp, vp, scales = stored(k), stored(v), {}
+            pool.keys.copy_(k), pool.values.copy_(v)
         else:
-            (kp, ks), (vp, vs) = (quantize(x.permute(2, 0, 1, 3), dtype) for x in (k, v))
-            kp, vp = kp.permute(1, 2, 0, 3), vp.permute(1, 2, 0, 3)
-            scales = dict(key_scale=ks.permute(1, 2, 0), value_scale=vs.permute(1, 2, 0))
+            (kq, ks), (vq, vs) = (quantize(x, dtype) for x in (k, v))
+            pool.keys.copy_(kq), pool.values.copy_(vq)
+            assert pool.key_scale is not None and pool.value_scale is not None
+            pool.key_scale.copy_(ks), pool.value_scale.copy_(vs)
+            scales = dict(
+                key_scale=pool.key_scale.permute(1, 2, 0),
+                value_scale=pool.value_scale.permute(1, 2, 0),
+            )
+        kp, vp = pool.keys.permute(1, 2, 0, 3), pool.values.permute(1, 2, 0, 3)
         qq = q if dtype == torch.float32 else q.to(torch.bfloat16)
         calls[name] = lambda qq=qq, kp=kp, vp=vp, s=scales: qkv.paged_attention(
             qq, kp, vp, table, lengths, **s

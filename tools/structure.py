@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: private modules of the ground floor whose public names the layers below the apps may use
-GROUND_PRIVATE = {"_checks", "_lift", "_recipes"}
+GROUND_PRIVATE = {"_checks", "_lift", "_memory", "_recipes"}
 #: from this floor up, a unit is an app: public names only
 APPS_FLOOR = 9
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import check_sizes
+from .._memory import zeros
 from ..functional import MaskLike, attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..masks import Mask
@@ -120,11 +121,11 @@ class PagedLatentCache:
         )
         self.kv_lora_rank = kv_lora_rank
         width = kv_lora_rank + rope_dim
-        self.rows = torch.zeros(num_pages, page_size, 1, width, dtype=dtype, device=device)
+        self.rows = zeros((num_pages, page_size, 1, width), dtype, device)
         self.scales: torch.Tensor | None = None
         self._like = self.rows  # what appended rows must be (dtype, device)
         if is_quantized(dtype):
-            self.scales = torch.zeros(num_pages, page_size, 1, device=device)
+            self.scales = zeros((num_pages, page_size, 1), torch.float32, device)
             self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self._allocator = PageAllocator(num_pages, page_size)
 

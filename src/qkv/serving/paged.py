@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .._checks import check_appended, check_sizes
+from .._memory import zeros
 from ..functional import attention
 from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantized, quantize
 from ..lse import merge_attention
@@ -75,14 +76,14 @@ class PagedKVCache:
         # (H_kv, pages, P, ·): a batch's pages gathered along dim 1 are, viewed, its
         # (B, H_kv, L, ·) keys: one copy per gather, no transpose copy.
         shape = (num_kv_heads, num_pages, page_size)
-        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
+        self.keys = zeros((*shape, head_dim), dtype, device)  # (huge pages: qkv._memory)
+        self.values = zeros((*shape, value_dim), dtype, device)
         # A quantized pool's scales, (H_kv, pages, P) each; None for a float pool.
         self.key_scale: torch.Tensor | None = None
         self.value_scale: torch.Tensor | None = None
         self._like = self.keys  # what appended tensors must be (dtype, device)
         if is_quantized(dtype):
-            scales = torch.zeros(2, *shape, device=device)
+            scales = zeros((2, *shape), torch.float32, device)
             self.key_scale, self.value_scale = scales[0], scales[1]
             self._like = torch.empty(0, dtype=compute_dtype, device=device)
         self._scratch: dict[str, torch.Tensor] = {}  # gather's buffers, reused (inference)
