@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_pages import pool as filled_pool
 from timing import interleaved
 
 import qkv
-from qkv.kernels.quant import quantize
 from qkv.models import GPT, GPTConfig
 from qkv.training import load_checkpoint, train
 
@@ -60,20 +60,7 @@ def decode_step(rounds: int, H: int) -> None:
     q = torch.randn(B, H, D, generator=g)
     calls = {}
     for name, dtype in KINDS.items():
-        pool = qkv.PagedKVCache(B * L // P, P, H_kv, D, dtype=dtype)
-        scales = {}
-        if dtype in (torch.float32, torch.bfloat16):
-            pool.keys.copy_(k), pool.values.copy_(v)
-        else:
-            (kq, ks), (vq, vs) = (quantize(x, dtype) for x in (k, v))
-            pool.keys.copy_(kq), pool.values.copy_(vq)
-            assert pool.key_scale is not None and pool.value_scale is not None
-            pool.key_scale.copy_(ks), pool.value_scale.copy_(vs)
-            scales = dict(
-                key_scale=pool.key_scale.permute(1, 2, 0),
-                value_scale=pool.value_scale.permute(1, 2, 0),
-            )
-        kp, vp = pool.keys.permute(1, 2, 0, 3), pool.values.permute(1, 2, 0, 3)
+        kp, vp, scales = filled_pool(dtype, k, v)
         qq = q if dtype == torch.float32 else q.to(torch.bfloat16)
         calls[name] = lambda qq=qq, kp=kp, vp=vp, s=scales: qkv.paged_attention(
             qq, kp, vp, table, lengths, **s

@@ -144,6 +144,8 @@ def test_kv_memory_reads_the_bytes_from_the_caches(capsys):
         ("bench_head_shapes.py", ["--T", "96", "--window", "16", "--rounds", "1"], 36),
         ("bench_mla.py", ["--context", "64", "--heads", "2", "--rounds", "2"], 3),
         ("bench_kv_quant.py", ["--only", "bytes"], 4),
+        ("bench_pages.py", ["--batch", "4", "--tokens", "128", "--rounds", "1"], 8),
+        ("bench_pages.py", ["--batch", "2", "--tokens", "64", "--rounds", "1", "--huge"], 4),
     ],
 )
 def test_the_head_shape_and_cache_benchmarks_run(script, args, lines):

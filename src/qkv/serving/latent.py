@@ -135,7 +135,7 @@ class PagedLatentCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.rows.shape[0] - len(self._allocator.free)
+        return self.rows.shape[0] - self._allocator.free_pages
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What the pool stores, by name: its rows, and a quantized pool's scales."""

@@ -99,7 +99,7 @@ class PagedKVCache:
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._allocator.free)
+        return self.num_pages - self._allocator.free_pages
 
     @property
     def tokens(self) -> int:

@@ -12,22 +12,35 @@ Legend: B sequences in a batch · P page size.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
 
 Node = tuple[list[int], list[int]]  # rows of a batch, the full pages they all hold there
+_FREE_RUN = re.compile(b"\x01+")  # a stretch of free pages in PageAllocator.free
 
 
 class PageAllocator:
     """Which pages each sequence holds: block tables, lengths, reference counts and the
-    free list. One allocator serves one pool, or the pools of every layer of a model at
-    once, since they move in step (:class:`PagedCaches`)."""
+    free pages. One allocator serves one pool, or the pools of every layer of a model at
+    once, since they move in step (:class:`PagedCaches`).
+
+    A sequence's pages are kept in runs, side by side in the pool, wherever they can be: its
+    next page is the one after its last, if free; else (a first page, or the next one
+    taken) a new run starts in the middle of the longest stretch of free pages (at its
+    start, if nothing lies before it), leaving the sequence before it room to grow. A decode
+    step reads each sequence's pages in order, and from memory in runs it reads them as a
+    stream: 32 sequences decoding together to 4,096 tokens, each taking its next page in
+    turn from one free list (as before), held runs of one page, and the step took 2.5–3.7×
+    the time it takes over pages in order; kept in runs (2.5 runs a sequence), 1.05–1.06×
+    (AMD EPYC Zen 4; docs/benchmarks.md)."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.refs: dict[int, int] = {}  # page -> how many sequences hold it
-        self.free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
+        self.free = bytearray(b"\x01") * num_pages  # 1: page i is free
+        self.free_pages = num_pages
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self.next = 0
@@ -51,11 +64,21 @@ class PageAllocator:
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 del self.refs[page]
-                self.free.append(page)
+                self.free[page] = 1
+                self.free_pages += 1
         del self.tables[seq], self.lengths[seq]
 
-    def take(self) -> int:
-        page = self.free.pop()
+    def take(self, after: int | None = None) -> int:
+        """A free page for a sequence whose last page is ``after`` (None: it holds none):
+        the page after it if free, else a new run's first (the class's docstring). The
+        caller has checked that a page is free."""
+        if after is not None and after + 1 < self.num_pages and self.free[after + 1]:
+            page = after + 1
+        else:
+            a, b = max((m.span() for m in _FREE_RUN.finditer(self.free)), key=lambda r: r[1] - r[0])
+            page = a if a == 0 else a + (b - a) // 2
+        self.free[page] = 0
+        self.free_pages -= 1
         self.refs[page] = 1
         return page
 
@@ -64,7 +87,7 @@ class PageAllocator:
         page must be copied into a page of the child's own."""
         table, length = self.table(seq), self.length(seq)
         full = length // self.page_size
-        if len(table) > full and not self.free:
+        if len(table) > full and not self.free_pages:
             raise ValueError("PagedKVCache full: no page free to copy the forked last page into")
         child = self.new_sequence()
         self.tables[child] = list(table[:full])
@@ -72,7 +95,7 @@ class PageAllocator:
             self.refs[page] += 1
         copy = None
         if len(table) > full:
-            copy = (table[full], self.take())
+            copy = (table[full], self.take(table[full - 1] if full else None))
             self.tables[child].append(copy[1])
         self.lengths[child] = length
         return child, copy
@@ -95,17 +118,17 @@ class PageAllocator:
         for s in seqs:
             self.table(s)
         needed = sum(-(-(lengths[s] + n) // P) - len(tables[s]) for s, n in zip(seqs, counts))
-        if needed > len(self.free):
+        if needed > self.free_pages:
             raise ValueError(
                 f"PagedKVCache full: appending {sum(counts)} tokens to {len(seqs)} sequences "
-                f"needs {needed} more pages of {P} tokens; {len(self.free)} of "
+                f"needs {needed} more pages of {P} tokens; {self.free_pages} of "
                 f"{self.num_pages} are free (free finished sequences, or make the pool larger)"
             )
         slots: list[int] = []
         for s, n in zip(seqs, counts):
             table, start = tables[s], lengths[s]
             while len(table) * P < start + n:
-                table.append(self.take())
+                table.append(self.take(table[-1] if table else None))
             slots += [table[i // P] * P + i % P for i in range(start, start + n)]
             lengths[s] = start + n
         return slots
