@@ -273,6 +273,8 @@ def test_qkv_doctor_prints_the_machine_and_its_choices(cache, capsys):
     out = capsys.readouterr().out
     assert "CPU:" in out and "threads:" in out and "which code runs" in out
     assert "sliding_window(256)" in out
+    pools = next(line for line in out.splitlines() if line.startswith("paged KV pools: "))
+    assert "huge pages (transparent huge pages: " in pools or "4 KiB pages" in pools
     if steps.available(torch.float32):
         assert "profile: measured and stored" in out
         assert main(["doctor"]) == 0 and "profile: stored in" in capsys.readouterr().out

@@ -8,6 +8,7 @@ import argparse
 import math
 import platform
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -16,8 +17,23 @@ from ..functional import dispatch
 from ..kernels import built, paged
 from ..kernels.tiled import measurement, profile, steps
 
+#: the kernel's transparent huge page setting (Linux)
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 #: the instruction flags that decide which step runs
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16", "sve")
+
+
+def pool_pages() -> str:
+    """Where a large paged pool's memory comes from (a PagedKVCache of 8 MiB or more asks for
+    huge pages): huge pages or 4 KiB ones, as the kernel's transparent huge page setting
+    says (its bracketed word)."""
+    try:
+        mode = THP.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "4 KiB pages (no transparent huge pages here)"
+    if mode == "never":
+        return "4 KiB pages (transparent huge pages: never)"
+    return f"large ones on 2 MiB huge pages (transparent huge pages: {mode})"
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -48,6 +64,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"native paged decode kernel: {paged.isa() or 'plain C'}{scored}")
     else:
         print("native paged decode kernel: not built")
+    print(f"paged KV pools: {pool_pages()}")
     if steps.available(torch.float32):
         found, where = profile.load(remeasure=args.remeasure)
         print(f"profile: {where}")
