@@ -21,7 +21,7 @@ from .core.call import Backend, Call, torch_inputs
 from .core.dispatch import Dispatch, choose
 from .core.lowering import lower
 from .core.record import editors, listeners, served
-from .kernels import Lowered, Result, flex, reference, sdpa, tiled
+from .kernels import Lowered, Result, flex, paged, reference, sdpa, tiled
 from .kernels.contract import with_sinks
 from .masks import MaskLike
 from .scores import ScoreMod
@@ -210,6 +210,8 @@ def run(call: Call, choice: Dispatch) -> Result:
     (:func:`qkv.core.lowering.lower`)."""
     q, k, v, p = call.q, call.k, call.v, call.p
     if call.fast_scale is not None:  # rule "plain"
+        if choice.backend == "paged":
+            return Result(paged.decode_rows(q, k, v, call.fast_scale))
         return Result(sdpa.sdpa(q, k, v, mask=None, is_causal=False, scale=call.fast_scale))
     if p.T_k == 0:
         empty = Result(

@@ -187,8 +187,8 @@ class Dispatch:
     #: tensors, ints) for the ``qkv::tiled_attention`` op (see ``qkv.core.compiled``).
     compiled: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
     #: The code that runs: "reference", "sdpa", "flex", "tiled-loop", "tiled-flash",
-    #: "tiled-native", "tiled-native-widen" or "tiled-op" (:data:`qkv.kernels.PATHS`); the
-    #: backend's name if not given.
+    #: "tiled-native", "tiled-native-widen", "tiled-op" or "paged-native" (a bfloat16 decode
+    #: step, rule "plain") (:data:`qkv.kernels.PATHS`); the backend's name if not given.
     path: str = field(default="", compare=False)
     #: The rule of :data:`RULES` that decided ("requested" for an explicit backend).
     rule: str = field(default="", compare=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import paged as paged_kernel
 from ..kernels.tiled import native, profile
 from ..kernels.tiled.plan import Plan
 from ..masks import Mask, MaskLike
@@ -380,8 +381,34 @@ PLAIN = {
 }
 
 
+#: What rule "plain" decides for a bfloat16 decode step (one query) over DECODE_KEYS keys or
+#: more that qkv's native paged decode kernel takes: that kernel, reading each sequence's
+#: keys and values in place as one page. torch's fused kernel took 4–10× its time over 512
+#: and 4,096 keys, and 4–7× its own time in float32 (AMD EPYC Zen 4, and held to AVX2;
+#: docs/kernels.md). Over a few dozen keys torch's kernel is the quicker by 20–30 µs (the
+#: paged kernel's Python), hence the bound.
+DECODE_KEYS = 256
+DECODE = Dispatch(
+    "paged",
+    "a decode step in bfloat16: qkv's native paged decode kernel, each sequence's keys and "
+    "values read in place as one page, by the decode fast path's checks alone",
+    path="paged-native",
+    rule="plain",
+)
+
+
 def _rule_plain(a: Call) -> Dispatch | None:
-    return None if a.fast_scale is None else PLAIN[a.mask is not None]
+    if a.fast_scale is None:
+        return None
+    p = a.p
+    if (
+        p.T_q == 1
+        and p.T_k >= DECODE_KEYS
+        and a.q.dtype is torch.bfloat16
+        and paged_kernel.supports(a.q, a.k, a.v)
+    ):
+        return DECODE
+    return PLAIN[a.mask is not None]
 
 
 RULES: tuple[Rule, ...] = (

@@ -35,6 +35,7 @@ PATHS = (
     "tiled-native",
     "tiled-native-widen",
     "tiled-op",
+    "paged-native",
 )
 
 

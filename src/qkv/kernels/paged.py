@@ -116,6 +116,24 @@ def supports(
     )
 
 
+def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its keys held in rows, not pages: q (B, H, 1, D) over
+    k (B, H_kv, T, D) and v (B, H_kv, T, D_v), each sequence's T rows read in place as one
+    page of T tokens (a KV cache's buffer, or a view of it). out (B, H, 1, D_v) in q's
+    dtype. The caller has checked :func:`supports`."""
+    table, lengths = _one_page_each(k.shape[0], k.shape[2])
+    got = decode(q[:, :, 0], k.transpose(1, 2), v.transpose(1, 2), table, lengths, scale)
+    assert got is not None  # (every length fits its one page)
+    return got[0][:, :, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _one_page_each(B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table and lengths of B sequences of T tokens, each its own page (int32;
+    kept: every layer of a model asks for the same ones in a decode step)."""
+    return torch.arange(B, dtype=torch.int32)[:, None], torch.full((B,), T, dtype=torch.int32)
+
+
 def decode(
     q: torch.Tensor,
     k: torch.Tensor,
