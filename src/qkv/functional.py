@@ -205,8 +205,9 @@ def attention(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, .
 
 def run(call: Call, choice: Dispatch) -> Result:
     """Run the chosen kernel on a call. The decode fast path is one call of torch's fused
-    kernel, a call with no key gives zeros (every row is fully masked), and while tracing
-    the compiled tiled op runs. Any other call is lowered for its kernel
+    kernel (or, for a bfloat16 step over many keys, of qkv's paged decode kernel), a call
+    with no key gives zeros (every row is fully masked), and while tracing the compiled
+    tiled op runs. Any other call is lowered for its kernel
     (:func:`qkv.core.lowering.lower`)."""
     q, k, v, p = call.q, call.k, call.v, call.p
     if call.fast_scale is not None:  # rule "plain"

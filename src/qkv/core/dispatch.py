@@ -14,7 +14,7 @@ For ``backend="auto"``, in order:
    a mask, as rules 8 and 9 would choose — or, in bfloat16 with one query over
    :data:`qkv.core.rules.DECODE_KEYS` keys or more, to qkv's native paged decode kernel
    (path ``paged-native``), which reads each sequence's keys and values in place as one
-   page: torch's kernel takes 4–10× its time there (docs/kernels.md).
+   page: torch's kernel takes 3–10× its time there (docs/kernels.md).
 1. ``materialised``: the weights, dropout from a ``torch.Generator``, or dropout together
    with the log-sum-exp go to ``reference``, the only kernel that materialises them.
 2. ``user function while tracing``: a score function qkv cannot rebuild inside the compiled
