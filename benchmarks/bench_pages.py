@@ -87,15 +87,16 @@ def main() -> None:
     parser.add_argument("--huge", action="store_true", help="huge pages against 4 KiB ones")
     args = parser.parse_args()
     B, L = args.batch, args.tokens
-    n = B * -(-L // P) + B * 13  # the pages, and room for the prompts' last pages
+    per = -(-L // P)  # pages a sequence holds
+    n = B * per + B * 13  # the pages, and room for the prompts' last pages
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(H_KV, n, P, D, generator=g) for _ in range(2))
     q = torch.randn(B, H, D, generator=g).to(torch.bfloat16)
     lengths = torch.full((B,), L)
-    tables = {"in order": torch.arange(B * -(-L // P)).view(B, -1).tolist()}
+    tables = {"in order": torch.arange(B * per).view(B, per).tolist()}
     tables |= decoded_tables(B, L, n)
-    tables["scattered"] = torch.randperm(n, generator=g)[: B * -(-L // P)].view(B, -1).tolist()
-    as_tensors = {name: torch.tensor([t[: -(-L // P)] for t in ts]) for name, ts in tables.items()}
+    tables["scattered"] = torch.randperm(n, generator=g)[: B * per].view(B, per).tolist()
+    as_tensors = {name: torch.tensor([t[:per] for t in ts]) for name, ts in tables.items()}
     calls = {}
     for name, dtype in (("bfloat16", torch.bfloat16), ("int8", torch.int8)):
         if args.huge:
@@ -120,8 +121,8 @@ def main() -> None:
     for (name, label), t in ms.items():
         extra = ""
         if not args.huge:
-            per = sum(len(x) for x in tables[label]) / sum(runs(x) for x in tables[label])
-            extra = f"  ({per:.1f} pages a run)"
+            run = sum(len(x) for x in tables[label]) / sum(runs(x) for x in tables[label])
+            extra = f"  ({run:.1f} pages a run)"
         print(f"{name:9} {label:22} {t:7.2f} ms  {t / ms[name, base]:.2f}× {base}{extra}")
 
 

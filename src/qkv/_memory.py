@@ -5,11 +5,9 @@ context. On 4 KiB pages each 4 KiB of that costs the CPU a translation (its TLB'
 thousand entries cover about 12 MB), and on a virtual machine every translation missed walks
 two page tables. Linux backs memory with 2 MiB pages where a program asks for them
 (``madvise(MADV_HUGEPAGE)``; ``/sys/kernel/mm/transparent_hugepage/enabled`` set to
-``madvise``, the common default, gives them to no one else). Measured on a VM (AMD EPYC Zen 4,
-2 cores; docs/benchmarks.md): a paged decode step over 32 sequences × 4,096 tokens took
-0.76–0.94× its time on 4 KiB pages, bfloat16 and int8, pages in order or scattered. A
-contiguous ``KVCache``, read in long runs, did not gain (int8 1.04–1.08× slower) and does
-not use this.
+``madvise``, the common default, gives them to no one else). A paged decode step gains
+from it; a contiguous ``KVCache``, read in long runs, did not and does not use this
+(docs/benchmarks.md, "Paged pools on huge pages").
 
 The memory comes from an anonymous private mapping of its own, zero until written, and
 pages are only taken as they are written: a large pool costs what its sequences use."""

@@ -383,10 +383,10 @@ PLAIN = {
 
 #: What rule "plain" decides for a bfloat16 decode step (one query) over DECODE_KEYS keys or
 #: more that qkv's native paged decode kernel takes: that kernel, reading each sequence's
-#: keys and values in place as one page. torch's fused kernel took 3–10× its time over 512
-#: and 4,096 keys, and 4–7× its own time in float32 (AMD EPYC Zen 4, and held to AVX2;
-#: docs/kernels.md). Over a few dozen keys torch's kernel is the quicker by 20–30 µs (the
-#: paged kernel's Python), hence the bound.
+#: keys and values in place as one page. torch's fused kernel computes such a step at several
+#: times its own float32 time on the CPU; over a few dozen keys it is still the quicker (the
+#: paged kernel's Python costs more than the keys), hence the bound. Measured in
+#: docs/kernels.md ("The decode fast path").
 DECODE_KEYS = 256
 DECODE = Dispatch(
     "paged",

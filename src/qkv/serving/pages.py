@@ -31,10 +31,9 @@ class PageAllocator:
     taken) a new run starts in the middle of the longest stretch of free pages (at its
     start, if nothing lies before it), leaving the sequence before it room to grow. A decode
     step reads each sequence's pages in order, and from memory in runs it reads them as a
-    stream: 32 sequences decoding together to 4,096 tokens, each taking its next page in
-    turn from one free list (as before), held runs of one page, and the step took 2.5–3.7×
-    the time it takes over pages in order; kept in runs (2.5 runs a sequence), 1.05–1.06×
-    (AMD EPYC Zen 4; docs/benchmarks.md)."""
+    stream; sequences decoding together that each take their next page in turn from one
+    free list (as this allocator did before) hold runs of one page, and the step then takes
+    several times as long (docs/benchmarks.md, "Page runs")."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages, self.page_size = num_pages, page_size
