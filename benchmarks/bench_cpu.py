@@ -21,9 +21,11 @@ float32's in the same run: the target is ≤ 1.0 (half precision never slower th
 
 ``--avx2`` runs the CPU as an AVX2-only one would be: qkv's kernel pinned to its AVX2 step
 with no bfloat16 dot products (``QKV_NATIVE_ISA=avx2``), torch's kernels and oneDNN's
-limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``) — set before
-torch is imported, so the script runs itself again with them. Name the CPU beside the
-figures (``lscpu``), and say "pinned AVX2" for these rows.
+limited to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``,
+``ONEDNN_MAX_CPU_ISA=AVX2``) — set before torch is imported, so the script runs itself again
+with them. MKL does torch's float32 matrix products (SDPA's among them) and, on an Intel CPU,
+runs its AVX-512 code unless told otherwise: without it the baselines keep AVX-512 speed.
+Name the CPU beside the figures (``lscpu``), and say "pinned AVX2" for these rows.
 """
 
 import argparse
@@ -32,7 +34,12 @@ import sys
 
 from timing import interleaved
 
-AVX2 = {"QKV_NATIVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2 = {
+    "QKV_NATIVE_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
 
 
 def main() -> None:

@@ -55,6 +55,25 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
 
 
 @needs_native
+def test_a_profile_is_kept_per_limit_on_torchs_matrix_products(cache, monkeypatch):
+    """The probe times torch's kernels, and MKL runs AVX-512 code on an Intel CPU unless
+    MKL_ENABLE_INSTRUCTIONS holds it back: a profile measured with torch held to AVX2 is not
+    read by a process whose torch is not, and the other way round."""
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    free, held = profile.Probe(1.0, 2.0, 1.5), profile.Probe(1.0, 2.0, 3.0)
+    calls = counting(monkeypatch, free)
+    assert profile.load()[0].native32_ms == 1.5 and "mkl" not in profile.machine_key()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    calls = counting(monkeypatch, held)
+    found, where = profile.load()
+    assert where.startswith("measured") and found.native32_ms == 3.0 and len(calls) == 1
+    assert profile.machine_key().endswith(" mkl AVX2")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    found, where = profile.load()
+    assert where.startswith("stored") and found.native32_ms == 1.5 and len(calls) == 1
+
+
+@needs_native
 def test_a_first_measurement_near_a_threshold_is_the_median_of_three(cache, monkeypatch):
     """The first choice is the one the machine keeps: where a ratio lands within the margin
     of its threshold, two more measurements are made and each time's median decides."""

@@ -8,7 +8,8 @@ next when the two were close.
 The profile is one JSON file in the cache directory — ``QKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``, read when first needed — holding one entry
 per machine key: the CPU's model and instruction flags, torch's thread count, the versions of
-qkv and torch and the instruction set the kernel is pinned to. A re-measurement
+qkv and torch, the instruction set the kernel is pinned to and those torch's kernels are held
+to (:func:`torch_limits`). A re-measurement
 (``qkv doctor --remeasure``) keeps the stored choice unless the new one clears the
 threshold by :data:`MARGIN`, so noise near the boundary does not flip it. A first
 measurement with a ratio that near a threshold is taken three times, each time the median. A
@@ -261,7 +262,22 @@ def machine_key() -> str:
     return (
         f"{model} | flags {digest} | threads {torch.get_num_threads()} | qkv {qkv_version} "
         f"| torch {torch.__version__} | isa {steps.isa(torch.float32) or 'none'}"
+        f"{torch_limits()}"
     )
+
+
+def torch_limits() -> str:
+    """The instruction sets torch's own kernels are held to, as the key names them: torch's
+    vector kernels (``ATEN_CPU_CAPABILITY``) always, MKL's and oneDNN's matrix products
+    where an environment variable limits them. The profile times torch's kernels, and MKL
+    runs its AVX-512 code on an Intel CPU unless ``MKL_ENABLE_INSTRUCTIONS`` says otherwise:
+    a profile measured with torch unlimited is no guide for a process whose torch is held
+    to AVX2, nor the other way round. Read when the key is made, not at import."""
+    held = [f" | torch isa {torch.backends.cpu.get_cpu_capability()}"]
+    for name, var in (("mkl", "MKL_ENABLE_INSTRUCTIONS"), ("onednn", "ONEDNN_MAX_CPU_ISA")):
+        if os.environ.get(var):
+            held.append(f" {name} {os.environ[var]}")
+    return "".join(held)
 
 
 def _read(path: Path) -> dict[str, Any]:
