@@ -70,6 +70,9 @@ def expected(q, k, v, table, lengths, **kw):
         # 2 of them on 2 threads (6 sequences)
         dict(B=12, H=8, H_kv=4, D=32, D_v=48, P=5, lengths=(9, 0, 31, 5, 12, 40, 1) + (7,) * 5),
         dict(B=6, H=8, H_kv=4, D=32, D_v=32, P=4, lengths=(9, 0, 31, 5, 12, 40)),
+        # pages longer than the vector item takes at a time (PAGE_PART, 256 keys): each in
+        # parts of 256, 256 and 88, the last page cut short, a fold (2,048 keys) mid-page
+        dict(B=3, H=8, H_kv=2, D=32, D_v=48, P=600, lengths=(599, 2500, 0)),
     ],
 )
 @pytest.mark.parametrize("layout", ["torch", "qkv"])

@@ -87,9 +87,11 @@ def built(cc: str, test: str, isas: tuple[int, ...], exe: Path, *flags: str) -> 
     per_isa = TESTS[test][0]
     kernels = (KERNELS / s for isa in isas for s in per_isa[isa])
     sources = [ROOT / "tests" / "kernels" / "c" / f"{test}.c", *kernels]
-    # the paged items fold their sums every 32 keys (2,048 when built by setup.py), so that
-    # test_paged's sequences of 37 and 80 keys take two and three folds
-    flags = (*flags, "-DFOLD_KEYS=32") if test == "test_paged" else flags
+    # the paged items fold their sums every 32 keys (2,048 when built by setup.py) and the
+    # vector items take pages 16 keys at a time (256), so that test_paged's sequences of 37
+    # and 80 keys in pages of 32 take two and three folds, each page in two parts
+    paged = ("-DFOLD_KEYS=32", "-DPAGE_PART=16")
+    flags = (*flags, *paged) if test == "test_paged" else flags
     subprocess.run([cc, "-O2", *flags, *map(str, sources), "-lm", "-o", str(exe)], check=True)
     return exe
 

@@ -51,6 +51,21 @@ def pages_and_queries(H, H_kv, D, D_v, dtype, seed=0):
     return q, kq, vq, ks, vs, table, lengths
 
 
+def over_dequantized(q, kq, ks, vq, vs, pages, n, sinks=None):
+    """One sequence's outputs (H, D_v) by the float64 oracle over its first n tokens of the
+    dequantized pages (pages: its block table row), q (H, D)."""
+    k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
+    H, H_kv = q.shape[0], k64.shape[2]
+    keys = k64[pages].flatten(0, 1)[:n].transpose(0, 1).numpy()
+    values = v64[pages].flatten(0, 1)[:n].transpose(0, 1).numpy()
+    return qnp.attention(
+        q[None, :, None].double().numpy(),
+        np.repeat(keys, H // H_kv, 0)[None],
+        np.repeat(values, H // H_kv, 0)[None],
+        sinks=None if sinks is None else sinks.double().numpy(),
+    )[0, :, 0]
+
+
 @DTYPES
 @pytest.mark.parametrize("H,H_kv,D,D_v", [(4, 2, 64, 64), (4, 4, 40, 24), (32, 2, 64, 48)])
 @pytest.mark.parametrize("sinks", [False, True])
@@ -74,23 +89,35 @@ def test_paged_attention_reads_quantized_pages_in_place(
         )
     if paged_kernel.available():
         assert calls, "the native kernel did not run"
-    k64, v64 = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
     for b in range(3):
-        n = int(lengths[b])
-        keys = k64[table[b]].reshape(-1, H_kv, D)[:n].transpose(0, 1).numpy()
-        values = v64[table[b]].reshape(-1, H_kv, D_v)[:n].transpose(0, 1).numpy()
-        want = qnp.attention(
-            q[b, None, :, None].double().numpy(),
-            np.repeat(keys, H // H_kv, 0)[None],
-            np.repeat(values, H // H_kv, 0)[None],
-            sinks=None if sink is None else sink.double().numpy(),
-        )[0, :, 0]
+        want = over_dequantized(q[b], kq, ks, vq, vs, table[b], int(lengths[b]), sink)
         np.testing.assert_allclose(got[b].double().numpy(), want, atol=2e-6, rtol=1e-5)
     with torch.enable_grad():  # a gradient to record: the gather path, dequantizing
         gathered = qkv.paged_attention(
             q.requires_grad_(), kq, vq, table, lengths, sinks=sink, key_scale=ks, value_scale=vs
         )
     torch.testing.assert_close(gathered.detach(), got, rtol=1e-5, atol=2e-6)
+
+
+@DTYPES
+@pytest.mark.parametrize("isa", ["", "avx2"])
+def test_long_quantized_pages_are_read_in_parts_with_their_scales(isa, dtype):
+    """Pages of 320 keys, which the vector item takes 256 and 64 at a time: each part's
+    rows keep their own scales (slot t0 + t of the page), against the float64 oracle over
+    the dequantized pages."""
+    if not paged_kernel.available() or (isa and isa not in paged_kernel.isas()):
+        pytest.skip(f"the paged kernel's {isa or 'vector'} code does not run here")
+    H, H_kv, D, P = 8, 2, 64, 320
+    g = torch.Generator().manual_seed(3)
+    (kq, ks), (vq, vs) = (quantize(torch.randn(5, P, H_kv, D, generator=g), dtype) for _ in "kv")
+    q = torch.randn(3, H, D, generator=g)
+    table, lengths = torch.tensor([[4, 0, 2], [1, 3, 0], [2, 0, 0]]), torch.tensor([700, 300, 0])
+    with paged_kernel.use_isa(isa) if isa else contextlib.nullcontext():
+        got = qkv.paged_attention(q, kq, vq, table, lengths, key_scale=ks, value_scale=vs)
+    for b in range(2):
+        want = over_dequantized(q[b], kq, ks, vq, vs, table[b], int(lengths[b]))
+        np.testing.assert_allclose(got[b].double().numpy(), want, atol=2e-6, rtol=1e-5)
+    assert (got[2] == 0).all()
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "int8", "fp8"])

@@ -136,6 +136,16 @@ static inline void finish(const Job *j, int64_t b, int64_t hk, const float *acc,
 #define FOLD_KEYS 2048
 #endif
 
+/* Keys of a page the vector item scores, weighs and sums at a time (page_step): a long page
+   (a KV cache's rows read as one page each: paged.decode_rows, or a pool of large pages)
+   goes in parts of this many, so that its scores and widened rows stay in the caches. A
+   4,096-key page in one part wrote and read back 2 MiB of widened values per head
+   (figures: docs/kernels.md#the-paged-decode-kernel). A multiple of 16 dividing FOLD_KEYS
+   (tests/kernels/c/test_paged.c builds with fewer, so that its pages go in parts). */
+#ifndef PAGE_PART
+#define PAGE_PART 64
+#endif
+
 /* Two levels of sums, so that no float32 chain runs the length of the sequence: an item
    sums a stretch of pages (FOLD_KEYS keys or so) into `part` (G × D_v) and `lp` (G) under
    the running maxima m, as one level did before, then adds them into its totals `acc` and
@@ -157,15 +167,21 @@ static inline void fold(int64_t G, int64_t D_v, float *acc, float *l, float *mt,
     }
 }
 
+/* The keys of a page the vector item takes at a time: the page's, at most PAGE_PART. */
+static inline int64_t page_part(int64_t P) { return P < PAGE_PART ? P : PAGE_PART; }
+
 /* The floats of scratch one thread's items need (`work`): the vector item's G query rows,
-   output sums (the totals and the stretch's: fold) and padded score rows, a page of widened
-   rows and a row (the plain C item's fit in it), or the many-heads item's (wide512,
-   G >= 16) transposed queries and scores. NH: key/value heads per item (heads_per_item). */
+   output sums (the totals and the stretch's: fold) and padded score rows, a part of a page
+   of widened rows and a row (page_part); the plain C item's query rows, sums, a page of
+   scores and a row; or the many-heads item's (wide512, G >= 16) transposed queries and
+   scores. NH: key/value heads per item (heads_per_item). */
 static inline int64_t scratch_floats(int64_t G, int64_t D, int64_t D_v, int64_t P, int64_t NH) {
-    const int64_t GV = (G + 15) / 16 * 16, SP = (P + 15) / 16 * 16;
-    const int64_t narrow = NH * G * (D + 2 * D_v + SP) + P * (D > D_v ? D : D_v) + D + D_v;
+    const int64_t GV = (G + 15) / 16 * 16, PP = page_part(P), SP = (PP + 15) / 16 * 16;
+    const int64_t narrow = NH * G * (D + 2 * D_v + SP) + PP * (D > D_v ? D : D_v) + D + D_v;
+    const int64_t plain = G * (D + 2 * D_v + P) + D + D_v;
     const int64_t wide = D * GV + 2 * G * D_v + P * GV + D + D_v + 4 * GV + P * D_v;
-    return narrow > wide ? narrow : wide;
+    const int64_t most = narrow > plain ? narrow : plain;
+    return most > wide ? most : wide;
 }
 
 /* The vector item per instruction set (_paged_step.h), one per storage kind (KV_*), for D and

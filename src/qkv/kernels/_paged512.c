@@ -82,7 +82,7 @@ wide512(const Job *j, int64_t b, int64_t hk, float *work, const int SRC) {
             }
             _mm512_storeu_ps(lp + gv, _mm512_add_ps(_mm512_loadu_ps(lp + gv), sum));
         }
-        pv_page(j, page, n, hk, part, sT, 1, GV, vpage, SRC);
+        pv_page(j, page, 0, n, hk, part, sT, 1, GV, vpage, SRC);
         stretch += n;
         if (stretch >= FOLD_KEYS || p0 + n >= len) {
             fold(G, D_v, acc, l, mt, part, lp, m);

@@ -94,32 +94,33 @@ pv_rows(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64
         }
 }
 
-/* P·V for one page of n keys: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t, hk]. Where V is
+/* P·V for n keys of a page from slot t0: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t0 + t, hk].
+   Where V is
    not float32, one register block holds every head and each head's weights are one row
    (wt = 1, as page_step gives them), V's rows are read in place, a quantized row's scale
    folded into its weights 16 at a time (w changes); otherwise they are widened and
    scaled once into vpage, and each block reads them there (for float32 rows this copy ran
    faster on Zen 4 than reading them in place). */
-TARGET static inline __attribute__((always_inline)) void pv_page(const Job *j, int64_t page,
-                                                                 int64_t n, int64_t hk, float *acc,
-                                                                 float *w, int64_t wg, int64_t wt,
-                                                                 float *vpage, const int SRC) {
-    const int64_t G = j->H / j->H_kv, D_v = j->D_v, v0 = page * j->vs[0] + hk * j->vs[2];
+TARGET static inline __attribute__((always_inline)) void
+pv_page(const Job *j, int64_t page, int64_t t0, int64_t n, int64_t hk, float *acc, float *w,
+        int64_t wg, int64_t wt, float *vpage, const int SRC) {
+    const int64_t G = j->H / j->H_kv, D_v = j->D_v;
+    const int64_t v0 = page * j->vs[0] + t0 * j->vs[1] + hk * j->vs[2];
     if (SRC != SRC_F32 && G <= PAGED_HEADS && wt == 1) {
         if (QUANTIZED(SRC)) {
             float sc[16];
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            for (int64_t u = 0; u < n; u += 16) {
                 for (int64_t t = 0; t < 16; t++)
-                    sc[t] = t0 + t < n ? row_scale(j, 0, page, t0 + t, hk) : 0.0f;
+                    sc[t] = u + t < n ? row_scale(j, 0, page, t0 + u + t, hk) : 0.0f;
                 for (int64_t g = 0; g < G; g++)
-                    vstore(w + g * wg + t0, vmul(vload(w + g * wg + t0), vload(sc)));
+                    vstore(w + g * wg + u, vmul(vload(w + g * wg + u), vload(sc)));
             }
         }
         pv_rows(acc, w, wg, wt, j->v, v0, j->vs[1], n, G, D_v, SRC);
         return;
     }
     for (int64_t t = 0; t < n; t++) {
-        const vf sc = vset1(row_scale(j, 0, page, t, hk));
+        const vf sc = vset1(row_scale(j, 0, page, t0 + t, hk));
         for (int64_t d = 0; d < D_v; d += 16)
             vstore(vpage + t * D_v + d, vmul(vload_src(j->v, v0 + t * j->vs[1] + d, SRC), sc));
     }
@@ -191,20 +192,21 @@ score_dots(const void *k, int64_t k0, int64_t kt, int64_t t, const float *ks, co
 }
 #endif
 
-/* The G × n scores of one page into s (a head's row every SP floats): key t of the page is
-   read as SRC from element k0 + t·kt of k, then multiplied by its row's scale. qh: the
+/* The G × n scores of keys t0 .. t0 + n - 1 of a page into s (a head's row every SP
+   floats): the t-th is read as SRC from element k0 + t·kt of k, then multiplied by its
+   row's scale (slot t0 + t). qh: the
    heads' bfloat16 query rows (a head every qg elements), for score_dots; NULL: qf's. */
 TARGET static inline __attribute__((always_inline)) void
-page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, int64_t n,
-            int64_t hk, const float *qf, const bf16 *qh, int64_t qg, float *s, int64_t SP,
-            const int SRC) {
+page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, int64_t t0,
+            int64_t n, int64_t hk, const float *qf, const bf16 *qh, int64_t qg, float *s,
+            int64_t SP, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D;
     const int dots = QKV_PAGED_DOTS && qh && SRC != SRC_F32 && D % 32 == 0;
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) { /* 4 keys at a time, their loads shared by the heads */
         float ks[4];
         for (int u = 0; u < 4; u++) /* once */
-            ks[u] = row_scale(j, 1, page, t + u, hk) * (dots ? j->scale : 1.0f);
+            ks[u] = row_scale(j, 1, page, t0 + t + u, hk) * (dots ? j->scale : 1.0f);
 #if QKV_PAGED_DOTS
         if (dots) {
 #define SCORE_DOTS(g, NH) score_dots(k, k0, kt, t, ks, qh, qg, D, g, s, SP, NH, SRC)
@@ -218,7 +220,7 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
 #undef SCORE_BLOCK
     }
     for (; t < n; t++) {
-        const float ks = row_scale(j, 1, page, t, hk);
+        const float ks = row_scale(j, 1, page, t0 + t, hk);
         for (int64_t g = 0; g < G; g++) {
             vf a = vzero();
             for (int64_t d = 0; d < D; d += 16)
@@ -228,24 +230,25 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
     }
 }
 
-/* One page of n keys for kv head hk, stored as SRC: the G × n scores into s (a head's row
-   every SP floats), each head's maximum m and the rescale of its sum l and outputs acc, the
-   weights, then P·V. On AVX2 and NEON, whose register blocks hold one head, where several
-   heads share float8 keys the page's key rows are widened once into `page_buf` and scored
+/* n keys of a page from slot t0 (a part: page_part) for kv head hk, stored as SRC: the G × n scores
+   into s (a head's row every SP floats), each head's maximum m and the rescale of its sum l and
+   outputs acc, the weights, then P·V. On AVX2 and NEON, whose register blocks hold one head, where
+   several heads share float8 keys the page's key rows are widened once into `page_buf` and scored
    from there (widening them per head cost more than the store: 0.76–0.87× the time with
    it, G = 4 and 8 held to AVX2); AVX-512's blocks of 4 heads read them in place (the buffer
    took 1.10–1.28× the time at G = 8). `page_buf` then takes the page's values. */
 TARGET static inline __attribute__((always_inline)) void
-page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, const bf16 *qh,
-          float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf, const int SRC) {
+page_step(const Job *j, int64_t page, int64_t t0, int64_t n, int64_t hk, const float *qf,
+          const bf16 *qh, float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf,
+          const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v;
-    const int64_t k0 = page * j->ks[0] + hk * j->ks[2];
+    const int64_t k0 = page * j->ks[0] + t0 * j->ks[1] + hk * j->ks[2];
     if (PAGED_HEADS == 1 && G > 1 && SRC == SRC_E4M3) {
         for (int64_t t = 0; t < n; t++)
             for (int64_t d = 0; d < D; d += 16)
                 vstore(page_buf + t * D + d, vload_src(j->k, k0 + t * j->ks[1] + d, SRC));
-        page_scores(j, page_buf, 0, D, page, n, hk, qf, NULL, 0, s, SP, SRC_F32);
-    } else page_scores(j, j->k, k0, j->ks[1], page, n, hk, qf, qh, j->qs[1], s, SP, SRC);
+        page_scores(j, page_buf, 0, D, page, t0, n, hk, qf, NULL, 0, s, SP, SRC_F32);
+    } else page_scores(j, j->k, k0, j->ks[1], page, t0, n, hk, qf, qh, j->qs[1], s, SP, SRC);
     for (int64_t g = 0; g < G; g++) {
         float *sg = s + g * SP;
         vf best = vset1(-INFINITY); /* the largest score per lane (a NaN is passed over) */
@@ -277,7 +280,7 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, co
         }
         l[g] += vsum(sum);
     }
-    pv_page(j, page, n, hk, acc, s, SP, 1, page_buf, SRC);
+    pv_page(j, page, t0, n, hk, acc, s, SP, 1, page_buf, SRC);
 }
 
 /* One item: sequence b's key/value heads hk0 .. hk0 + heads_per_item(j) - 1, keys and
@@ -288,7 +291,7 @@ page_step(const Job *j, int64_t page, int64_t n, int64_t hk, const float *qf, co
 TARGET static inline __attribute__((always_inline)) void
 paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
     const int64_t G = j->H / j->H_kv, D = j->D, D_v = j->D_v, P = j->P, NH = heads_per_item(j);
-    const int64_t SP = (P + 15) / 16 * 16; /* a head's scores, padded to whole vectors */
+    const int64_t PP = page_part(P), SP = (PP + 15) / 16 * 16; /* scores, whole vectors */
     const int64_t DM = D > D_v ? D : D_v, per_head = G * (D + 2 * D_v + SP);
     /* head h's query rows (qf), the stretch's output sums (part), scores (s) and output
        totals (acc, read only by fold: last, after what each page reads) from
@@ -296,27 +299,31 @@ paged_item(const Job *j, int64_t b, int64_t hk0, float *work, const int SRC) {
     float *page_buf = work + NH * per_head, m[NH * G], lp[NH * G], l[NH * G], mt[NH * G];
     for (int64_t h = 0; h < NH; h++) {
         float *qf = work + h * per_head, *part = qf + G * D, *acc = part + G * (D_v + SP);
-        begin(j, b, hk0 + h, qf, part, m + h * G, lp + h * G, page_buf + P * DM); /* (D past) */
+        begin(j, b, hk0 + h, qf, part, m + h * G, lp + h * G, page_buf + PP * DM); /* (D past) */
         zero_sums(G, D_v, acc, l + h * G, mt + h * G);
     }
     const int64_t len = j->lengths[b];
     for (int64_t p0 = 0, page_i = 0, stretch = 0; p0 < len; p0 += P, page_i++) {
         const int64_t page = j->table[b * j->max_pages + page_i];
-        const int64_t n = len - p0 < P ? len - p0 : P;
-        stretch += n;
-        for (int64_t h = 0; h < NH; h++) {
-            float *qf = work + h * per_head, *part = qf + G * D, *s = part + G * D_v;
-            float *acc = s + G * SP;
-            const bf16 *qh = /* the bfloat16 query rows themselves, where score_dots takes them */
-                QKV_PAGED_DOTS && j->bf16
-                    ? (const bf16 *)j->q + b * j->qs[0] + (hk0 + h) * G * j->qs[1]
-                    : NULL;
-            const int64_t at = h * G;
-            page_step(j, page, n, hk0 + h, qf, qh, part, s, SP, m + at, lp + at, page_buf, SRC);
-            if (stretch >= FOLD_KEYS || p0 + n >= len)
-                fold(G, D_v, acc, l + at, mt + at, part, lp + at, m + at);
+        const int64_t in_page = len - p0 < P ? len - p0 : P;
+        for (int64_t t0 = 0; t0 < in_page; t0 += PP) { /* the page in parts of PP keys */
+            const int64_t n = in_page - t0 < PP ? in_page - t0 : PP;
+            stretch += n;
+            for (int64_t h = 0; h < NH; h++) {
+                float *qf = work + h * per_head, *part = qf + G * D, *s = part + G * D_v;
+                float *acc = s + G * SP;
+                const bf16 *qh = /* the bfloat16 query rows, where score_dots takes them */
+                    QKV_PAGED_DOTS && j->bf16
+                        ? (const bf16 *)j->q + b * j->qs[0] + (hk0 + h) * G * j->qs[1]
+                        : NULL;
+                const int64_t at = h * G;
+                page_step(j, page, t0, n, hk0 + h, qf, qh, part, s, SP, m + at, lp + at, page_buf,
+                          SRC);
+                if (stretch >= FOLD_KEYS || p0 + t0 + n >= len)
+                    fold(G, D_v, acc, l + at, mt + at, part, lp + at, m + at);
+            }
+            if (stretch >= FOLD_KEYS) stretch = 0;
         }
-        if (stretch >= FOLD_KEYS) stretch = 0;
     }
     for (int64_t h = 0; h < NH; h++) {
         float *acc = work + h * per_head + G * (D + D_v + SP);

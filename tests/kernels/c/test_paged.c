@@ -53,7 +53,7 @@ static double store(void *x, int64_t i, int kind) {
 
 static int run_case(const char *isa, Item item, int kind, int64_t H, int64_t H_kv, int64_t D,
                     int64_t Dv, int64_t heads, int qbf16) {
-    const int64_t B = 3, P = 16, max_pages = 5, pages = 12, G = H / H_kv;
+    const int64_t B = 3, P = 32, max_pages = 5, pages = 12, G = H / H_kv;
     const int64_t len[3] = {37, 0, 80};
     const int32_t table[3][5] = {{3, 7, 0, 1, 2}, {5, 1, 2, 9, 4}, {11, 4, 6, 8, 10}};
     int32_t lengths[3] = {37, 0, 80};
