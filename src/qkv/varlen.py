@@ -268,9 +268,11 @@ def paged_attention(
     _page_scales(key_pages, key_scale, value_scale)
     native = dispatch.paged(query, key_pages, value_pages, scale, sinks)
     if native is not None:  # the kernel checks the lengths and pages it reads
+        dots = dispatch.paged_dots(query, key_pages)
         done = paged.decode(
-            query, key_pages, value_pages, table, lengths, native, sinks, key_scale, value_scale
-        )
+            query, key_pages, value_pages, table, lengths, native, sinks, key_scale, value_scale,
+            dots,
+        )  # fmt: skip
         if done is not None:
             return done if return_lse else done[0]
         # a length or a page out of range: the checks below say which

@@ -44,6 +44,7 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
     measured = profile.Probe(
         1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8,
         causal_native_ms=3.0, causal_sdpa_ms=4.0, causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=1.5,
+        paged_dots_ms=0.5, paged_widen_ms=1.0,
     )  # fmt: skip
     calls = counting(monkeypatch, measured)
     found, where = profile.load()
@@ -71,6 +72,20 @@ def test_a_profile_is_kept_per_limit_on_torchs_matrix_products(cache, monkeypatc
     monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
     found, where = profile.load()
     assert where.startswith("stored") and found.native32_ms == 1.5 and len(calls) == 1
+
+
+def test_quantized_keys_take_dot_products_where_they_were_the_faster():
+    """The paged decode step over int8 pages with bfloat16 dot products ÷ with widened
+    keys decides; not measured (a CPU without AVX512-BF16): the kernel's own way."""
+    assert profile.Probe(1.0, 1.0, paged_dots_ms=0.9, paged_widen_ms=1.0).paged_dots
+    assert not profile.Probe(1.0, 1.0, paged_dots_ms=1.12, paged_widen_ms=1.0).paged_dots
+    assert profile.Probe(1.0, 1.0).paged_dots
+    # a re-measurement near the line keeps the stored choice; one clear of it changes it
+    stored = profile.Probe(1.0, 1.0, use_paged_dots=False)
+    near = profile.Probe(1.0, 1.0, paged_dots_ms=0.95, paged_widen_ms=1.0)
+    assert not profile._decide(near, stored).use_paged_dots
+    clear = profile.Probe(1.0, 1.0, paged_dots_ms=0.85, paged_widen_ms=1.0)
+    assert profile._decide(clear, stored).use_paged_dots
 
 
 @needs_native

@@ -15,6 +15,7 @@ import qkv
 from qkv import numpy as qnp
 from qkv.kernels import paged as paged_kernel
 from qkv.kernels.quant import QUANTIZED, dequantize, quantize
+from qkv.kernels.tiled import profile
 
 DTYPES = pytest.mark.parametrize("dtype", list(QUANTIZED), ids=["int8", "fp8"])
 
@@ -125,13 +126,18 @@ def test_long_quantized_pages_are_read_in_parts_with_their_scales(isa, dtype):
     "H,H_kv,D,D_v", [(8, 2, 128, 128), (10, 2, 64, 48), (4, 4, 64, 64), (6, 3, 48, 32)]
 )
 @pytest.mark.parametrize("sinks", [False, True])
-def test_bfloat16_queries_score_their_pages_to_float32_rounding(storage, H, H_kv, D, D_v, sinks):
+@pytest.mark.parametrize("quantized_dots", [True, False], ids=["dots", "widened"])
+def test_bfloat16_queries_score_their_pages_to_float32_rounding(
+    storage, H, H_kv, D, D_v, sinks, quantized_dots
+):
     """bfloat16 queries over bfloat16, int8 and e4m3 pages: with AVX512-BF16 the kernel
     scores them with bfloat16 dot products where D is a multiple of 32 and 2+ query heads
     share a key/value head (G = 4 and 5 here: whole and partial blocks of heads; 30 and 13
-    tokens: partial blocks of keys), with float32 FMAs otherwise (G = 1, D = 48). Either
-    way the lse is the float64 oracle's over the queries' bfloat16 values to float32
-    rounding, and the output its value rounded once to bfloat16."""
+    tokens: partial blocks of keys), with float32 FMAs otherwise (G = 1, D = 48), and for
+    quantized keys where told so (``quantized_dots=False``: the profile's choice on a CPU
+    where widened keys are the faster). Every way the lse is the float64 oracle's over the
+    queries' bfloat16 values to float32 rounding, and the output its value rounded once to
+    bfloat16."""
     if not paged_kernel.available():
         pytest.skip("the native paged kernel is not built")
     dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[storage]
@@ -147,7 +153,7 @@ def test_bfloat16_queries_score_their_pages_to_float32_rounding(storage, H, H_kv
     q = q.to(torch.bfloat16)
     sink = torch.randn(H) if sinks else None
     scale = D**-0.5
-    found = paged_kernel.decode(q, kq, vq, table, lengths, scale, sink, ks, vs)
+    found = paged_kernel.decode(q, kq, vq, table, lengths, scale, sink, ks, vs, quantized_dots)
     assert found is not None
     out, lse = found
     for b in range(3):
@@ -232,6 +238,25 @@ def test_the_bfloat16_dot_products_are_said_where_they_run():
     if "avx2" in paged_kernel.isas():
         with paged_kernel.use_isa("avx2"):
             assert not paged_kernel.dots()
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_paged_attention_asks_the_profile_how_to_score_quantized_keys(stored, monkeypatch):
+    """Which is the faster over int8 and float8 keys, bfloat16 dot products or widened keys,
+    depends on the CPU (on one Zen 4 the dot products, on one Intel Xeon widened keys): the
+    machine's profile measures it, and paged_attention gives the kernel its choice where the
+    probe is on and the CPU has the dot products; otherwise the kernel's own (dot products)."""
+    if not paged_kernel.available():
+        pytest.skip("the native paged kernel is not built")
+    seen = []
+    real = paged_kernel.decode
+    monkeypatch.setattr(paged_kernel, "decode", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(profile, "probe", lambda: profile.Probe(1.0, 1.0, use_paged_dots=stored))
+    q, kq, vq, ks, vs, table, lengths = pages_and_queries(8, 2, 64, 64, torch.int8)
+    for probe in (True, False):
+        with qkv.tuned(native_probe=probe):
+            qkv.paged_attention(q.bfloat16(), kq, vq, table, lengths, key_scale=ks, value_scale=vs)
+    assert seen == [stored if paged_kernel.dots() else True, True]
 
 
 @DTYPES

@@ -106,6 +106,13 @@ def run_doctor(args: argparse.Namespace) -> int:
         )
         runs = [w for b, w in ((False, "forward"), (True, "with a gradient")) if found.causal(b)]
         print(f"  causal with T_q == T_k natively: {', '.join(runs) or 'never'}")
+        if not math.isnan(found.paged_dots_ratio()):
+            how = "bfloat16 dot products" if found.paged_dots else "widened keys, float32 FMAs"
+            print(
+                f"  paged decode, int8 pages, bfloat16 queries, ms (bfloat16 dot products / "
+                f"widened keys): {found.paged_dots_ms:.2f} / {found.paged_widen_ms:.2f}; "
+                f"int8 and float8 keys scored by {how}"
+            )
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 8, 4096, 64, generator=g)
     kinds = {

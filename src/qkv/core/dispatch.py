@@ -76,7 +76,10 @@ import numpy as np
 import torch
 
 from ..kernels import paged as paged_kernel
+from ..kernels.quant import is_quantized
+from ..kernels.tiled import profile
 from ..scores import ScoreMod
+from ..tuning import tuning
 from .call import Call, Dispatch, Rule, fast_scale
 from .paths import sdpa_mode, sdpa_takes, tiled_path
 from .planning import block_codes, make_tiled_plan
@@ -210,3 +213,15 @@ def paged(
     if scale_ is None or not paged_kernel.supports(query, key_pages, value_pages, sinks):
         return None
     return scale_
+
+
+def paged_dots(query: torch.Tensor, key_pages: torch.Tensor) -> bool:
+    """Whether the native paged kernel scores these bfloat16 queries against int8 or float8
+    keys with bfloat16 dot products (:func:`qkv.kernels.paged.decode`'s
+    ``quantized_dots``): where the machine's profile found them the faster
+    (:attr:`qkv.kernels.tiled.profile.Probe.paged_dots`: on one CPU they are, on another
+    widened keys are); with the probe off, as the kernel does by itself (yes)."""
+    quantized = query.dtype == torch.bfloat16 and is_quantized(key_pages.dtype)
+    if not (quantized and tuning().native_probe and paged_kernel.dots()):
+        return True
+    return profile.probe().paged_dots

@@ -177,20 +177,21 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     long long qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2, B, H, H_kv, D, D_v, P, max_pages, num_pages;
     long long kss[3], vss[3];
     double scale;
-    int is_bf16, threads, kv;
+    int is_bf16, threads, kv, quantized_dots;
     static char *names[] = {
-        "q",     "k",     "v",        "table",      "lengths",   "sinks",       "out",     "lse",
-        "sizes", "scale", "bfloat16", "kv_storage", "key_scale", "value_scale", "threads", NULL};
+        "q",         "k",           "v",       "table",          "lengths",  "sinks",
+        "out",       "lse",         "sizes",   "scale",          "bfloat16", "kv_storage",
+        "key_scale", "value_scale", "threads", "quantized_dots", NULL};
     if (PyTuple_GET_SIZE(args)) {
         PyErr_SetString(PyExc_TypeError, "decode takes named fields only");
         return NULL;
     }
     if (!parse_fields(kwargs ? kwargs : Py_None, "decode",
-                      "$(KLL)(KLLL)(KLLL)(KLL)KKKK(LLLLLL)dii(KLLL)(KLLL)i", names, &q, &qs0, &qs1,
+                      "$(KLL)(KLLL)(KLLL)(KLL)KKKK(LLLLLL)dii(KLLL)(KLLL)ii", names, &q, &qs0, &qs1,
                       &k, &ks0, &ks1, &ks2, &v, &vs0, &vs1, &vs2, &table, &max_pages, &num_pages,
                       &lengths, &sinks, &out, &lse, &B, &H, &H_kv, &D, &D_v, &P, &scale, &is_bf16,
                       &kv, &ksc, &kss[0], &kss[1], &kss[2], &vsc, &vss[0], &vss[1], &vss[2],
-                      &threads))
+                      &threads, &quantized_dots))
         return NULL;
     if (B < 0 || H_kv <= 0 || H <= 0 || H % H_kv || D <= 0 || D_v <= 0 || P <= 0 || max_pages < 0 ||
         threads < 1 || kv < KV_F32 || kv > KV_F8 || ((kv >= KV_I8) != (ksc && vsc))) {
@@ -238,7 +239,8 @@ static PyObject *decode(PyObject *self, PyObject *args, PyObject *kwargs) {
 #ifdef QKV_X86
     if (D % 16 == 0 && D_v % 16 == 0 && vector == qkv_paged_avx512 && G >= 16)
         run = qkv_paged_avx512_wide[kv];
-    else if (D % 32 == 0 && D_v % 16 == 0 && G >= 2 && is_bf16 && kv != KV_F32 && dots_here())
+    else if (D % 32 == 0 && D_v % 16 == 0 && G >= 2 && is_bf16 && kv != KV_F32 && dots_here() &&
+             (kv == KV_BF16 || quantized_dots))
         run = qkv_paged_avx512_dots[kv];
 #endif
     /* Where a slot's heads lie side by side (torch's layout) the vector item takes several

@@ -144,6 +144,7 @@ def decode(
     sinks: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    quantized_dots: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One query per sequence over its pages: ``out`` (B, H, D_v) in q's dtype and ``lse``
     (B, H) float32; None, having read nothing, where a length is past its table or a page
@@ -159,6 +160,10 @@ def decode(
         sinks: (H,) logits of a key with no value in every row's softmax, or None.
         key_scale, value_scale: quantized pages' scales, float32 (pages, P, H_kv) (any
             strides): row (page, slot, head) is its stored values times its scale.
+        quantized_dots: where the CPU has them (:func:`dots`), score bfloat16 queries
+            against int8 and float8 keys with bfloat16 dot products (False: widened keys and
+            float32 FMAs, the same sums to float32 rounding; which is the faster depends on
+            the CPU: the machine's profile measures it). bfloat16 keys take them either way.
     """
     assert _paged is not None and supports(q, k, v, sinks), "check paged.supports first"
     _pin_from_environment()
@@ -195,5 +200,6 @@ def decode(
         key_scale=scales[0],
         value_scale=scales[1],
         threads=torch.get_num_threads(),
+        quantized_dots=int(quantized_dots),
     )
     return (out.to(q.dtype), lse) if fine else None

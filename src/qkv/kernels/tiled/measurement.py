@@ -1,6 +1,7 @@
 """What the machine's profile times (:mod:`qkv.kernels.tiled.profile` stores it and decides
-from it): the tiled kernel's passes through each of its paths, and torch's fused kernel in
-half precision and on float32 copies, each a median of interleaved runs (:func:`times`).
+from it): the tiled kernel's passes through each of its paths, torch's fused kernel in half
+precision and on float32 copies, and the paged decode kernel over int8 pages with and
+without bfloat16 dot products, each a median of interleaved runs (:func:`times`).
 
 Legend: B batch · H heads · T queries (and keys) · D head dim.
 """
@@ -17,6 +18,7 @@ import torch
 
 from ...masks import FULL, causal
 from ...tuning import Tuning
+from .. import paged
 from ..contract import Lowered, PredicateTiles
 from . import backward as tiled_backward
 from . import forward, steps
@@ -30,6 +32,10 @@ BANDED = (2048, 256)
 
 #: The probe's causal pass: its queries (and keys), of 4 heads, D = 64, float32.
 CAUSAL = 1024
+
+#: The probe's paged decode step: (sequences, tokens each, query heads, key/value heads, D),
+#: int8 pages of 16 tokens and bfloat16 queries.
+PAGED = (8, 1024, 16, 4, 128)
 
 
 def times() -> dict[str, float]:
@@ -66,6 +72,9 @@ def times() -> dict[str, float]:
         calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
         if steps.available(torch.float32):
             calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
+    if paged.available() and paged.dots():
+        calls["paged_dots"] = _paged_step(quantized_dots=True)
+        calls["paged_widen"] = _paged_step(quantized_dots=False)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -124,6 +133,28 @@ def _causal_pass(backward: bool) -> Callable[[], object]:
         return tiled_backward(call, out, lse, dout) if backward else out
 
     return native_pass
+
+
+def _paged_step(quantized_dots: bool) -> Callable[[], object]:
+    """One decode step of the paged kernel over :data:`PAGED`'s int8 pages, their keys
+    scored by bfloat16 dot products (``quantized_dots``) or widened for float32 FMAs."""
+    B, L, H, H_kv, D = PAGED
+    g = torch.Generator().manual_seed(3)
+    pages = B * L // 16
+    k, v = (
+        torch.randint(-127, 128, (H_kv, pages, 16, D), generator=g, dtype=torch.int8).permute(
+            1, 2, 0, 3
+        )
+        for _ in "kv"
+    )
+    ks, vs = (torch.rand(pages, 16, H_kv, generator=g) * 0.05 for _ in "kv")
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    table, lengths = torch.arange(pages).view(B, L // 16), torch.full((B,), L)
+
+    def step() -> object:
+        return paged.decode(q, k, v, table, lengths, D**-0.5, None, ks, vs, quantized_dots)
+
+    return step
 
 
 def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:

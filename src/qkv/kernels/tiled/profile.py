@@ -46,9 +46,10 @@ FILE = "native-profile.json"
 #: the file's format: 2 holds the half-precision SDPA measurements too, 3 the native
 #: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass, 5 the AVX2
 #: and NEON steps' second register blocking, 6 half precision on copies wherever torch's
-#: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's
-#: (a file of an older format is measured again, silently)
-FORMAT = 7
+#: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's,
+#: 8 the paged decode step over int8 pages with and without bfloat16 dot products (a file
+#: of an older format is measured again, silently)
+FORMAT = 8
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -85,6 +86,12 @@ ROWS_AT = 1.0
 #: 0.82× (2026-11-27)
 CAUSAL_AT = 0.9
 
+#: the paged decode step over int8 pages with bfloat16 dot products ÷ with widened keys and
+#: float32 FMAs, under which quantized (int8, float8) keys take the dot products: the faster
+#: (the same sums to float32 rounding). On a Zen 4 they made the int8 step 0.86–0.92× its
+#: time; on an Intel Xeon (family 6 model 207) 1.12× (docs/kernels.md#the-paged-decode-kernel)
+PAGED_DOTS_AT = 1.0
+
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved runs each
@@ -106,7 +113,10 @@ class Probe(NamedTuple):
     over :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries (4 heads, D = 64, float32)
     through the native kernel (``causal_native_ms``; nan where this CPU cannot run it) and
     through torch's fused kernel with is_causal (``causal_sdpa_ms``), forward and backward,
-    and forward alone (``causal_*_fwd_ms``)."""
+    and forward alone (``causal_*_fwd_ms``). And the paged decode kernel's step over int8
+    pages with bfloat16 queries (:data:`~qkv.kernels.tiled.measurement.PAGED`), the keys
+    scored by bfloat16 dot products (``paged_dots_ms``) and widened for float32 FMAs
+    (``paged_widen_ms``; both nan where the CPU has no AVX512-BF16)."""
 
     native_ms: float
     float32_ms: float
@@ -123,6 +133,8 @@ class Probe(NamedTuple):
     causal_sdpa_ms: float = float("nan")
     causal_native_fwd_ms: float = float("nan")
     causal_sdpa_fwd_ms: float = float("nan")
+    paged_dots_ms: float = float("nan")
+    paged_widen_ms: float = float("nan")
     #: the choices as a stored profile made them (:func:`load`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
@@ -133,6 +145,7 @@ class Probe(NamedTuple):
     use_rows: int | None = None
     use_causal: bool | None = None
     use_causal_fwd: bool | None = None
+    use_paged_dots: bool | None = None
 
     def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
         """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
@@ -166,6 +179,20 @@ class Probe(NamedTuple):
         if stored is not None:
             return stored
         return self.causal_ratio(backward) < CAUSAL_AT
+
+    def paged_dots_ratio(self) -> float:
+        """The paged decode step over int8 pages with bfloat16 dot products ÷ with widened
+        keys (nan: not measured)."""
+        return self.paged_dots_ms / self.paged_widen_ms
+
+    @property
+    def paged_dots(self) -> bool:
+        """Whether the paged kernel scores bfloat16 queries against int8 and float8 keys with
+        bfloat16 dot products here: under :data:`PAGED_DOTS_AT` × the time with widened keys
+        (not measured: yes, as the kernel does by itself)."""
+        if self.use_paged_dots is not None:
+            return self.use_paged_dots
+        return not self.paged_dots_ratio() >= PAGED_DOTS_AT
 
     @property
     def float32(self) -> bool:
@@ -312,11 +339,15 @@ def _ratios(p: Probe) -> list[float]:
     otherwise, torch's half precision ÷ float32 copies, the native causal pass ÷ torch's."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
     causal_ = [p.causal_ratio(b) for b in (True, False)]
-    return [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
+    ratios = [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
+    return [*ratios, p.paged_dots_ratio()]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT)
+THRESHOLDS = (
+    *(ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT),
+    PAGED_DOTS_AT,
+)
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -352,7 +383,11 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
         native_causal[f"use_causal{'' if backward else '_fwd'}"] = _kept(
             new.causal(backward), stored, new.causal_ratio(backward), CAUSAL_AT
         )
-    return new._replace(use_float32=float32, use_bfloat16=bf16, **widen, **native_causal)
+    stored = None if old is None else old.paged_dots
+    dots = _kept(new.paged_dots, stored, new.paged_dots_ratio(), PAGED_DOTS_AT)
+    return new._replace(
+        use_float32=float32, use_bfloat16=bf16, **widen, **native_causal, use_paged_dots=dots
+    )
 
 
 def _first(stored: Probe | None) -> Probe:
