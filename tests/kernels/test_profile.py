@@ -44,7 +44,8 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
     measured = profile.Probe(
         1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8,
         causal_native_ms=3.0, causal_sdpa_ms=4.0, causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=1.5,
-        paged_dots_ms=0.5, paged_widen_ms=1.0,
+        paged_dots_ms=0.5, paged_widen_ms=1.0, decode_paged_ms=0.5, decode_sdpa_ms=1.0,
+        decode_paged_gqa_ms=0.5, decode_sdpa_gqa_ms=1.0,
     )  # fmt: skip
     calls = counting(monkeypatch, measured)
     found, where = profile.load()
@@ -86,6 +87,19 @@ def test_quantized_keys_take_dot_products_where_they_were_the_faster():
     assert not profile._decide(near, stored).use_paged_dots
     clear = profile.Probe(1.0, 1.0, paged_dots_ms=0.85, paged_widen_ms=1.0)
     assert profile._decide(clear, stored).use_paged_dots
+
+
+def test_a_bfloat16_decode_step_takes_the_faster_kernel_with_gqa_and_without():
+    """The paged kernel ÷ torch's, each way: under 1.0 the paged kernel; not measured (the
+    paged kernel not built): the paged kernel, as with the probe off."""
+    found = profile.Probe(
+        1.0, 1.0, decode_paged_ms=0.62, decode_sdpa_ms=0.52,
+        decode_paged_gqa_ms=0.25, decode_sdpa_gqa_ms=0.30,
+    )  # fmt: skip
+    assert not found.paged_decode(gqa=False) and found.paged_decode(gqa=True)
+    assert profile.Probe(1.0, 1.0).paged_decode(gqa=False)
+    decided = profile._decide(found, None)
+    assert (decided.use_paged_decode, decided.use_paged_decode_gqa) == (False, True)
 
 
 @needs_native

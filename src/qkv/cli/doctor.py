@@ -106,6 +106,17 @@ def run_doctor(args: argparse.Namespace) -> int:
         )
         runs = [w for b, w in ((False, "forward"), (True, "with a gradient")) if found.causal(b)]
         print(f"  causal with T_q == T_k natively: {', '.join(runs) or 'never'}")
+        if not math.isnan(found.paged_decode_ratio(False)):
+            B, H, T, D = measurement.DECODE
+            runs = [
+                w for g, w in ((False, "without GQA"), (True, "with GQA")) if found.paged_decode(g)
+            ]
+            print(
+                f"  bfloat16 decode step ({B} × {T:,} keys, H = {H}, D = {D}), paged kernel / "
+                f"torch's ms: {found.decode_paged_ms:.2f} / {found.decode_sdpa_ms:.2f}, with 4 "
+                f"query heads a key/value head {found.decode_paged_gqa_ms:.2f} / "
+                f"{found.decode_sdpa_gqa_ms:.2f}; on the paged kernel: {', '.join(runs) or 'never'}"
+            )
         if not math.isnan(found.paged_dots_ratio()):
             how = "bfloat16 dot products" if found.paged_dots else "widened keys, float32 FMAs"
             print(

@@ -382,11 +382,14 @@ PLAIN = {
 
 
 #: What rule "plain" decides for a bfloat16 decode step (one query) over DECODE_KEYS keys or
-#: more that qkv's native paged decode kernel takes: that kernel, reading each sequence's
-#: keys and values in place as one page. torch's fused kernel computes such a step at several
-#: times its own float32 time on the CPU; over a few dozen keys it is still the quicker (the
-#: paged kernel's Python costs more than the keys), hence the bound. Measured in
-#: docs/kernels.md ("The decode fast path").
+#: more that qkv's native paged decode kernel takes, where the machine's profile found that
+#: kernel the faster (with GQA or without: :meth:`Probe.paged_decode
+#: <qkv.kernels.tiled.profile.Probe.paged_decode>`; with the probe off, always): that kernel,
+#: reading each sequence's keys and values in place as one page. torch's fused kernel
+#: computes such a step at several times its own float32 time on some CPUs and at half of
+#: it on others; over a few dozen keys it is the quicker (the paged kernel's Python costs
+#: more than the keys), hence the bound. Measured in docs/kernels.md ("The decode fast
+#: path").
 DECODE_KEYS = 256
 DECODE = Dispatch(
     "paged",
@@ -406,6 +409,7 @@ def _rule_plain(a: Call) -> Dispatch | None:
         and p.T_k >= DECODE_KEYS
         and a.q.dtype is torch.bfloat16
         and paged_kernel.supports(a.q, a.k, a.v)
+        and (not a.tuning.native_probe or profile.probe().paged_decode(gqa=p.H_kv != p.H))
     ):
         return DECODE
     return PLAIN[a.mask is not None]

@@ -1,7 +1,8 @@
 """What the machine's profile times (:mod:`qkv.kernels.tiled.profile` stores it and decides
 from it): the tiled kernel's passes through each of its paths, torch's fused kernel in half
-precision and on float32 copies, and the paged decode kernel over int8 pages with and
-without bfloat16 dot products, each a median of interleaved runs (:func:`times`).
+precision and on float32 copies, the paged decode kernel over int8 pages with and without
+bfloat16 dot products, and a bfloat16 decode step through the paged kernel and through
+torch's, each a median of interleaved runs (:func:`times`).
 
 Legend: B batch · H heads · T queries (and keys) · D head dim.
 """
@@ -20,6 +21,7 @@ from ...masks import FULL, causal
 from ...tuning import Tuning
 from .. import paged
 from ..contract import Lowered, PredicateTiles
+from ..sdpa import sdpa
 from . import backward as tiled_backward
 from . import forward, steps
 from .plan import dense_to_sparse, make_plan
@@ -36,6 +38,10 @@ CAUSAL = 1024
 #: The probe's paged decode step: (sequences, tokens each, query heads, key/value heads, D),
 #: int8 pages of 16 tokens and bfloat16 queries.
 PAGED = (8, 1024, 16, 4, 128)
+
+#: The probe's bfloat16 decode step over a cache's rows: (sequences, query heads, keys, D),
+#: one key/value head per query head, and one per 4 (GQA).
+DECODE = (4, 8, 1024, 64)
 
 
 def times() -> dict[str, float]:
@@ -75,6 +81,10 @@ def times() -> dict[str, float]:
     if paged.available() and paged.dots():
         calls["paged_dots"] = _paged_step(quantized_dots=True)
         calls["paged_widen"] = _paged_step(quantized_dots=False)
+    if paged.available():
+        for groups, gqa in ((1, ""), (4, "_gqa")):
+            calls[f"decode_paged{gqa}"] = _decode_step(True, groups)
+            calls[f"decode_sdpa{gqa}"] = _decode_step(False, groups)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -153,6 +163,24 @@ def _paged_step(quantized_dots: bool) -> Callable[[], object]:
 
     def step() -> object:
         return paged.decode(q, k, v, table, lengths, D**-0.5, None, ks, vs, quantized_dots)
+
+    return step
+
+
+def _decode_step(native: bool, groups: int) -> Callable[[], object]:
+    """One bfloat16 decode step over :data:`DECODE`'s rows, ``groups`` query heads a
+    key/value head: through the paged kernel, each sequence's rows one page (``native``:
+    the path ``paged-native``), or through torch's fused kernel as qkv calls it (``sdpa``)."""
+    B, H, T, D = DECODE
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, H, 1, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, H // groups, T, D, generator=g).bfloat16() for _ in "kv")
+
+    def step() -> object:
+        with torch.no_grad():
+            if native:
+                return paged.decode_rows(q, k, v, D**-0.5)
+            return sdpa(q, k, v, mask=None, is_causal=False, scale=D**-0.5)
 
     return step
 

@@ -47,9 +47,10 @@ FILE = "native-profile.json"
 #: kernel's widened float32 step on bfloat16 inputs, 4 times of the banded pass, 5 the AVX2
 #: and NEON steps' second register blocking, 6 half precision on copies wherever torch's
 #: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's,
-#: 8 the paged decode step over int8 pages with and without bfloat16 dot products (a file
-#: of an older format is measured again, silently)
-FORMAT = 8
+#: 8 the paged decode step over int8 pages with and without bfloat16 dot products, 9 a
+#: bfloat16 decode step through the paged kernel and through torch's (a file of an older
+#: format is measured again, silently)
+FORMAT = 9
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -92,6 +93,13 @@ CAUSAL_AT = 0.9
 #: time; on an Intel Xeon (family 6 model 207) 1.12× (docs/kernels.md#the-paged-decode-kernel)
 PAGED_DOTS_AT = 1.0
 
+#: a bfloat16 decode step through the paged kernel ÷ through torch's fused kernel, under
+#: which rule "plain" sends bfloat16 decode steps to the paged kernel (path "paged-native"):
+#: the faster. torch's bfloat16 decode took several times its float32 time on a Zen 4, and
+#: half of it on an Intel Xeon (family 6 model 207) with one key/value head per query head
+#: (docs/kernels.md#how-auto-chooses), so it is measured, with and without GQA
+PAGED_DECODE_AT = 1.0
+
 
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved runs each
@@ -116,7 +124,11 @@ class Probe(NamedTuple):
     and forward alone (``causal_*_fwd_ms``). And the paged decode kernel's step over int8
     pages with bfloat16 queries (:data:`~qkv.kernels.tiled.measurement.PAGED`), the keys
     scored by bfloat16 dot products (``paged_dots_ms``) and widened for float32 FMAs
-    (``paged_widen_ms``; both nan where the CPU has no AVX512-BF16)."""
+    (``paged_widen_ms``; both nan where the CPU has no AVX512-BF16). And a bfloat16 decode
+    step over a cache's rows (:data:`~qkv.kernels.tiled.measurement.DECODE`) through the paged
+    kernel (``decode_paged_ms``) and torch's fused kernel (``decode_sdpa_ms``), and the same
+    with 4 query heads a key/value head (``*_gqa_ms``; nan where the paged kernel is not
+    built)."""
 
     native_ms: float
     float32_ms: float
@@ -135,6 +147,10 @@ class Probe(NamedTuple):
     causal_sdpa_fwd_ms: float = float("nan")
     paged_dots_ms: float = float("nan")
     paged_widen_ms: float = float("nan")
+    decode_paged_ms: float = float("nan")
+    decode_sdpa_ms: float = float("nan")
+    decode_paged_gqa_ms: float = float("nan")
+    decode_sdpa_gqa_ms: float = float("nan")
     #: the choices as a stored profile made them (:func:`load`); None: from the times
     use_float32: bool | None = None
     use_bfloat16: bool | None = None
@@ -146,6 +162,8 @@ class Probe(NamedTuple):
     use_causal: bool | None = None
     use_causal_fwd: bool | None = None
     use_paged_dots: bool | None = None
+    use_paged_decode: bool | None = None
+    use_paged_decode_gqa: bool | None = None
 
     def sdpa_ratio(self, dtype: torch.dtype, backward: bool = True) -> float:
         """torch's fused kernel's time in half-precision ``dtype`` ÷ its time on float32
@@ -193,6 +211,23 @@ class Probe(NamedTuple):
         if self.use_paged_dots is not None:
             return self.use_paged_dots
         return not self.paged_dots_ratio() >= PAGED_DOTS_AT
+
+    def paged_decode_ratio(self, gqa: bool) -> float:
+        """A bfloat16 decode step through the paged kernel ÷ through torch's, with 4 query
+        heads a key/value head (``gqa``) or one (nan: not measured)."""
+        suffix = "_gqa" if gqa else ""
+        return float(
+            getattr(self, f"decode_paged{suffix}_ms") / getattr(self, f"decode_sdpa{suffix}_ms")
+        )
+
+    def paged_decode(self, gqa: bool) -> bool:
+        """Whether a bfloat16 decode step — with several query heads a key/value head
+        (``gqa``) or one — runs the paged kernel here: under :data:`PAGED_DECODE_AT` × torch's
+        time (not measured: yes, the kernel)."""
+        stored = self.use_paged_decode_gqa if gqa else self.use_paged_decode
+        if stored is not None:
+            return stored
+        return not self.paged_decode_ratio(gqa) >= PAGED_DECODE_AT
 
     @property
     def float32(self) -> bool:
@@ -340,13 +375,13 @@ def _ratios(p: Probe) -> list[float]:
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
     causal_ = [p.causal_ratio(b) for b in (True, False)]
     ratios = [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
-    return [*ratios, p.paged_dots_ratio()]
+    return [*ratios, p.paged_dots_ratio(), p.paged_decode_ratio(False), p.paged_decode_ratio(True)]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
 THRESHOLDS = (
     *(ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT),
-    PAGED_DOTS_AT,
+    *(PAGED_DOTS_AT, PAGED_DECODE_AT, PAGED_DECODE_AT),
 )
 
 
@@ -385,8 +420,19 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
         )
     stored = None if old is None else old.paged_dots
     dots = _kept(new.paged_dots, stored, new.paged_dots_ratio(), PAGED_DOTS_AT)
+    decode = {}
+    for gqa in (False, True):
+        stored = None if old is None else old.paged_decode(gqa)
+        decode[f"use_paged_decode{'_gqa' if gqa else ''}"] = _kept(
+            new.paged_decode(gqa), stored, new.paged_decode_ratio(gqa), PAGED_DECODE_AT
+        )
     return new._replace(
-        use_float32=float32, use_bfloat16=bf16, **widen, **native_causal, use_paged_dots=dots
+        use_float32=float32,
+        use_bfloat16=bf16,
+        **widen,
+        **native_causal,
+        use_paged_dots=dots,
+        **decode,
     )
 
 
