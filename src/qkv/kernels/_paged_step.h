@@ -95,10 +95,9 @@ pv_rows(float *acc, const float *w, int64_t wg, int64_t wt, const void *v, int64
 }
 
 /* P·V for n keys of a page from slot t0: acc[g] += Σ_t w[g·wg + t·wt] · V[page, t0 + t, hk].
-   Where V is
-   not float32, one register block holds every head and each head's weights are one row
-   (wt = 1, as page_step gives them), V's rows are read in place, a quantized row's scale
-   folded into its weights 16 at a time (w changes); otherwise they are widened and
+   Where V is not float32, one register block holds every head and each head's weights are
+   one row (wt = 1, as page_step gives them), V's rows are read in place, a quantized row's
+   scale folded into its weights 16 at a time (w changes); otherwise they are widened and
    scaled once into vpage, and each block reads them there (for float32 rows this copy ran
    faster on Zen 4 than reading them in place). */
 TARGET static inline __attribute__((always_inline)) void
@@ -194,8 +193,8 @@ score_dots(const void *k, int64_t k0, int64_t kt, int64_t t, const float *ks, co
 
 /* The G × n scores of keys t0 .. t0 + n - 1 of a page into s (a head's row every SP
    floats): the t-th is read as SRC from element k0 + t·kt of k, then multiplied by its
-   row's scale (slot t0 + t). qh: the
-   heads' bfloat16 query rows (a head every qg elements), for score_dots; NULL: qf's. */
+   row's scale (slot t0 + t). qh: the heads' bfloat16 query rows (a head every qg
+   elements), for score_dots; NULL: qf's. */
 TARGET static inline __attribute__((always_inline)) void
 page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, int64_t t0,
             int64_t n, int64_t hk, const float *qf, const bf16 *qh, int64_t qg, float *s,
@@ -230,13 +229,14 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
     }
 }
 
-/* n keys of a page from slot t0 (a part: page_part) for kv head hk, stored as SRC: the G × n scores
-   into s (a head's row every SP floats), each head's maximum m and the rescale of its sum l and
-   outputs acc, the weights, then P·V. On AVX2 and NEON, whose register blocks hold one head, where
-   several heads share float8 keys the page's key rows are widened once into `page_buf` and scored
-   from there (widening them per head cost more than the store: 0.76–0.87× the time with
-   it, G = 4 and 8 held to AVX2); AVX-512's blocks of 4 heads read them in place (the buffer
-   took 1.10–1.28× the time at G = 8). `page_buf` then takes the page's values. */
+/* n keys of a page from slot t0 (a part: page_part) for kv head hk, stored as SRC: the
+   G × n scores into s (a head's row every SP floats), each head's maximum m and the rescale
+   of its sum l and outputs acc, the weights, then P·V. On AVX2 and NEON, whose register
+   blocks hold one head, where several heads share float8 keys the part's key rows are
+   widened once into `page_buf` and scored from there (widening them per head cost more than
+   the store: 0.76–0.87× the time with it, G = 4 and 8 held to AVX2); AVX-512's blocks of 4
+   heads read them in place (the buffer took 1.10–1.28× the time at G = 8). `page_buf` then
+   takes the part's values. */
 TARGET static inline __attribute__((always_inline)) void
 page_step(const Job *j, int64_t page, int64_t t0, int64_t n, int64_t hk, const float *qf,
           const bf16 *qh, float *acc, float *s, int64_t SP, float *m, float *l, float *page_buf,

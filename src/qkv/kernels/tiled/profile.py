@@ -371,7 +371,9 @@ def _near(ratio: float, threshold: float) -> bool:
 def _ratios(p: Probe) -> list[float]:
     """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2, NEON or SVE
     step's 2 rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
-    otherwise, torch's half precision ÷ float32 copies, the native causal pass ÷ torch's."""
+    otherwise, torch's half precision ÷ float32 copies, the native causal pass ÷ torch's, the
+    paged step over int8 pages with bfloat16 dot products ÷ without, and a bfloat16 decode
+    step through the paged kernel ÷ through torch's (without GQA, with it)."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
     causal_ = [p.causal_ratio(b) for b in (True, False)]
     ratios = [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
