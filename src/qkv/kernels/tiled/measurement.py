@@ -78,13 +78,13 @@ def times() -> dict[str, float]:
         calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
         if steps.available(torch.float32):
             calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
-    if paged.available() and paged.dots():
-        calls["paged_dots"] = _paged_step(quantized_dots=True)
-        calls["paged_widen"] = _paged_step(quantized_dots=False)
     if paged.available():
         for groups, gqa in ((1, ""), (4, "_gqa")):
             calls[f"decode_paged{gqa}"] = _decode_step(True, groups)
             calls[f"decode_sdpa{gqa}"] = _decode_step(False, groups)
+        if paged.dots():
+            calls["paged_dots"] = _paged_step(quantized_dots=True)
+            calls["paged_widen"] = _paged_step(quantized_dots=False)
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for i in range(8):
         for name in calls if i % 2 else reversed(list(calls)):
@@ -149,17 +149,18 @@ def _paged_step(quantized_dots: bool) -> Callable[[], object]:
     """One decode step of the paged kernel over :data:`PAGED`'s int8 pages, their keys
     scored by bfloat16 dot products (``quantized_dots``) or widened for float32 FMAs."""
     B, L, H, H_kv, D = PAGED
+    P = 16  # tokens a page
     g = torch.Generator().manual_seed(3)
-    pages = B * L // 16
+    pages = B * L // P
     k, v = (
-        torch.randint(-127, 128, (H_kv, pages, 16, D), generator=g, dtype=torch.int8).permute(
+        torch.randint(-127, 128, (H_kv, pages, P, D), generator=g, dtype=torch.int8).permute(
             1, 2, 0, 3
         )
         for _ in "kv"
     )
-    ks, vs = (torch.rand(pages, 16, H_kv, generator=g) * 0.05 for _ in "kv")
+    ks, vs = (torch.rand(pages, P, H_kv, generator=g) * 0.05 for _ in "kv")
     q = torch.randn(B, H, D, generator=g).bfloat16()
-    table, lengths = torch.arange(pages).view(B, L // 16), torch.full((B,), L)
+    table, lengths = torch.arange(pages).view(B, L // P), torch.full((B,), L)
 
     def step() -> object:
         return paged.decode(q, k, v, table, lengths, D**-0.5, None, ks, vs, quantized_dots)
