@@ -412,13 +412,15 @@ def test_every_head_shape_runs_natively_through_attention(D, D_v, name, small, d
 @BOTH
 def test_gradients_have_the_same_bits_run_to_run_and_at_any_thread_count(dtype):
     """dQ's share of each key block is added in the blocks' order, whichever thread ran it:
-    the gradients do not depend on scheduling (they did, with one dQ buffer per thread)."""
+    the gradients do not depend on scheduling (they did, with one dQ buffer per thread), nor
+    on whether a work item is a key block (8 heads on 3 threads) or a whole head (on 2 and
+    1: HEADS_PER_THREAD in _native.c)."""
     q, k, v = make_qkv(1, 8, 8, 1024, 1024, 64, 64, dtype=dtype, seed=5)
     g = torch.randn(1, 8, 1024, 64).to(dtype)
     threads = torch.get_num_threads()
     runs = []
     try:
-        for n in (2, 2, 2, 1):
+        for n in (2, 2, 3, 3, 1):
             torch.set_num_threads(n)
             runs.append(grads(q, k, v, g, qkv.masks.sliding_window(256), backend="tiled"))
     finally:

@@ -111,9 +111,11 @@ def test_the_steps_of_this_cpu_match_float64(test, tmp_path):
         pytest.skip("built here for x86-64 Linux with the system C compiler")
     exe = built("cc", test, (512, 256), tmp_path / test)
     flags = Path("/proc/cpuinfo").read_text()
-    avx2_steps = len(TESTS[test][0][256])  # a step per AVX2 source (the two blockings)
-    steps = ("avx512f" in flags) + ("avx2" in flags) * avx2_steps
-    out = run_c_test([str(exe)], test, steps, "avx512f" in flags and "avx512_bf16" in flags)
+    # a step per source of the tiled step (two blockings each); one paged item per set
+    avx512, avx2 = (len(TESTS[test][0][isa]) if test == "test_step" else 1 for isa in (512, 256))
+    steps = ("avx512f" in flags) * avx512 + ("avx2" in flags) * avx2
+    dots = "avx512f" in flags and "avx512_bf16" in flags
+    out = run_c_test([str(exe)], test, steps, dots * avx512)
     assert ("avx2 " in out) == ("avx2" in flags)
 
 

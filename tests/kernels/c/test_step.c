@@ -22,8 +22,8 @@
 #include "../../../src/qkv/kernels/tiled/_kernel.h"
 
 typedef void (*Forward)(const Job *, int64_t);
-typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, float *, float *, float *,
-                         void *);
+typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, float *, int64_t *, float *,
+                         float *, void *);
 typedef void (*RowDots)(const void *, const void *, int64_t, int64_t, int, float *);
 typedef struct {
     const char *name;
@@ -201,7 +201,7 @@ static int run_case(const Step *st, const Case *c) {
     for (int64_t it = 0; it < j.items; it++) st->forward(&j, it);
     /* Half-precision inputs: the output again, written in their dtype by the step, each
        value rounded as the float32 one rounds. */
-    int rounding_ok = 1;
+    int rounding_ok = 1, ok_span = 1; /* (ok_span: the backward's dQ rows where it says) */
     if (c->src != SRC_F32) {
         uint16_t *half = malloc(sizeof(uint16_t) * rows * Dv);
         Job jh = j;
@@ -237,9 +237,14 @@ static int run_case(const Step *st, const Case *c) {
     void *scratch = malloc(KEY_BLOCK_SCRATCH * sizeof(float));
     for (int64_t h = 0; h < H; h++)
         for (int64_t kb = 0; kb < blocks; kb++) {
-            memset(share, 0, sizeof(float) * G * R * D);
-            st->backward(&bj, 0, h, kb * KB, share, dKa, dVa, scratch);
-            for (int64_t i = 0; i < G * R * D; i++) gdq[h * G * R * D + i] += share[i];
+            /* NaN over the share: a row the step says it wrote and did not, or one it wrote
+               outside what it says, fails */
+            int64_t span[2] = {-1, -1};
+            for (int64_t i = 0; i < G * R * D; i++) share[i] = NAN;
+            st->backward(&bj, 0, h, kb * KB, share, span, dKa, dVa, scratch);
+            for (int64_t i = span[0] * D; i < span[1] * D; i++) gdq[h * G * R * D + i] += share[i];
+            for (int64_t i = 0; i < G * R * D; i++)
+                ok_span &= (i >= span[0] * D && i < span[1] * D) || isnan(share[i]);
             for (int64_t n = 0; n < KB && kb * KB + n < T; n++) {
                 for (int64_t d = 0; d < D; d++)
                     gdk[(h * T + kb * KB + n) * D + d] += dKa[n * pad32(D) + d];
@@ -263,13 +268,14 @@ static int run_case(const Step *st, const Case *c) {
     const double tol[5] = {2e-5, 2e-5, 1e-4, 1e-4, 1e-4};
     int ok = 1;
     for (int i = 0; i < 5; i++) ok &= worst[i] <= tol[i]; /* (NaN fails) */
-    ok &= rounding_ok;
+    ok &= rounding_ok && ok_span;
     const char *src = c->src == SRC_F32 ? "float32" : c->src == SRC_BF16 ? "bfloat16" : "float16";
     printf("%s %-6s %-8s%s D=%3lld Dv=%3lld G=%lld%s%s: out %.1e lse %.1e dq %.1e dk %.1e "
-           "dv %.1e%s\n",
+           "dv %.1e%s%s\n",
            ok ? "ok  " : "FAIL", st->name, src, c->dots ? " dots" : "", (long long)D, (long long)Dv,
            (long long)G, c->bounds ? " bounds" : "", c->mod ? " alibi+softcap" : "", worst[0],
-           worst[1], worst[2], worst[3], worst[4], rounding_ok ? "" : " (rounded output differs)");
+           worst[1], worst[2], worst[3], worst[4], rounding_ok ? "" : " (rounded output differs)",
+           ok_span ? "" : " (dq rows outside the span)");
     free(q), free(k), free(v), free(dout), free(qd), free(kd), free(vd), free(dod), free(out);
     free(lse), free(dq), free(dk), free(dv), free(s), free(tt), free(kp), free(got);
     free(got_lse), free(gdq), free(gdk), free(gdv), free(share), free(dKa), free(dVa);

@@ -169,46 +169,38 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
     if (hi < *l) *l = hi;
 }
 
-/* The step, per instruction set (_step.h): a forward work item (ROWS query rows of one
-   (b, h), every range of the job) into out and lse; a backward one (KB keys from n0 of
-   head (b, h), all rows) into its own dq share (G, R, D), dK (KB, pad32(D)) and dV
-   (KB, pad32(Dv)), with `scratch` (3 · KB · MAX_D floats) for its packed keys. */
+/* The step, per instruction set and blocking (_step.h): a forward work item (ROWS query
+   rows of one (b, h), every range of the job) into out and lse; a backward one (KB keys from
+   n0 of head (b, h), all rows) into its own dq share (G·R rows of D) — only the rows
+   [span[0], span[1]) written, the first and last that see its keys and any between — and
+   dK (KB, pad32(D)) and dV (KB, pad32(Dv)), with `scratch` (KEY_BLOCK_SCRATCH floats) for
+   its packed keys; the row dots and the packing of half-precision keys, once per
+   instruction set. */
+#define STEP_DECLS(S)                                                                              \
+    void qkv_forward_item_##S(const Job *j, int64_t it);                                           \
+    void qkv_key_block_##S(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,            \
+                           int64_t *span, float *dK, float *dV, void *scratch);
+#define ISA_DECLS(S)                                                                               \
+    void qkv_row_dots_##S(const void *a, const void *b, int64_t n, int64_t D, int src,             \
+                          float *out);                                                             \
+    void qkv_pack32_half_##S(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,           \
+                             float *dst);
+#pragma GCC visibility push(hidden)
 #ifdef QKV_X86
-#pragma GCC visibility push(hidden)
-void qkv_forward_item_avx512(const Job *j, int64_t it);
-void qkv_key_block_avx512(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                          float *dV, void *scratch);
-void qkv_forward_item_avx2(const Job *j, int64_t it);
-void qkv_key_block_avx2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                        float *dV, void *scratch);
-void qkv_forward_item_avx2_rows2(const Job *j, int64_t it);
-void qkv_row_dots_avx512(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_row_dots_avx2(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_key_block_avx2_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                              float *dK, float *dV, void *scratch);
-void qkv_pack32_half_avx512(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
-void qkv_pack32_half_avx2(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
-#pragma GCC visibility pop
+STEP_DECLS(avx512)
+ISA_DECLS(avx512)
+STEP_DECLS(avx2)
+STEP_DECLS(avx2_rows2)
+ISA_DECLS(avx2)
 #elif defined(QKV_ARM)
-#pragma GCC visibility push(hidden)
-void qkv_forward_item_neon(const Job *j, int64_t it);
-void qkv_key_block_neon(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                        float *dV, void *scratch);
-void qkv_forward_item_neon_rows2(const Job *j, int64_t it);
-void qkv_row_dots_neon(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_key_block_neon_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                              float *dK, float *dV, void *scratch);
-void qkv_pack32_half_neon(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
+STEP_DECLS(neon)
+STEP_DECLS(neon_rows2)
+ISA_DECLS(neon)
 #ifdef QKV_SVE
-void qkv_forward_item_sve(const Job *j, int64_t it);
-void qkv_key_block_sve(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                       float *dV, void *scratch);
-void qkv_forward_item_sve_rows2(const Job *j, int64_t it);
-void qkv_row_dots_sve(const void *a, const void *b, int64_t n, int64_t D, int src, float *out);
-void qkv_pack32_half_sve(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, float *dst);
-void qkv_key_block_sve_rows2(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq, float *dK,
-                             float *dV, void *scratch);
+STEP_DECLS(sve)
+STEP_DECLS(sve_rows2)
+ISA_DECLS(sve)
+#endif
 #endif
 #pragma GCC visibility pop
-#endif
 #endif

@@ -77,7 +77,8 @@ typedef int qkv_lock;
    blocking). */
 typedef struct {
     void (*forward_item)(const Job *, int64_t);
-    void (*key_block)(const BJob *, int64_t, int64_t, int64_t, float *, float *, float *, void *);
+    void (*key_block)(const BJob *, int64_t, int64_t, int64_t, float *, int64_t *, float *, float *,
+                      void *);
     void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
     void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
 } StepFns;
@@ -108,24 +109,31 @@ static StepFns step_of(int isa, int rows) {
 
    A work item is one key block of one head, over all rows (_step.h computes it): its dK
    and dV are its own; its share of dQ is added to dq in key-block order (commit), so dQ's
-   bits do not depend on which thread ran which block, nor on how many threads ran. */
+   bits do not depend on which thread ran which block, nor on how many threads ran. Where
+   the heads are many enough to keep every thread busy (HEADS_PER_THREAD), a work item is a
+   whole head instead (head_worker): its thread adds each share as soon as it is made, in the
+   same order, so the same bits, without the shares' round trip through memory. */
+
+/* heads (B·H) per thread from which a backward pass's work items are whole heads: a thread
+   then waits at most for one head of the four or more it runs, where the shares' traffic
+   took 6–9% of a causal backward's time (docs/kernels.md) */
+#define HEADS_PER_THREAD 4
 
 #ifdef QKV_STEP
 /* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,
    dk and dv. */
 static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
-                      const float *dKa, const float *dVa) {
+                      const int64_t *span, const float *dKa, const float *dVa) {
     const Job *j = &bj->f;
     int64_t D = j->D, Dv = j->Dv, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-    for (int64_t g = 0; g < j->G; g++)
-        for (int64_t r = 0; r < j->R; r++) {
-            float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
-            const float *src = dq + (g * j->R + r) * D;
-            for (int64_t d = 0; d < D; d++) dqr[d] += src[d];
-        }
+    for (int64_t row = span[0]; row < span[1]; row++) { /* the rows the item wrote */
+        int64_t g = row / j->R, r = row % j->R;
+        float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
+        for (int64_t d = 0; d < D; d++) dqr[d] += dq[row * D + d];
+    }
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
         float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
         float *dv = bj->dv + b * bj->dvs[0] + h * bj->dvs[1] + (n0 + n - lead) * bj->dvs[2];
@@ -143,6 +151,7 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
 typedef struct {
     float *mem; /* dQ share (G·R·D), then dK and dV (KB·pad32(D), KB·pad32(D_v)) */
     int64_t call, n0;
+    int64_t span[2]; /* the rows of the dQ share written */
 } Share;
 
 typedef struct {
@@ -168,7 +177,7 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
         const BJob *bj = &ps->calls[s->call];
         int64_t D = bj->f.D, q = dq_floats(bj);
-        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->mem + q,
+        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->span, s->mem + q,
                   s->mem + q + KB * pad32(D));
         free(s->mem);
         s->mem = NULL;
@@ -177,6 +186,22 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
     UNLOCK(&ps->lock);
 }
 
+/* The bytes of an item's shares (dQ, dK, dV) of call bj, in whole 64-byte lines. */
+static size_t share_bytes(const BJob *bj) {
+    int64_t floats = dq_floats(bj) + KB * pad32(bj->f.D) + KB * pad32(bj->f.Dv);
+    return ((size_t)floats * sizeof(float) + 63) / 64 * 64;
+}
+
+/* Key block kb of head bh of call bj computed into its shares at mem (span: the dQ rows
+   written). */
+static void key_block(const Pass *ps, const BJob *bj, int64_t bh, int64_t kb, float *mem,
+                      int64_t *span, void *scratch) {
+    int64_t q = dq_floats(bj), dk = KB * pad32(bj->f.D);
+    step_of(bj->f.isa, bj->f.rows)
+        .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, span, mem + q, mem + q + dk, scratch);
+}
+
+/* A work item per key block of a head, each share committed in the head's order. */
 static void backward_worker(Pass *ps) {
     int64_t items = ps->start[ps->n], c = 0;
     /* this thread's packed keys; it and each item's shares on 64-byte lines, so that no
@@ -187,19 +212,45 @@ static void backward_worker(Pass *ps) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];
         int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
-        int64_t D = bj->f.D, q = dq_floats(bj), dk = KB * pad32(D);
-        size_t bytes = (size_t)(q + dk + KB * pad32(bj->f.Dv)) * sizeof(float);
-        float *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        float *mem = aligned_alloc(64, share_bytes(bj));
         if (!mem || !scratch) { /* (its item is not done: the caller raises) */
             free(mem);
             break;
         }
-        memset(mem, 0, bytes);
-        step_of(bj->f.isa, bj->f.rows)
-            .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, mem + q, mem + q + dk, scratch);
-        commit(ps, bh, ps->chain0[c] + kb, (Share){mem, c, kb * KB});
+        Share share = {mem, c, kb * KB, {0, 0}}; /* (key_block writes all it is read for) */
+        key_block(ps, bj, bh, kb, mem, share.span, scratch);
+        commit(ps, bh, ps->chain0[c] + kb, share);
         __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
+    free(scratch);
+}
+
+/* A work item per head: its key blocks in commit's order (call by call, key block by key
+   block), each share added as soon as it is made, into one buffer the thread reuses. */
+static void head_worker(Pass *ps) {
+    void *scratch = aligned_alloc(64, KEY_BLOCK_SCRATCH * sizeof(float));
+    float *mem = NULL;
+    size_t held = 0; /* mem's bytes */
+    const int64_t heads = ps->B * ps->H;
+    for (int64_t bh;
+         scratch && (bh = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < heads;) {
+        for (int64_t c = 0; c < ps->n; c++) {
+            const BJob *bj = &ps->calls[c];
+            if (share_bytes(bj) > held) {
+                free(mem);
+                mem = aligned_alloc(64, share_bytes(bj));
+                held = mem ? share_bytes(bj) : 0;
+            }
+            for (int64_t kb = 0; mem && kb < bj->blocks; kb++) {
+                int64_t span[2];
+                key_block(ps, bj, bh, kb, mem, span, scratch);
+                add_share(bj, bh / ps->H, bh % ps->H, kb * KB, mem, span, mem + dq_floats(bj),
+                          mem + dq_floats(bj) + KB * pad32(bj->f.D));
+                __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED); /* (an item: a key block) */
+            }
+        }
+    }
+    free(mem);
     free(scratch);
 }
 #endif /* QKV_STEP */
@@ -717,10 +768,14 @@ static PyObject *run_backward(PyObject *list, int threads) {
 #ifdef QKV_STEP
         int64_t items = ps.start[n];
         if (threads > items) threads = items > 0 ? (int)items : 1;
+        const int by_heads = ps.B * ps.H >= HEADS_PER_THREAD * threads;
         LOCK_INIT(&ps.lock);
         Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
-            backward_worker(&ps);
+        {
+            if (by_heads) head_worker(&ps);
+            else backward_worker(&ps);
+        }
         Py_END_ALLOW_THREADS LOCK_FREE(&ps.lock);
         for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
         if (ps.done != items) failed = PyErr_NoMemory(); /* an item found no memory */

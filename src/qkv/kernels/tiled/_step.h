@@ -30,9 +30,9 @@ TARGET static void load_rows(const Job *j, const void *x, const int64_t *xs, int
             continue;
         }
         const void *from = raw(j, x, b * xs[0] + h * xs[1] + g * xs[2] + r * xs[3]);
-        if (!j->f32 || j->src == SRC_F32) { /* as stored */
-            memset(to, 0, row);
+        if (!j->f32 || j->src == SRC_F32) { /* as stored, zeros past dim */
             memcpy(to, from, size);
+            memset(to + size, 0, row - size);
             continue;
         }
         for (int64_t d = 0; d < pad32(dim); d += 16) { /* widened; none past dim: zeros */
@@ -461,7 +461,7 @@ TARGET void NAMED(qkv_pack32_half)(const Pack *p, int64_t b, int64_t h, int64_t 
    (tests/kernels/test_native.py); a call's item that sees FOLD rows or fewer (a window)
    sums as before, at no cost. */
 TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                                 float *dKa, float *dVa, void *scratch) {
+                                 int64_t *span, float *dKa, float *dVa, void *scratch) {
     const Job *j = &bj->f;
     int64_t D = j->D, Dv = j->Dv, GR = j->G * j->R, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
@@ -503,7 +503,8 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     /* the first FOLD rows are summed in dKa and dVa, the later ones FOLD at a time in dKc and
        dVc (zeroed when first taken), each such sum then added in */
     float *sumK = dKa, *sumV = dVa;
-    int64_t summed = 0; /* rows in sumK and sumV since they were last emptied */
+    int64_t summed = 0;    /* rows in sumK and sumV since they were last emptied */
+    span[0] = span[1] = 0; /* dq's rows written: none yet */
     for (int64_t r0 = 0; r0 < GR; r0 += MR) {
         int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
         int live[KT / 32], any = 0;
@@ -573,11 +574,13 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
         } else
 #endif
             pv_f32(&kj, krows, widen ? 0 : n0, last, live, &dS[0][0], KB, O, D);
-        for (int i = 0; i < rows; i++) {
-            int64_t g = (r0 + i) / j->R, r = (r0 + i) % j->R;
-            float *dqr = dq + (g * j->R + r) * D;
-            for (int64_t d = 0; d < D; d++) dqr[d] += O[i * Dp + d];
-        }
+        /* the tile's rows of dq written (each tile is met once), zeros over the rows of
+           tiles that saw none of the keys since the last that did */
+        if (span[1] == 0) span[0] = r0;
+        else memset(dq + span[1] * D, 0, sizeof(float) * (r0 - span[1]) * D);
+        for (int i = 0; i < rows; i++)
+            for (int64_t d = 0; d < D; d++) dq[(r0 + i) * D + d] = O[i * Dp + d];
+        span[1] = r0 + rows;
     }
     if (summed && sumK != dKa) {
         fold(dKa, dKc, nk * Dp);
