@@ -131,6 +131,7 @@ setup(
                 for name in (
                     "_native",
                     "_step512",
+                    "_step512_rows16",
                     "_step256",
                     "_step256_rows2",
                     "_step128",

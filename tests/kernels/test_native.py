@@ -927,32 +927,36 @@ def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
     assert seen and set(seen) == {torch.float16}
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(mask_zoo(2, 75, 61)))
-def test_the_avx2_steps_two_register_blockings_give_the_same_bits(name, dtype, monkeypatch, tune):
-    """The AVX2 step compiled with 3 and with 2 query rows at a time (the profile measures
-    which is faster): the same output, lse and gradients, bit for bit, in float32 and on
-    widened bfloat16, with every mask, odd sizes, T_q != T_k, D_v != D; the 3-row one is held
-    to the float64 oracle above."""
-    if "avx2" not in steps.isas():
-        pytest.skip("this CPU cannot run the AVX2 step")
+def test_each_steps_two_blockings_give_the_same_bits(name, dtype, isa, monkeypatch, tune):
+    """Each step compiled in two blockings (the profile measures which is faster) — AVX-512
+    with tiles of 8 and of 16 query rows, AVX2 with 3 and 2 rows in registers: the same
+    output, lse and gradients, bit for bit, in float32 and bfloat16 (AVX-512's dot products
+    where the CPU has them, else widened), with every mask, odd sizes (122 rows a head: tiles
+    of 16 end part-full), T_q != T_k, D_v != D; the first blocking is held to the float64
+    oracle above."""
+    if isa not in steps.isas():
+        pytest.skip(f"this CPU cannot run the {isa} step")
     tune(native=True, native_probe=False)
     mask = mask_zoo(2, 75, 61)[name]
     q, k, v = make_qkv(2, 4, 2, 61, 75, 40, 24, dtype=dtype, seed=5)
     g = torch.randn(2, 4, 61, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
-    runs = []
-    with steps.use_isa("avx2"):
+    runs, before = [], steps.blocking()  # (the profile's, once a test has read it)
+    with steps.use_isa("" if isa == "avx512" else isa):  # (the CPU's choice: AVX-512)
+        assert steps.isa(torch.float32) == isa
         assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path.startswith("tiled-native")
-        for n in steps.ROWS:
-            with steps.use_rows(n):
-                assert steps.rows() == n
+        for n in steps.BLOCKINGS:
+            with steps.use_blocking(n):
+                assert steps.blocking() == n
                 out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
                 runs.append((out, lse, *grads(q, k, v, g, mask, backend="tiled")))
-    assert steps.rows() == steps.ROWS[0]  # undone after the block
-    for three, two in zip(*runs):
-        assert torch.equal(three, two)
-    with pytest.raises(ValueError, match="rows at a time"):
-        steps.set_rows(4)
+    assert steps.blocking() == before  # undone after the block
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+    with pytest.raises(ValueError, match="one of"):
+        steps.set_blocking(2)
 
 
 def test_float32_reads_values_in_place_at_any_row_stride():

@@ -42,7 +42,7 @@ def counting(monkeypatch, *probes):
 @needs_native
 def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
     measured = profile.Probe(
-        1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_rows2_ms=1.8,
+        1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_second_ms=1.8,
         causal_native_ms=3.0, causal_sdpa_ms=4.0, causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=1.5,
         paged_dots_ms=0.5, paged_widen_ms=1.0, decode_paged_ms=0.5, decode_sdpa_ms=1.0,
         decode_paged_gqa_ms=0.5, decode_sdpa_gqa_ms=1.0,
@@ -159,26 +159,25 @@ def test_the_causal_choice_keeps_its_stored_value_near_the_threshold(cache, monk
 
 
 @needs_native
-def test_the_avx2_register_blocking_is_measured_kept_near_the_line_and_applied(cache, monkeypatch):
-    """Where the float32 step is AVX2's, the probe times it with 3 and with 2 query rows at a
-    time: the faster is stored (float32's choice then reads its time), kept on a
-    re-measurement within the margin, changed past it, and the process's AVX2 step takes it
-    once the profile is read."""
-    two_faster = profile.Probe(1.0, 2.0, 2.4, native32_rows2_ms=1.6)  # 0.67×: 2 rows
-    near, slower = (profile.Probe(1.0, 2.0, 1.6, native32_rows2_ms=ms) for ms in (1.7, 2.4))
-    counting(monkeypatch, two_faster, near, slower)
+def test_the_steps_blocking_is_measured_kept_near_the_line_and_applied(cache, monkeypatch):
+    """The probe times the float32 step in each of its blockings: the faster is stored
+    (float32's choice then reads its time), kept on a re-measurement within the margin,
+    changed past it, and the process's steps take it once the profile is read."""
+    second_faster = profile.Probe(1.0, 2.0, 2.4, native32_second_ms=1.6)  # 0.67×
+    near, slower = (profile.Probe(1.0, 2.0, 1.6, native32_second_ms=ms) for ms in (1.7, 2.4))
+    counting(monkeypatch, second_faster, near, slower)
     found = profile.load()[0]
-    assert found.use_rows == 2 and found.float32_ratio() == 0.8 and found.float32
-    assert profile.load(remeasure=True)[0].rows == 2  # 1.06×: within the margin, kept
-    assert profile.load(remeasure=True)[0].rows == 3  # 1.5×: past it, changed
-    assert profile.Probe(1.0, 2.0, 1.5).rows == 3  # not measured (not AVX2): the default
-    monkeypatch.setattr(profile, "load", lambda: (two_faster, "stored"))
+    assert found.use_blocking == 1 and found.float32_ratio() == 0.8 and found.float32
+    assert profile.load(remeasure=True)[0].blocking == 1  # 1.06×: within the margin, kept
+    assert profile.load(remeasure=True)[0].blocking == 0  # 1.5×: past it, changed
+    assert profile.Probe(1.0, 2.0, 1.5).blocking == 0  # not measured (no step): the first
+    monkeypatch.setattr(profile, "load", lambda: (second_faster, "stored"))
     profile.probe.cache_clear()
     try:
-        assert profile.probe().rows == 2 and steps.rows() == 2
+        assert profile.probe().blocking == 1 and steps.blocking() == 1
     finally:
         profile.probe.cache_clear()
-        steps.set_rows(steps.ROWS[0])
+        steps.set_blocking(steps.BLOCKINGS[0])
 
 
 @needs_native

@@ -34,7 +34,7 @@ TILED = KERNELS / "tiled"
 TESTS = {
     "test_step": (
         {
-            512: ["tiled/_step512.c"],
+            512: ["tiled/_step512.c", "tiled/_step512_rows16.c"],
             256: ["tiled/_step256.c", "tiled/_step256_rows2.c"],
             128: ["tiled/_step128.c", "tiled/_step128_rows2.c"],
             257: ["tiled/_step_sve.c", "tiled/_step_sve_rows2.c"],

@@ -81,11 +81,13 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"  float32 runs {'natively' if found.float32 else 'through torch'}; bfloat16 "
             f"{'natively' if found.faster else 'as float32 does'}"
         )
-        if not math.isnan(found.rows_ratio()):
+        if not math.isnan(found.blocking_ratio()):
             step = steps.isa(torch.float32)
+            first, second = (steps.blocking_name(step, n) for n in steps.BLOCKINGS)
             print(
-                f"  the {step} step takes {found.rows} query rows at a time (with 2: "
-                f"{found.native32_rows2_ms:.2f} ms, {found.rows_ratio():.2f}× the time of 3)"
+                f"  the {step} step in {first} {found.native32_ms:.2f} ms, in {second} "
+                f"{found.native32_second_ms:.2f} ms ({found.blocking_ratio():.2f}×): it takes "
+                f"{steps.blocking_name(step, found.blocking)}"
             )
         print("  torch's fused kernel, causal over 512 queries, ms (bfloat16 / float16 / copies):")
         widened = []

@@ -22,8 +22,8 @@
 #include "../../../src/qkv/kernels/tiled/_kernel.h"
 
 typedef void (*Forward)(const Job *, int64_t);
-typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, float *, int64_t *, float *,
-                         float *, void *);
+typedef void (*Backward)(const BJob *, int64_t, int64_t, int64_t, DqOut *, float *, float *,
+                         void *);
 typedef void (*RowDots)(const void *, const void *, int64_t, int64_t, int, float *);
 typedef struct {
     const char *name;
@@ -237,14 +237,22 @@ static int run_case(const Step *st, const Case *c) {
     void *scratch = malloc(KEY_BLOCK_SCRATCH * sizeof(float));
     for (int64_t h = 0; h < H; h++)
         for (int64_t kb = 0; kb < blocks; kb++) {
-            /* NaN over the share: a row the step says it wrote and did not, or one it wrote
-               outside what it says, fails */
-            int64_t span[2] = {-1, -1};
-            for (int64_t i = 0; i < G * R * D; i++) share[i] = NAN;
-            st->backward(&bj, 0, h, kb * KB, share, span, dKa, dVa, scratch);
-            for (int64_t i = span[0] * D; i < span[1] * D; i++) gdq[h * G * R * D + i] += share[i];
-            for (int64_t i = 0; i < G * R * D; i++)
-                ok_span &= (i >= span[0] * D && i < span[1] * D) || isnan(share[i]);
+            /* dQ added into gdq itself (as a whole-head work item does), or, for every other
+               head, written to a share that starts as NaN: a row the step says it wrote and
+               did not, or one it wrote outside what it says, fails */
+            if (h % 2) {
+                DqOut in = {gdq + h * G * R * D, R * D, D, 1, {0, 0}};
+                st->backward(&bj, 0, h, kb * KB, &in, dKa, dVa, scratch);
+            } else {
+                DqOut out = {share, R * D, D, 0, {-1, -1}};
+                for (int64_t i = 0; i < G * R * D; i++) share[i] = NAN;
+                st->backward(&bj, 0, h, kb * KB, &out, dKa, dVa, scratch);
+                const int64_t *span = out.span;
+                for (int64_t i = span[0] * D; i < span[1] * D; i++)
+                    gdq[h * G * R * D + i] += share[i];
+                for (int64_t i = 0; i < G * R * D; i++)
+                    ok_span &= (i >= span[0] * D && i < span[1] * D) || isnan(share[i]);
+            }
             for (int64_t n = 0; n < KB && kb * KB + n < T; n++) {
                 for (int64_t d = 0; d < D; d++)
                     gdk[(h * T + kb * KB + n) * D + d] += dKa[n * pad32(D) + d];
@@ -317,7 +325,7 @@ static int n_dots(const Step *steps, int n) {
 }
 
 int main(void) {
-    Step steps[4];
+    Step steps[5];
     int n = 0;
 #if defined(QKV_X86)
     __builtin_cpu_init();
@@ -329,6 +337,13 @@ int main(void) {
                             qkv_key_block_avx512,
                             qkv_row_dots_avx512,
                             __builtin_cpu_supports("avx512bf16")};
+    if (n) /* its second blocking: tiles of 16 query rows */
+        steps[n++] = (Step){"avx512/16",
+                            ISA_AVX512,
+                            qkv_forward_item_avx512_rows16,
+                            qkv_key_block_avx512_rows16,
+                            qkv_row_dots_avx512,
+                            steps[0].dots};
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
         steps[n++] = (Step){

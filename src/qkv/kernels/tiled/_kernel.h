@@ -23,7 +23,9 @@
 #define QKV_NEON_BF16 1
 #endif
 
-#define MR 8      /* query rows per register tile */
+#ifndef MR
+#define MR 8 /* query rows per tile (a unit may set 16: _step512_rows16.c) */
+#endif
 #define KT 256    /* keys per online-softmax step (docs/benchmarks.md: 128 took 1.03× the time) */
 #define ROWS 32   /* query rows per work item */
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
@@ -69,10 +71,10 @@ typedef struct {
     int64_t qpos;        /* q_idx of the call's query row 0 (kv_idx: the key's index in K) */
     int parts;           /* 2: P as bfloat16 hi + lo; 1: hi alone */
     int f32;             /* computed in float32 (else bfloat16 dot products) */
-    int src;  /* what Q (the backward: Q, K, V, dO) holds: SRC_F32, SRC_BF16 or SRC_F16 */
-    int dst;  /* what out holds: SRC_F32, or SRC_BF16 or SRC_F16 (the forward) */
-    int isa;  /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
-    int rows; /* AVX2, NEON, SVE: its register blocking, 3 or 2 rows at a time */
+    int src;      /* what Q (the backward: Q, K, V, dO) holds: SRC_F32, SRC_BF16 or SRC_F16 */
+    int dst;      /* what out holds: SRC_F32, or SRC_BF16 or SRC_F16 (the forward) */
+    int isa;      /* the step that runs it: ISA_AVX512, ISA_AVX2, ISA_SVE or ISA_NEON */
+    int blocking; /* its step's blocking: 0, the first, or 1, the second (step_of) */
     int64_t items, tiles;
     const Seg *segs; /* the forward's key ranges, in order (the fields above: one of them) */
     int64_t nseg;
@@ -169,17 +171,26 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
     if (hi < *l) *l = hi;
 }
 
+/* Where a backward work item puts dQ of the rows that see its keys: added in (add) or
+   written, row (g, r) of the head at at + g·gs + r·rs. Written (to a share of the item's
+   own), only the rows [span[0], span[1]) — the first and last rows that see its keys, zeros
+   in any between that see none — are. */
+typedef struct {
+    float *at;
+    int64_t gs, rs;
+    int add;
+    int64_t span[2];
+} DqOut;
+
 /* The step, per instruction set and blocking (_step.h): a forward work item (ROWS query
    rows of one (b, h), every range of the job) into out and lse; a backward one (KB keys from
-   n0 of head (b, h), all rows) into its own dq share (G·R rows of D) — only the rows
-   [span[0], span[1]) written, the first and last that see its keys and any between — and
-   dK (KB, pad32(D)) and dV (KB, pad32(Dv)), with `scratch` (KEY_BLOCK_SCRATCH floats) for
-   its packed keys; the row dots and the packing of half-precision keys, once per
-   instruction set. */
+   n0 of head (b, h), all rows) into dq (DqOut), dK (KB, pad32(D)) and dV (KB, pad32(Dv)),
+   with `scratch` (KEY_BLOCK_SCRATCH floats) for its packed keys; the row dots and the
+   packing of half-precision keys, once per instruction set. */
 #define STEP_DECLS(S)                                                                              \
     void qkv_forward_item_##S(const Job *j, int64_t it);                                           \
-    void qkv_key_block_##S(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,            \
-                           int64_t *span, float *dK, float *dV, void *scratch);
+    void qkv_key_block_##S(const BJob *bj, int64_t b, int64_t h, int64_t n0, DqOut *dq, float *dK, \
+                           float *dV, void *scratch);
 #define ISA_DECLS(S)                                                                               \
     void qkv_row_dots_##S(const void *a, const void *b, int64_t n, int64_t D, int src,             \
                           float *out);                                                             \
@@ -188,6 +199,7 @@ static inline void row_keys(const Job *j, int64_t b, int64_t row, int64_t n0, in
 #pragma GCC visibility push(hidden)
 #ifdef QKV_X86
 STEP_DECLS(avx512)
+STEP_DECLS(avx512_rows16)
 ISA_DECLS(avx512)
 STEP_DECLS(avx2)
 STEP_DECLS(avx2_rows2)

@@ -77,29 +77,28 @@ typedef int qkv_lock;
    blocking). */
 typedef struct {
     void (*forward_item)(const Job *, int64_t);
-    void (*key_block)(const BJob *, int64_t, int64_t, int64_t, float *, int64_t *, float *, float *,
-                      void *);
+    void (*key_block)(const BJob *, int64_t, int64_t, int64_t, DqOut *, float *, float *, void *);
     void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
     void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
 } StepFns;
 
 /* The entry points of the unit for instruction set ISA (a name's suffix) and blocking
-   BLOCK (_rows2, or empty); its row dots and packing are the same in both blockings. */
+   BLOCK (_rows2 or _rows16, or empty); its row dots and packing are the same in both. */
 #define STEP_FNS(ISA, BLOCK)                                                                       \
     ((StepFns){qkv_forward_item_##ISA##BLOCK, qkv_key_block_##ISA##BLOCK, qkv_row_dots_##ISA,      \
                qkv_pack32_half_##ISA})
 
-/* The step of instruction set isa (not ISA_NONE) with `rows` query rows at a time (AVX2,
-   NEON, SVE: 3 or 2). */
-static StepFns step_of(int isa, int rows) {
+/* The step of instruction set isa (not ISA_NONE) in its first blocking (0) or its second
+   (1): AVX-512 tiles of 8 query rows or 16; AVX2, NEON and SVE 3 rows in registers or 2. */
+static StepFns step_of(int isa, int blocking) {
 #ifdef QKV_X86
-    if (isa == ISA_AVX2) return rows == 2 ? STEP_FNS(avx2, _rows2) : STEP_FNS(avx2, );
-    return STEP_FNS(avx512, );
+    if (isa == ISA_AVX2) return blocking ? STEP_FNS(avx2, _rows2) : STEP_FNS(avx2, );
+    return blocking ? STEP_FNS(avx512, _rows16) : STEP_FNS(avx512, );
 #else
 #ifdef QKV_SVE
-    if (isa == ISA_SVE) return rows == 2 ? STEP_FNS(sve, _rows2) : STEP_FNS(sve, );
+    if (isa == ISA_SVE) return blocking ? STEP_FNS(sve, _rows2) : STEP_FNS(sve, );
 #endif
-    return rows == 2 ? STEP_FNS(neon, _rows2) : STEP_FNS(neon, );
+    return blocking ? STEP_FNS(neon, _rows2) : STEP_FNS(neon, );
 #endif
 }
 #undef STEP_FNS
@@ -120,19 +119,19 @@ static StepFns step_of(int isa, int rows) {
 #define HEADS_PER_THREAD 4
 
 #ifdef QKV_STEP
-/* An item's shares (dQ of every row; dK and dV of its key block) added to the call's dq,
-   dk and dv. */
-static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const float *dq,
-                      const int64_t *span, const float *dKa, const float *dVa) {
+/* An item's shares (dK and dV of its key block; dQ of its rows, unless it added them in
+   itself) added to the call's dk, dv and dq. */
+static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const DqOut *dq,
+                      const float *dKa, const float *dVa) {
     const Job *j = &bj->f;
     int64_t D = j->D, Dv = j->Dv, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-    for (int64_t row = span[0]; row < span[1]; row++) { /* the rows the item wrote */
+    for (int64_t row = dq->span[0]; !dq->add && row < dq->span[1]; row++) { /* as written */
         int64_t g = row / j->R, r = row % j->R;
         float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
-        for (int64_t d = 0; d < D; d++) dqr[d] += dq[row * D + d];
+        for (int64_t d = 0; d < D; d++) dqr[d] += dq->at[row * D + d];
     }
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
         float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
@@ -149,9 +148,9 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const fl
    no race where two calls' keys overlap, no waiting for a slower thread's item, and the
    same bits whatever the threads did. */
 typedef struct {
-    float *mem; /* dQ share (G·R·D), then dK and dV (KB·pad32(D), KB·pad32(D_v)) */
+    float *mem; /* dK and dV (KB·pad32(D), KB·pad32(D_v)), then the dQ share (dq.at) */
     int64_t call, n0;
-    int64_t span[2]; /* the rows of the dQ share written */
+    DqOut dq;
 } Share;
 
 typedef struct {
@@ -166,9 +165,9 @@ typedef struct {
     int64_t next, done;
 } Pass;
 
-/* The floats of an item's dQ share (G·R·D), rounded up to whole 64-byte lines: its dK and
-   dV shares follow, each row on a line as the share itself. */
-static int64_t dq_floats(const BJob *bj) { return (bj->f.G * bj->f.R * bj->f.D + 15) / 16 * 16; }
+/* The floats of an item's dK and dV shares (KB·pad32(D), KB·pad32(D_v)): each row on a
+   64-byte line, and the dQ share (if it has one) after them. */
+static int64_t kv_floats(const BJob *bj) { return KB * pad32(bj->f.D) + KB * pad32(bj->f.Dv); }
 
 static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
     LOCK(&ps->lock);
@@ -176,9 +175,7 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
     for (Share *s; ps->committed[bh] < ps->chain &&
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
         const BJob *bj = &ps->calls[s->call];
-        int64_t D = bj->f.D, q = dq_floats(bj);
-        add_share(bj, bh / ps->H, bh % ps->H, s->n0, s->mem, s->span, s->mem + q,
-                  s->mem + q + KB * pad32(D));
+        add_share(bj, bh / ps->H, bh % ps->H, s->n0, &s->dq, s->mem, s->mem + KB * pad32(bj->f.D));
         free(s->mem);
         s->mem = NULL;
         ps->committed[bh]++;
@@ -186,22 +183,16 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
     UNLOCK(&ps->lock);
 }
 
-/* The bytes of an item's shares (dQ, dK, dV) of call bj, in whole 64-byte lines. */
-static size_t share_bytes(const BJob *bj) {
-    int64_t floats = dq_floats(bj) + KB * pad32(bj->f.D) + KB * pad32(bj->f.Dv);
-    return ((size_t)floats * sizeof(float) + 63) / 64 * 64;
+/* Key block kb of head bh of call bj computed into dq and its shares of dK and dV at mem. */
+static void key_block(const Pass *ps, const BJob *bj, int64_t bh, int64_t kb, DqOut *dq, float *mem,
+                      void *scratch) {
+    step_of(bj->f.isa, bj->f.blocking)
+        .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, dq, mem, mem + KB * pad32(bj->f.D),
+                   scratch);
 }
 
-/* Key block kb of head bh of call bj computed into its shares at mem (span: the dQ rows
-   written). */
-static void key_block(const Pass *ps, const BJob *bj, int64_t bh, int64_t kb, float *mem,
-                      int64_t *span, void *scratch) {
-    int64_t q = dq_floats(bj), dk = KB * pad32(bj->f.D);
-    step_of(bj->f.isa, bj->f.rows)
-        .key_block(bj, bh / ps->H, bh % ps->H, kb * KB, mem, span, mem + q, mem + q + dk, scratch);
-}
-
-/* A work item per key block of a head, each share committed in the head's order. */
+/* A work item per key block of a head, each share committed in the head's order: its dQ
+   share too, written after its dK and dV (G·R rows of D). */
 static void backward_worker(Pass *ps) {
     int64_t items = ps->start[ps->n], c = 0;
     /* this thread's packed keys; it and each item's shares on 64-byte lines, so that no
@@ -212,13 +203,14 @@ static void backward_worker(Pass *ps) {
         while (it >= ps->start[c + 1]) c++; /* a thread's items only grow */
         BJob *bj = &ps->calls[c];
         int64_t local = it - ps->start[c], bh = local / bj->blocks, kb = local % bj->blocks;
-        float *mem = aligned_alloc(64, share_bytes(bj));
+        int64_t D = bj->f.D, floats = kv_floats(bj) + bj->f.G * bj->f.R * D;
+        float *mem = aligned_alloc(64, ((size_t)floats * sizeof(float) + 63) / 64 * 64);
         if (!mem || !scratch) { /* (its item is not done: the caller raises) */
             free(mem);
             break;
         }
-        Share share = {mem, c, kb * KB, {0, 0}}; /* (key_block writes all it is read for) */
-        key_block(ps, bj, bh, kb, mem, share.span, scratch);
+        Share share = {mem, c, kb * KB, {mem + kv_floats(bj), bj->f.R * D, D, 0, {0, 0}}};
+        key_block(ps, bj, bh, kb, &share.dq, mem, scratch);
         commit(ps, bh, ps->chain0[c] + kb, share);
         __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED);
     }
@@ -226,26 +218,28 @@ static void backward_worker(Pass *ps) {
 }
 
 /* A work item per head: its key blocks in commit's order (call by call, key block by key
-   block), each share added as soon as it is made, into one buffer the thread reuses. */
+   block), each adding its dQ into dq as it goes and its shares of dK and dV, from one
+   buffer the thread reuses, as soon as it is done. */
 static void head_worker(Pass *ps) {
     void *scratch = aligned_alloc(64, KEY_BLOCK_SCRATCH * sizeof(float));
     float *mem = NULL;
-    size_t held = 0; /* mem's bytes */
+    int64_t held = 0; /* mem's floats */
     const int64_t heads = ps->B * ps->H;
     for (int64_t bh;
          scratch && (bh = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < heads;) {
         for (int64_t c = 0; c < ps->n; c++) {
             const BJob *bj = &ps->calls[c];
-            if (share_bytes(bj) > held) {
+            if (kv_floats(bj) > held) {
                 free(mem);
-                mem = aligned_alloc(64, share_bytes(bj));
-                held = mem ? share_bytes(bj) : 0;
+                mem = aligned_alloc(64, (size_t)kv_floats(bj) * sizeof(float));
+                held = mem ? kv_floats(bj) : 0;
             }
+            float *dq = bj->dq + bh / ps->H * bj->dqs[0] + bh % ps->H * bj->dqs[1];
             for (int64_t kb = 0; mem && kb < bj->blocks; kb++) {
-                int64_t span[2];
-                key_block(ps, bj, bh, kb, mem, span, scratch);
-                add_share(bj, bh / ps->H, bh % ps->H, kb * KB, mem, span, mem + dq_floats(bj),
-                          mem + dq_floats(bj) + KB * pad32(bj->f.D));
+                DqOut out = {dq, bj->dqs[2], bj->dqs[3], 1, {0, 0}};
+                key_block(ps, bj, bh, kb, &out, mem, scratch);
+                add_share(bj, bh / ps->H, bh % ps->H, kb * KB, &out, mem,
+                          mem + KB * pad32(bj->f.D));
                 __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED); /* (an item: a key block) */
             }
         }
@@ -264,7 +258,7 @@ static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t 
     void *dst = (char *)p->dst + it * 32 * p->D * (f32 ? 4 : 2);
 #ifdef QKV_STEP
     if (f32 && p->src != SRC_F32 && isa != ISA_NONE) {
-        step_of(isa, 3).pack32_half(p, bh / H, bh % H, nb * 32, T, dst);
+        step_of(isa, 0).pack32_half(p, bh / H, bh % H, nb * 32, T, dst);
         return;
     }
 #endif
@@ -475,19 +469,19 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     return before;
 }
 
-/* The AVX2, NEON and SVE steps' register blocking (use_rows): 3 or 2 query rows at a time. */
-static int step_rows = 3;
+/* The steps' blocking (use_blocking, step_of): 0, the first, or 1, the second. */
+static int step_blocking = 0;
 
-/* Sets the AVX2, NEON and SVE steps' rows at a time (3 or 2); returns the setting before. */
-static PyObject *use_rows(PyObject *self, PyObject *args) {
-    int rows;
-    if (!PyArg_ParseTuple(args, "i", &rows)) return NULL;
-    if (rows != 2 && rows != 3) {
-        PyErr_Format(PyExc_ValueError, "use_rows: 3 or 2 rows at a time, not %d", rows);
+/* Sets the steps' blocking (0 or 1); returns the setting before. */
+static PyObject *use_blocking(PyObject *self, PyObject *args) {
+    int blocking;
+    if (!PyArg_ParseTuple(args, "i", &blocking)) return NULL;
+    if (blocking != 0 && blocking != 1) {
+        PyErr_Format(PyExc_ValueError, "use_blocking: 0 or 1, not %d", blocking);
         return NULL;
     }
-    int before = step_rows;
-    step_rows = rows;
+    int before = step_blocking;
+    step_blocking = blocking;
     return PyLong_FromLong(before);
 }
 
@@ -496,7 +490,7 @@ static PyObject *use_rows(PyObject *self, PyObject *args) {
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
                       long long D, long long Dv, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
-    j->rows = step_rows;
+    j->blocking = step_blocking;
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError,
                         f32 ? "this CPU runs no native step (AVX-512, AVX2 + FMA or NEON)"
@@ -638,7 +632,7 @@ static PyObject *run_calls(PyObject *list, int threads) {
         Py_ssize_t c = 0; /* each thread's items only grow: its call index only moves on */
         for (int64_t it; (it = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < items;) {
             while (it >= start[c + 1]) c++;
-            step_of(jobs[c].isa, jobs[c].rows).forward_item(&jobs[c], it - start[c]);
+            step_of(jobs[c].isa, jobs[c].blocking).forward_item(&jobs[c], it - start[c]);
         }
     }
     Py_END_ALLOW_THREADS
@@ -804,10 +798,11 @@ static PyMethodDef methods[] = {
      "AVX-512 too (float32 on the AVX2 step, no bfloat16 dot products: to test and measure "
      "it); \"neon\" runs the NEON step where the CPU has SVE; \"\" lets the CPU choose. "
      "Returns the setting before."},
-    {"use_rows", use_rows, METH_VARARGS,
-     "use_rows(rows): the AVX2, NEON and SVE steps' register blocking, 3 or 2 query rows at a "
-     "time (the same bits either way; the machine's profile measures which is faster). "
-     "Returns the setting before."},
+    {"use_blocking", use_blocking, METH_VARARGS,
+     "use_blocking(blocking): each step's first blocking (0) or its second (1): AVX-512 tiles "
+     "of 8 query rows or 16, AVX2, NEON and SVE 3 rows in registers or 2 (the same bits "
+     "either way; the machine's profile measures which is faster). Returns the setting "
+     "before."},
     {"row_dots", (PyCFunction)(void (*)(void))row_dots, METH_VARARGS | METH_KEYWORDS,
      "row_dots(*, a, b, out, n, D, source): out[r] = sum of a[r] * b[r] over n contiguous "
      "rows of D values of the dtype `source` names, widened as read, into float32 out; one "

@@ -20,7 +20,11 @@
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define VI                                                                                         \
     static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl")))
+#if MR == 16
+#define NAMED(x) x##_avx512_rows16
+#else
 #define NAMED(x) x##_avx512
+#endif
 #define DOT_ROWS 8 /* scores: rows × 32 keys of accumulators (16 zmm) */
 #define PV_ROWS 4  /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
 #define PV_COLS 4

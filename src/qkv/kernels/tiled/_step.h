@@ -345,7 +345,7 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
     }
 }
 
-#if STEP_ROWS != 2 /* the row dots hold no query rows: once per instruction set */
+#if STEP_ROWS != 2 && MR == 8 /* the row dots hold no query rows: once per instruction set */
 /* out[r] = Σ_d a[r][d] · b[r][d] for n contiguous rows of D values held as SRC, widened as
    they are loaded and summed in float32. */
 TARGET static inline __attribute__((always_inline)) void
@@ -460,8 +460,8 @@ TARGET void NAMED(qkv_pack32_half)(const Pack *p, int64_t b, int64_t h, int64_t 
    2–4 times the rounding error of torch's blocked backward where every query sees the key
    (tests/kernels/test_native.py); a call's item that sees FOLD rows or fewer (a window)
    sums as before, at no cost. */
-TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, float *dq,
-                                 int64_t *span, float *dKa, float *dVa, void *scratch) {
+TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n0, DqOut *dq,
+                                 float *dKa, float *dVa, void *scratch) {
     const Job *j = &bj->f;
     int64_t D = j->D, Dv = j->Dv, GR = j->G * j->R, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
@@ -503,8 +503,9 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     /* the first FOLD rows are summed in dKa and dVa, the later ones FOLD at a time in dKc and
        dVc (zeroed when first taken), each such sum then added in */
     float *sumK = dKa, *sumV = dVa;
-    int64_t summed = 0;    /* rows in sumK and sumV since they were last emptied */
-    span[0] = span[1] = 0; /* dq's rows written: none yet */
+    int64_t summed = 0; /* rows in sumK and sumV since they were last emptied */
+    int64_t *span = dq->span;
+    span[0] = span[1] = 0; /* dq's rows met: none yet */
     for (int64_t r0 = 0; r0 < GR; r0 += MR) {
         int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
         int live[KT / 32], any = 0;
@@ -574,12 +575,18 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
         } else
 #endif
             pv_f32(&kj, krows, widen ? 0 : n0, last, live, &dS[0][0], KB, O, D);
-        /* the tile's rows of dq written (each tile is met once), zeros over the rows of
-           tiles that saw none of the keys since the last that did */
+        /* the tile's rows of dq added in or written (each tile is met once); written, zeros
+           over the rows of tiles that saw none of the keys since the last that did */
         if (span[1] == 0) span[0] = r0;
-        else memset(dq + span[1] * D, 0, sizeof(float) * (r0 - span[1]) * D);
-        for (int i = 0; i < rows; i++)
-            for (int64_t d = 0; d < D; d++) dq[(r0 + i) * D + d] = O[i * Dp + d];
+        for (int64_t row = span[1]; !dq->add && span[1] && row < r0; row++)
+            memset(dq->at + row / j->R * dq->gs + row % j->R * dq->rs, 0, sizeof(float) * D);
+        for (int i = 0; i < rows; i++) {
+            float *to = dq->at + (r0 + i) / j->R * dq->gs + (r0 + i) % j->R * dq->rs;
+            if (dq->add)
+                for (int64_t d = 0; d < D; d++) to[d] += O[i * Dp + d];
+            else
+                for (int64_t d = 0; d < D; d++) to[d] = O[i * Dp + d];
+        }
         span[1] = r0 + rows;
     }
     if (summed && sumK != dKa) {

@@ -70,14 +70,14 @@ def times() -> dict[str, float]:
     )
     for name, path, xs, compute in natives:
         if steps.available(compute):
-            calls[name] = _with_rows(3, _banded_pass(path, *xs))
-    if steps.isa(torch.float32) in ("avx2", "neon", "sve"):  # compiled with both blockings
-        calls["native32_rows2"] = _with_rows(2, _banded_pass("tiled-native", *x32))
+            calls[name] = _in_blocking(0, _banded_pass(path, *xs))
+    if steps.available(torch.float32):  # each step compiled in two blockings
+        calls["native32_second"] = _in_blocking(1, _banded_pass("tiled-native", *x32))
     for backward in (True, False):
         fwd = "" if backward else "_fwd"
         calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
         if steps.available(torch.float32):
-            calls[f"causal_native{fwd}"] = _with_rows(3, _causal_pass(backward))
+            calls[f"causal_native{fwd}"] = _in_blocking(0, _causal_pass(backward))
     if paged.available():
         for groups, gqa in ((1, ""), (4, "_gqa")):
             calls[f"decode_paged{gqa}"] = _decode_step(True, groups)
@@ -186,11 +186,11 @@ def _decode_step(native: bool, groups: int) -> Callable[[], object]:
     return step
 
 
-def _with_rows(n: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the AVX2, NEON or SVE step taking ``n`` query rows at a time."""
+def _in_blocking(n: int, call: Callable[[], object]) -> Callable[[], object]:
+    """``call`` with the steps in blocking ``n`` (:data:`steps.BLOCKINGS`)."""
 
     def timed() -> object:
-        with steps.use_rows(n):
+        with steps.use_blocking(n):
             return call()
 
     return timed

@@ -48,9 +48,10 @@ FILE = "native-profile.json"
 #: and NEON steps' second register blocking, 6 half precision on copies wherever torch's
 #: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's,
 #: 8 the paged decode step over int8 pages with and without bfloat16 dot products, 9 a
-#: bfloat16 decode step through the paged kernel and through torch's (a file of an older
-#: format is measured again, silently)
-FORMAT = 9
+#: bfloat16 decode step through the paged kernel and through torch's, 10 the AVX-512 step's
+#: second blocking too (``native32_second_ms``, ``use_blocking``; a file of an older format
+#: is measured again, silently)
+FORMAT = 10
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -74,9 +75,10 @@ FLOAT32_AT = 1.1
 #: also what runs causal and unmasked bfloat16 calls natively (0.71× against SDPA's 1.02×)
 BFLOAT16_AT = 1.05
 
-#: the AVX2, NEON or SVE step with 2 query rows at a time ÷ with 3, under which it runs 2: the
-#: faster (the two give the same bits; near the line, as :data:`BFLOAT16_AT`)
-ROWS_AT = 1.0
+#: the float32 step in its second blocking ÷ in its first (:data:`steps.BLOCKINGS`), under
+#: which the steps run the second: the faster (the two give the same bits; near the line, as
+#: :data:`BFLOAT16_AT`)
+BLOCKING_AT = 1.0
 
 #: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
 #: :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries) under which a causal call with
@@ -104,31 +106,29 @@ PAGED_DECODE_AT = 1.0
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved runs each
     (:mod:`qkv.kernels.tiled.measurement`). One forward pass of the tiled kernel over
-    :data:`~qkv.kernels.tiled.measurement.BANDED` — 4 heads, D = 64, 2,048 queries, each
-    over the 256 keys before it, in the kernel's tiles: the many small calls of the masked
-    calls it decides, where the native kernel's one parallel region per pass tells as much
-    as its arithmetic — four ways: the native kernel in bfloat16 (``native_ms``), torch's
-    flash kernel in float32 (``float32_ms``: what float32 runs without the native kernel),
-    and the native kernel in float32 (``native32_ms``; nan where this CPU cannot run it),
-    and on the bfloat16 inputs widened as it loads them (``native_widen_ms``). Where the
-    float32 step is AVX2's or NEON's, it is timed with each register blocking
-    (:data:`steps.ROWS`): 3 query rows at a time (``native32_ms``) and 2
-    (``native32_rows2_ms``; nan elsewhere). And torch's fused kernel (SDPA) forward and
-    backward (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``), causal over 512
-    queries, in bfloat16 and float16 and on float32 copies of bfloat16 inputs: where the CPU
-    has no bfloat16 dot product, torch's half-precision backward runs several times slower
-    than float32's, and without AVX512-FP16 float16's forward does too. And a causal pass
-    over :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries (4 heads, D = 64, float32)
-    through the native kernel (``causal_native_ms``; nan where this CPU cannot run it) and
-    through torch's fused kernel with is_causal (``causal_sdpa_ms``), forward and backward,
-    and forward alone (``causal_*_fwd_ms``). And the paged decode kernel's step over int8
-    pages with bfloat16 queries (:data:`~qkv.kernels.tiled.measurement.PAGED`), the keys
-    scored by bfloat16 dot products (``paged_dots_ms``) and widened for float32 FMAs
-    (``paged_widen_ms``; both nan where the CPU has no AVX512-BF16). And a bfloat16 decode
-    step over a cache's rows (:data:`~qkv.kernels.tiled.measurement.DECODE`) through the paged
-    kernel (``decode_paged_ms``) and torch's fused kernel (``decode_sdpa_ms``), and the same
-    with 4 query heads a key/value head (``*_gqa_ms``; nan where the paged kernel is not
-    built)."""
+    :data:`~qkv.kernels.tiled.measurement.BANDED` — 4 heads, D = 64, 2,048 queries, each over
+    the 256 keys before it, in the kernel's tiles: the many small calls of the masked calls it
+    decides, where the native kernel's one parallel region per pass tells as much as its
+    arithmetic — four ways: the native kernel in bfloat16 (``native_ms``), torch's flash kernel
+    in float32 (``float32_ms``: what float32 runs without the native kernel), and the native
+    kernel in float32 (``native32_ms``; nan where this CPU cannot run it), and on the bfloat16
+    inputs widened as it loads them (``native_widen_ms``). The float32 step is timed in each of
+    its blockings (:data:`steps.BLOCKINGS`): the first (``native32_ms``) and the second
+    (``native32_second_ms``). And torch's fused kernel (SDPA) forward and backward
+    (``sdpa_*_ms``), and forward alone (``sdpa_*_fwd_ms``), causal over 512 queries, in bfloat16
+    and float16 and on float32 copies of bfloat16 inputs: where the CPU has no bfloat16 dot
+    product, torch's half-precision backward runs several times slower than float32's, and
+    without AVX512-FP16 float16's forward does too. And a causal pass over
+    :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries (4 heads, D = 64, float32) through the
+    native kernel (``causal_native_ms``; nan where this CPU cannot run it) and through torch's
+    fused kernel with is_causal (``causal_sdpa_ms``), forward and backward, and forward alone
+    (``causal_*_fwd_ms``). And the paged decode kernel's step over int8 pages with bfloat16
+    queries (:data:`~qkv.kernels.tiled.measurement.PAGED`), the keys scored by bfloat16 dot
+    products (``paged_dots_ms``) and widened for float32 FMAs (``paged_widen_ms``; both nan
+    where the CPU has no AVX512-BF16). And a bfloat16 decode step over a cache's rows
+    (:data:`~qkv.kernels.tiled.measurement.DECODE`) through the paged kernel
+    (``decode_paged_ms``) and torch's fused kernel (``decode_sdpa_ms``), and the same with 4
+    query heads a key/value head (``*_gqa_ms``; nan where the paged kernel is not built)."""
 
     native_ms: float
     float32_ms: float
@@ -140,7 +140,7 @@ class Probe(NamedTuple):
     sdpa_float16_fwd_ms: float = float("nan")
     sdpa_widened_fwd_ms: float = float("nan")
     native_widen_ms: float = float("nan")
-    native32_rows2_ms: float = float("nan")
+    native32_second_ms: float = float("nan")
     causal_native_ms: float = float("nan")
     causal_sdpa_ms: float = float("nan")
     causal_native_fwd_ms: float = float("nan")
@@ -158,7 +158,7 @@ class Probe(NamedTuple):
     widen_float16: bool | None = None
     widen_bfloat16_fwd: bool | None = None
     widen_float16_fwd: bool | None = None
-    use_rows: int | None = None
+    use_blocking: int | None = None
     use_causal: bool | None = None
     use_causal_fwd: bool | None = None
     use_paged_dots: bool | None = None
@@ -238,23 +238,23 @@ class Probe(NamedTuple):
         return self.float32_ratio() <= FLOAT32_AT
 
     def float32_ratio(self) -> float:
-        """The native float32 step's time (with the chosen :attr:`rows`) ÷ torch's flash
+        """The native float32 step's time (in the chosen :attr:`blocking`) ÷ torch's flash
         kernel's."""
-        native32 = self.native32_rows2_ms if self.rows == 2 else self.native32_ms
+        native32 = self.native32_second_ms if self.blocking else self.native32_ms
         return native32 / self.float32_ms
 
-    def rows_ratio(self) -> float:
-        """The AVX2, NEON or SVE step's time with 2 query rows at a time ÷ with 3 (nan: not
+    def blocking_ratio(self) -> float:
+        """The float32 step's time in its second blocking ÷ in its first (nan: not
         measured)."""
-        return self.native32_rows2_ms / self.native32_ms
+        return self.native32_second_ms / self.native32_ms
 
     @property
-    def rows(self) -> int:
-        """The query rows the AVX2, NEON or SVE step takes at a time here: 2 where that ran under
-        :data:`ROWS_AT` × the time of 3, else 3."""
-        if self.use_rows is not None:
-            return self.use_rows
-        return 2 if self.rows_ratio() < ROWS_AT else 3
+    def blocking(self) -> int:
+        """The steps' blocking here (:data:`steps.BLOCKINGS`): the second (1) where it ran
+        under :data:`BLOCKING_AT` × the first's time, else the first (0)."""
+        if self.use_blocking is not None:
+            return self.use_blocking
+        return 1 if self.blocking_ratio() < BLOCKING_AT else 0
 
     def bfloat16_ratio(self, float32: bool | None = None) -> float:
         """The native bfloat16 step's time ÷ that of the path bfloat16 takes otherwise:
@@ -369,20 +369,21 @@ def _near(ratio: float, threshold: float) -> bool:
 
 
 def _ratios(p: Probe) -> list[float]:
-    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the AVX2, NEON or SVE
-    step's 2 rows ÷ 3, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes
-    otherwise, torch's half precision ÷ float32 copies, the native causal pass ÷ torch's, the
-    paged step over int8 pages with bfloat16 dot products ÷ without, and a bfloat16 decode
-    step through the paged kernel ÷ through torch's (without GQA, with it)."""
+    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the float32 step's
+    second blocking ÷ its first, native ÷ torch in float32, native bfloat16 ÷ the path
+    bfloat16 takes otherwise, torch's half precision ÷ float32 copies, the native causal
+    pass ÷ torch's, the paged step over int8 pages with bfloat16 dot products ÷ without, and
+    a bfloat16 decode step through the paged kernel ÷ through torch's (without GQA, with
+    it)."""
     widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
     causal_ = [p.causal_ratio(b) for b in (True, False)]
-    ratios = [p.rows_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
+    ratios = [p.blocking_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
     return [*ratios, p.paged_dots_ratio(), p.paged_decode_ratio(False), p.paged_decode_ratio(True)]
 
 
 #: The thresholds of :func:`_ratios`, in its order.
 THRESHOLDS = (
-    *(ROWS_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT),
+    *(BLOCKING_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT),
     *(PAGED_DOTS_AT, PAGED_DECODE_AT, PAGED_DECODE_AT),
 )
 
@@ -401,8 +402,9 @@ def _kept(new: T, old: T | None, ratio: float, threshold: float) -> T:
 def _decide(new: Probe, old: Probe | None) -> Probe:
     """The new measurement's choices, each kept as stored unless the new ratio clears the
     threshold by :data:`MARGIN` the other way."""
-    rows = _kept(new.rows, None if old is None else old.rows, new.rows_ratio(), ROWS_AT)
-    new = new._replace(use_rows=rows)  # float32's time below is that of these rows
+    stored_blocking = None if old is None else old.blocking
+    blocking = _kept(new.blocking, stored_blocking, new.blocking_ratio(), BLOCKING_AT)
+    new = new._replace(use_blocking=blocking)  # float32's time below is in this blocking
     stored = None if old is None else old.float32
     float32 = _kept(new.float32, stored, new.float32_ratio(), FLOAT32_AT)
     r16 = new.bfloat16_ratio(float32)
@@ -483,8 +485,8 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
 
 @functools.cache
 def probe() -> Probe:
-    """This machine's profile (:func:`load`), read once per process; the AVX2, NEON or SVE step
-    takes the register blocking it chose from then on."""
+    """This machine's profile (:func:`load`), read once per process; the steps run in the
+    blocking it chose from then on."""
     found = load()[0]
-    steps.set_rows(found.rows)
+    steps.set_blocking(found.blocking)
     return found

@@ -1,8 +1,8 @@
 """Which of the native kernel's compiled steps runs on this machine: the instruction sets
 this CPU and this build have (:func:`available`, :func:`isa`, :func:`isas`, :func:`openmp`),
 a pin to a narrower one, to test and measure it on a wider CPU (:func:`use_isa`,
-``QKV_NATIVE_ISA``), and the register blocking of the AVX2, NEON and SVE steps
-(:data:`ROWS`, :func:`rows`, :func:`set_rows`, :func:`use_rows`), which the machine's
+``QKV_NATIVE_ISA``), and each step's blocking (:data:`BLOCKINGS`, :func:`blocking`,
+:func:`set_blocking`, :func:`use_blocking`, :func:`blocking_name`), which the machine's
 profile (:mod:`qkv.kernels.tiled.profile`) chooses by measurement. The calls themselves
 are :mod:`qkv.kernels.tiled.native`'s.
 """
@@ -86,41 +86,49 @@ def use_isa(name: str) -> Iterator[None]:
         _native.use_isa(before)
 
 
-#: the AVX2, NEON and SVE steps' register blockings, query rows at a time: compiled both ways,
-#: the machine's profile measures which runs faster (3 by default; docs/kernels.md)
-ROWS = (3, 2)
+#: each step's blockings, compiled both ways: 0, the first (the default), and 1, the second —
+#: AVX-512 tiles of 8 query rows or 16 (each key block a tile loads serving twice the rows);
+#: AVX2, NEON and SVE 3 query rows in registers or 2. Which runs faster depends on the core:
+#: the machine's profile measures (docs/kernels.md). The same bits either way: no two rows
+#: share a sum, and a row's sums run in the same order.
+BLOCKINGS = (0, 1)
 
 
-def rows() -> int:
-    """The query rows the AVX2, NEON and SVE steps keep in registers at a time
-    (:data:`ROWS`)."""
+def blocking() -> int:
+    """The blocking the steps run in this process (:data:`BLOCKINGS`)."""
     if _native is None:
-        return ROWS[0]
-    before = _native.use_rows(ROWS[0])
-    _native.use_rows(before)
+        return BLOCKINGS[0]
+    before = _native.use_blocking(BLOCKINGS[0])
+    _native.use_blocking(before)
     return int(before)
 
 
-def set_rows(n: int) -> None:
-    """Runs the AVX2, NEON and SVE steps with ``n`` query rows at a time (:data:`ROWS`) in this
-    process, as the machine's profile chose. The same bits either way: no two rows share a
-    sum."""
-    if n not in ROWS:
-        raise ValueError(f"set_rows: one of {ROWS} rows at a time, not {n!r}")
+def blocking_name(isa_name: str, n: int) -> str:
+    """Blocking ``n`` of the step of instruction set ``isa_name`` (:func:`isa`), in words."""
+    if isa_name == "avx512":
+        return f"tiles of {(8, 16)[n]} query rows"
+    return f"{(3, 2)[n]} query rows in registers"
+
+
+def set_blocking(n: int) -> None:
+    """Runs the steps in blocking ``n`` (:data:`BLOCKINGS`) in this process, as the machine's
+    profile chose."""
+    if n not in BLOCKINGS:
+        raise ValueError(f"set_blocking: one of {BLOCKINGS}, not {n!r}")
     if _native is not None:
-        _native.use_rows(n)
+        _native.use_blocking(n)
 
 
 @contextlib.contextmanager
-def use_rows(n: int) -> Iterator[None]:
-    """Within the block, the AVX2, NEON and SVE steps keep ``n`` query rows in registers:
-    to test and measure each blocking. Process-wide, as :func:`use_isa`."""
-    before = rows()
-    set_rows(n)
+def use_blocking(n: int) -> Iterator[None]:
+    """Within the block, the steps run in blocking ``n``: to test and measure each.
+    Process-wide, as :func:`use_isa`."""
+    before = blocking()
+    set_blocking(n)
     try:
         yield
     finally:
-        set_rows(before)
+        set_blocking(before)
 
 
 @functools.cache
