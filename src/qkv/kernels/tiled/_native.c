@@ -110,8 +110,9 @@ static StepFns step_of(int isa, int blocking) {
    and dV are its own; its share of dQ is added to dq in key-block order (commit), so dQ's
    bits do not depend on which thread ran which block, nor on how many threads ran. Where
    the heads are many enough to keep every thread busy (HEADS_PER_THREAD), a work item is a
-   whole head instead (head_worker): its thread adds each share as soon as it is made, in the
-   same order, so the same bits, without the shares' round trip through memory. */
+   whole head instead (head_worker): its thread runs the head's key blocks in the same order,
+   adding dQ into dq in place and each dK and dV share as soon as it is made, so the same
+   bits, without the shares' round trip through memory. */
 
 /* heads (B·H) per thread from which a backward pass's work items are whole heads: a thread
    then waits at most for one head of the four or more it runs, where the shares' traffic
