@@ -182,6 +182,11 @@ typedef struct {
     int64_t span[2];
 } DqOut;
 
+/* Row `row` of the G·R rows (R a query head's) where dq puts it. */
+static inline float *dq_row(const DqOut *dq, int64_t R, int64_t row) {
+    return dq->at + row / R * dq->gs + row % R * dq->rs;
+}
+
 /* The step, per instruction set and blocking (_step.h): a forward work item (ROWS query
    rows of one (b, h), every range of the job) into out and lse; a backward one (KB keys from
    n0 of head (b, h), all rows) into dq (DqOut), dK (KB, pad32(D)) and dV (KB, pad32(Dv)),

@@ -132,7 +132,8 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const Dq
     for (int64_t row = dq->span[0]; !dq->add && row < dq->span[1]; row++) { /* as written */
         int64_t g = row / j->R, r = row % j->R;
         float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
-        for (int64_t d = 0; d < D; d++) dqr[d] += dq->at[row * D + d];
+        const float *share = dq_row(dq, j->R, row);
+        for (int64_t d = 0; d < D; d++) dqr[d] += share[d];
     }
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
         float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];

@@ -579,9 +579,9 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
            over the rows of tiles that saw none of the keys since the last that did */
         if (span[1] == 0) span[0] = r0;
         for (int64_t row = span[1]; !dq->add && span[1] && row < r0; row++)
-            memset(dq->at + row / j->R * dq->gs + row % j->R * dq->rs, 0, sizeof(float) * D);
+            memset(dq_row(dq, j->R, row), 0, sizeof(float) * D);
         for (int i = 0; i < rows; i++) {
-            float *to = dq->at + (r0 + i) / j->R * dq->gs + (r0 + i) % j->R * dq->rs;
+            float *to = dq_row(dq, j->R, r0 + i);
             if (dq->add)
                 for (int64_t d = 0; d < D; d++) to[d] += O[i * Dp + d];
             else
