@@ -49,9 +49,9 @@ FILE = "native-profile.json"
 #: half-precision kernel is the slower, 7 the native kernel's causal pass beside torch's,
 #: 8 the paged decode step over int8 pages with and without bfloat16 dot products, 9 a
 #: bfloat16 decode step through the paged kernel and through torch's, 10 the AVX-512 step's
-#: second blocking too (``native32_second_ms``, ``use_blocking``; a file of an older format
-#: is measured again, silently)
-FORMAT = 10
+#: second blocking too (``native32_second_ms``, ``use_blocking``), 11 the causal pass over
+#: 2,048 queries, not 1,024 (a file of an older format is measured again, silently)
+FORMAT = 11
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -82,11 +82,11 @@ BLOCKING_AT = 1.0
 
 #: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
 #: :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries) under which a causal call with
-#: T_q == T_k runs natively. Under 1.0, because the probe's pass overstates the native
-#: kernel's lead at longer sequences: on a Zen 4 held to AVX2 the probe measured 0.84
+#: T_q == T_k runs natively. Under 1.0, because the pass overstates the native kernel's
+#: lead at longer sequences: on a Zen 4 held to AVX2 a pass of 1,024 queries measured 0.84
 #: (forward and backward) and 0.77 (forward) where causal T = 4,096 through qkv.attention
 #: took 0.97× and 0.94× torch's time; on AVX-512 0.77 and 0.74 where it took 0.83× and
-#: 0.82× (2026-11-27)
+#: 0.82× (2026-11-27). The pass is now of 2,048 queries, which overstates it less
 CAUSAL_AT = 0.9
 
 #: the paged decode step over int8 pages with bfloat16 dot products ÷ with widened keys and
