@@ -10,8 +10,10 @@ and what the rounding does to a trained model.
    place, bfloat16 queries over bfloat16, int8 and e4m3 pages (float32 queries over float32
    pages beside them).
 3. Generation at 8K context: a GPT (2 layers, E = 512, 8 heads, bfloat16) prefilled with
-   8,192 tokens, then 32 greedy decode steps through bfloat16 KV caches and int8 ones
-   (``GPT.new_caches(kv_dtype=...)``): tokens per second.
+   8,192 tokens a sequence, then 32 greedy decode steps through bfloat16, int8 and e4m3 KV
+   caches (``GPT.new_caches(kv_dtype=...)``), taken in turn: tokens per second, for one
+   sequence and for 16 decoded together (``--batch``). One sequence's step is mostly the
+   model's weights; 16 sequences' caches (540 MB in bfloat16) are most of theirs.
 4. A trained model (``cpu-10min``'s, ``--train-steps`` steps on the standard library's
    sources, kept in ``--out``): 256 new greedy tokens through float32, int8 and e4m3
    caches — the largest logit error along the float32 run's tokens (teacher-forced, against
@@ -72,25 +74,28 @@ def decode_step(rounds: int, H: int) -> None:
         print(f"{name:9} {t:7.2f} ms  {t / ms['bfloat16']:.2f}× bfloat16's")
 
 
-def generation(rounds: int) -> None:
+def generation(batch: int) -> None:
+    """Decode steps of a GPT at 8K context over caches of each kind, the kinds' steps taken
+    in turn (alternating order) so that the machine's moment weighs on all alike."""
     torch.manual_seed(0)
     config = GPTConfig(block_size=8192 + 64, n_layer=2, n_head=8, n_embd=512, positions="rope")
     model = GPT(config).to(torch.bfloat16).eval()
-    prompt = torch.randint(0, 256, (1, 8192))
-    steps = 32
-    rates = {}
-    for name, kv in (("bfloat16", None), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-        with torch.no_grad():
-            caches = model.new_caches(1, kv_dtype=kv)
-            logits = model(prompt, caches=caches)
-            times = []
-            for _ in range(steps):
+    prompt = torch.randint(0, 256, (batch, 8192))
+    kinds = {"bfloat16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    caches, logits, times = {}, {}, {name: [] for name in kinds}
+    with torch.no_grad():
+        for name, kv in kinds.items():
+            caches[name] = model.new_caches(batch, kv_dtype=kv)
+            logits[name] = model(prompt, caches=caches[name])
+        for i in range(32):
+            for name in kinds if i % 2 else reversed(list(kinds)):
                 t0 = time.perf_counter()
-                nxt = logits[:, -1:].argmax(-1)
-                logits = model(nxt, caches=caches)
-                times.append(time.perf_counter() - t0)
-        rates[name] = 1 / statistics.median(times)
-    print("## Generation at 8,192 tokens of context (2 layers, E = 512, bfloat16 model)")
+                nxt = logits[name][:, -1:].argmax(-1)
+                logits[name] = model(nxt, caches=caches[name])
+                times[name].append(time.perf_counter() - t0)
+    rates = {name: batch / statistics.median(t) for name, t in times.items()}
+    print(f"## Generation at 8,192 tokens of context, {batch} sequence(s) "
+          "(2 layers, E = 512, bfloat16 model)")  # fmt: skip
     for name, r in rates.items():
         print(f"{name:9} {r:7.1f} tokens/s  {r / rates['bfloat16']:.2f}× bfloat16's")
 
@@ -134,6 +139,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("runs/kvq"))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16],
+                        help="sequences decoded together in the generation part")  # fmt: skip
     parser.add_argument("--only", choices=["bytes", "decode", "generation", "accuracy"], nargs="+")
     args = parser.parse_args()
     parts = args.only or ["bytes", "decode", "generation", "accuracy"]
@@ -143,7 +150,8 @@ def main() -> None:
         for heads in (32, 8):  # GQA (4 query heads a key/value head), and MHA
             decode_step(args.rounds, heads)
     if "generation" in parts:
-        generation(args.rounds)
+        for batch in args.batch:
+            generation(batch)
     if "accuracy" in parts:
         accuracy(args.out, args.train_steps)
 
