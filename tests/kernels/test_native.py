@@ -314,7 +314,7 @@ def test_native_output_within_its_own_rounding_on_random_problems(
     [
         (1, 2, 1, 37, 53, 0, 53, 32, 32),
         (2, 2, 2, 19, 100, 3, 91, 64, 64),  # GQA rows, a call starting inside a 32-key block
-        (1, 1, 3, 8, 300, 33, 290, 96, 96),  # D % 64 == 32, several 64-key blocks
+        (1, 1, 3, 8, 300, 33, 290, 96, 96),  # D % 64 == 32, several key blocks (KB)
         (1, 1, 1, 5, 40, 31, 33, 256, 256),
         *((1, 1, 2, 11, 150, 5, 141, D, D_v) for D, D_v in HEAD_SHAPES),
     ],

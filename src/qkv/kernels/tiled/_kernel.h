@@ -29,7 +29,7 @@
 #define KT 256    /* keys per online-softmax step (docs/benchmarks.md: 128 took 1.03× the time) */
 #define ROWS 32   /* query rows per work item */
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
-#define KB 64     /* keys per backward work item */
+#define KB 128    /* keys per backward work item (docs/kernels.md: 64 took 1.03–1.05× the time) */
 #define FOLD 512  /* a backward item sums dK and dV over this many live rows, then adds in */
 /* The floats of scratch a backward work item takes (qkv_key_block): its K and V packed, K's
    rows, and the partial sums of dK and dV of FOLD rows. */
