@@ -4,7 +4,8 @@
    or keys in registers at a time (_simd.h), and its sums may round differently.
 
    Forward: softmax(Q Kᵀ · scale + bias) V and its log-sum-exp, per tile of MR query rows
-   over every key range of the job, one online softmax; scores, softmax state and output in
+   over every key range of the job, one online softmax (a work item's tiles take each key
+   step in turn, sharing its keys in cache); scores, softmax state and output in
    float32; with ALiBi slopes the scaled scores become s + slope · (kv_idx - q_idx), then
    with a soft-cap (cap > 0) cap · tanh(s / cap), before the bias or bounds mask them
    (modified). Backward, per block of KB keys of one head over all rows: S = Q Kᵀ · scale
@@ -248,25 +249,125 @@ TARGET static void narrowed_row(const float *x, float by, int64_t n, uint16_t *t
     }
 }
 
-/* One tile of MR query rows (rows r0.. of the G·R rows of head (b, h); rows past G·R are
-   padding) over the keys of every range of the job, one online softmax: then out and lse. */
-TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
-    int64_t D = job->D, Dv = job->Dv, GR = job->G * job->R, os = pad32(Dv);
-    float qt[MR * MAX_D];                                 /* Q's rows in the call's dtype */
-    float O[MR * MAX_D], S[MR][KT], m[MR], l[MR], lp[MR]; /* lp: the sum of the P ·V sees */
-    float Pf[MR * KT];                                    /* float32 P */
-    int rows = GR - r0 < MR ? (int)(GR - r0) : MR;
+/* A tile of MR query rows (rows r0.. of the G·R rows of a head; rows past G·R are padding)
+   between key steps: its rows in the call's dtype (qt), its outputs (O), and each row's
+   running maximum m, sum l and the sum the ·V sees lp. */
+typedef struct {
+    int64_t r0;
+    int rows;
+    float *qt, *O, m[MR], l[MR], lp[MR];
+} Tile;
+
+/* The tile from row r0 of head (b, h), qt and O its storage (MR · MAX_D floats each): its
+   rows loaded, nothing summed yet. */
+TARGET static void tile_begin(const Job *j, int64_t b, int64_t h, int64_t r0, float *qt, float *O,
+                              Tile *t) {
+    int64_t GR = j->G * j->R;
+    t->r0 = r0, t->rows = GR - r0 < MR ? (int)(GR - r0) : MR, t->qt = qt, t->O = O;
+    load_rows(j, j->q, j->qs, j->D, b, h, r0, t->rows, qt);
+    for (int i = 0; i < MR; i++) {
+        t->m[i] = -INFINITY;
+        t->l[i] = t->lp[i] = 0.0f;
+    }
+    memset(O, 0, sizeof(float) * MR * pad32(j->Dv));
+}
+
+/* One online-softmax step of tile t over the nk keys from n0 of the range j (kp: its keys
+   packed, vp: its values, bias: the head's bias rows or NULL; first, last: the range's keys
+   among them). */
+TARGET static void tile_step(const Job *j, int64_t b, int64_t h, const void *kp, const void *vp,
+                             const float *bias, int64_t n0, int64_t nk, int64_t first, int64_t last,
+                             Tile *t) {
+    const int64_t lead = j->lead, r0 = t->r0, os = pad32(j->Dv);
+    const int rows = t->rows;
+    float S[MR][KT], Pf[MR * KT]; /* scores; float32 P */
+    float *O = t->O, *m = t->m, *l = t->l, *lp = t->lp;
 #if QKV_BF16
     bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
     if (rows < MR) memset(Ph, 0, sizeof Ph), memset(Pl, 0, sizeof Pl);
 #endif
     if (rows < MR) memset(Pf, 0, sizeof Pf); /* padding rows enter ·V as P = 0 */
-    load_rows(job, job->q, job->qs, D, b, h, r0, rows, qt);
-    for (int i = 0; i < MR; i++) {
-        m[i] = -INFINITY;
-        l[i] = lp[i] = 0.0f;
+    /* A 32-key block is live if one of the tile's rows may attend to one of its keys; the
+       rest is skipped (-inf scores, no ·V). */
+    int live[KT / 32];
+    vf rmax[MR]; /* each row's lane maxima of its scores */
+    live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
+    scores(j, t->qt, kp, j->D, n0, nk, live, j->scale, S, rmax);
+    const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
+    for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
+        float *s = S[i];
+        const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
+        int64_t kf, kl, d; /* the keys this row may see */
+        row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
+        float slope = alibi_of(j, h, r0 + i, n0, &d);
+        /* A row that sees every key of the step, unmodified and unmasked, has its scores as
+           they are: their maximum is the dots' (the causal rows off the diagonal: most of
+           them). The others are modified and masked here. */
+        const int plain = !j->slopes && !(j->cap > 0.0f) && !br && kf == 0 && kl == nk;
+        vf mx = plain ? rmax[i] : vset1(-INFINITY);
+        for (int64_t n = 0; n < nk && !plain; n += 16) {
+            if (!live[n / 32]) continue;
+            vf u = vzero(), x = modified(j, vload(s + n), slope, d + n, cap, inv, &u);
+            x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
+            vstore(s + n, x);
+            mx = vmax(mx, x);
+        }
+        float mt = vhmax(mx), mnew = mt > m[i] ? mt : m[i];
+        float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
+        float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
+        float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
+#if QKV_BF16
+        if (!j->f32)
+            probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL, &sum,
+                       &seen);
+        else
+#endif
+            sum = seen = probs_f32(s, nk, live, base, Pf + i * KT);
+        l[i] = l[i] * alpha + sum;
+        lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
+        m[i] = mnew;
+        if (alpha != 1.0f) {
+            vf va = vset1(alpha);
+            for (int64_t c = 0; c < os; c += 16)
+                vstore(O + i * os + c, vmul(vload(O + i * os + c), va));
+        }
     }
-    memset(O, 0, sizeof(float) * MR * os);
+#if QKV_BF16
+    if (!j->f32) pv_bf16(j, vp, n0, nk, live, Ph, Pl, O, j->Dv);
+    else
+#endif
+        pv_f32(j, vp, n0, last, live, Pf, KT, O, j->Dv);
+}
+
+/* Tile t's rows of out and lse, from what its steps summed. */
+TARGET static void tile_end(const Job *j, int64_t b, int64_t h, const Tile *t) {
+    const int64_t Dv = j->Dv, os = pad32(Dv);
+    for (int i = 0; i < t->rows; i++) {
+        int64_t g = (t->r0 + i) / j->R, r = (t->r0 + i) % j->R;
+        int64_t at = b * j->os[0] + h * j->os[1] + g * j->os[2] + r * j->os[3];
+        float inv = t->lp[i] > 0.0f ? 1.0f / t->lp[i] : 0.0f;
+        if (j->dst == SRC_F32)
+            for (int64_t d = 0; d < Dv; d++) ((float *)j->out)[at + d] = t->O[i * os + d] * inv;
+        else narrowed_row(t->O + i * os, inv, Dv, (uint16_t *)j->out + at, j->dst);
+        j->lse[b * j->ls[0] + h * j->ls[1] + g * j->ls[2] + r * j->ls[3]] =
+            t->l[i] > 0.0f ? t->m[i] + logf(t->l[i]) : -INFINITY;
+    }
+}
+
+/* One forward work item of a call: ROWS query rows of one (b, h), as ROWS / MR tiles that
+   take each key step in turn, every key range of the job, one online softmax each, then
+   out and lse. The tiles share each step's keys while they are in the core's cache: a tile
+   that ran the whole key span alone before the next read a long span (causal T = 4,096:
+   up to 2 MB of K and V a head) once a tile from the L3 cache. A row's sums are the same
+   either way. */
+TARGET void NAMED(qkv_forward_item)(const Job *job, int64_t it) {
+    int64_t bh = it / job->tiles, r0 = (it % job->tiles) * ROWS, GR = job->G * job->R;
+    int64_t b = bh / job->H, h = bh % job->H, D = job->D;
+    float qt[ROWS / MR][MR * MAX_D], O[ROWS / MR][MR * MAX_D]; /* the tiles' rows, outputs */
+    Tile tiles[ROWS / MR];
+    int nt = 0;
+    for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR, nt++)
+        tile_begin(job, b, h, r, qt[nt], O[nt], &tiles[nt]);
     for (int64_t sg = 0; sg < job->nseg; sg++) {
         Job one = *job, *j = &one; /* the job over this range alone */
         const Seg *seg = &job->segs[sg];
@@ -281,68 +382,11 @@ TARGET static void row_tile(const Job *job, int64_t b, int64_t h, int64_t r0) {
         for (int64_t n0 = 0; n0 < Np; n0 += KT) {
             int64_t nk = Np - n0 < KT ? Np - n0 : KT;
             int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
-            /* A 32-key block is live if one of the tile's rows may attend to one of its keys;
-               the rest is skipped (-inf scores, no ·V). */
-            int live[KT / 32];
-            vf rmax[MR]; /* each row's lane maxima of its scores */
-            live_blocks(j, b, bias, r0, rows, n0, nk, first, last, live);
-            scores(j, qt, kp, D, n0, nk, live, j->scale, S, rmax);
-            const vf cap = vset1(j->cap), inv = vset1(j->cap > 0.0f ? 1.0f / j->cap : 0.0f);
-            for (int i = 0; i < rows; i++) { /* padding rows (i >= rows) are never written out */
-                float *s = S[i];
-                const float *br = bias ? bias + (r0 + i) * j->bs[2] + n0 - lead : NULL;
-                int64_t kf, kl, d; /* the keys this row may see */
-                row_keys(j, b, r0 + i, n0, first, last, &kf, &kl);
-                float slope = alibi_of(j, h, r0 + i, n0, &d);
-                /* A row that sees every key of the step, unmodified and unmasked, has its
-                   scores as they are: their maximum is the dots' (the causal rows off the
-                   diagonal: most of them). The others are modified and masked here. */
-                const int plain = !j->slopes && !(j->cap > 0.0f) && !br && kf == 0 && kl == nk;
-                vf mx = plain ? rmax[i] : vset1(-INFINITY);
-                for (int64_t n = 0; n < nk && !plain; n += 16) {
-                    if (!live[n / 32]) continue;
-                    vf t = vzero(), x = modified(j, vload(s + n), slope, d + n, cap, inv, &t);
-                    x = masked(x, br ? br + n : NULL, lanes(n, kf, kl));
-                    vstore(s + n, x);
-                    mx = vmax(mx, x);
-                }
-                float mt = vhmax(mx), mnew = mt > m[i] ? mt : m[i];
-                float base = mnew == -INFINITY ? 0.0f : mnew; /* nothing allowed yet: P = 0 */
-                float alpha = m[i] == -INFINITY ? 0.0f : expf(m[i] - mnew);
-                float sum, seen; /* out is normalised by the P ·V sees, lse keeps float32's */
-#if QKV_BF16
-                if (!j->f32)
-                    probs_bf16(s, nk, live, base, Ph + i * KT, j->parts == 2 ? Pl + i * KT : NULL,
-                               &sum, &seen);
-                else
-#endif
-                    sum = seen = probs_f32(s, nk, live, base, Pf + i * KT);
-                l[i] = l[i] * alpha + sum;
-                lp[i] = j->parts == 2 ? l[i] : lp[i] * alpha + seen;
-                m[i] = mnew;
-                if (alpha != 1.0f) {
-                    vf va = vset1(alpha);
-                    for (int64_t d = 0; d < os; d += 16)
-                        vstore(O + i * os + d, vmul(vload(O + i * os + d), va));
-                }
-            }
-#if QKV_BF16
-            if (!j->f32) pv_bf16(j, vp, n0, nk, live, Ph, Pl, O, Dv);
-            else
-#endif
-                pv_f32(j, vp, n0, last, live, Pf, KT, O, Dv);
+            for (int k = 0; k < nt; k++)
+                tile_step(j, b, h, kp, vp, bias, n0, nk, first, last, &tiles[k]);
         }
     }
-    for (int i = 0; i < rows; i++) {
-        int64_t g = (r0 + i) / job->R, r = (r0 + i) % job->R;
-        int64_t at = b * job->os[0] + h * job->os[1] + g * job->os[2] + r * job->os[3];
-        float inv = lp[i] > 0.0f ? 1.0f / lp[i] : 0.0f;
-        if (job->dst == SRC_F32)
-            for (int64_t d = 0; d < Dv; d++) ((float *)job->out)[at + d] = O[i * os + d] * inv;
-        else narrowed_row(O + i * os, inv, Dv, (uint16_t *)job->out + at, job->dst);
-        job->lse[b * job->ls[0] + h * job->ls[1] + g * job->ls[2] + r * job->ls[3]] =
-            l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
-    }
+    for (int k = 0; k < nt; k++) tile_end(job, b, h, &tiles[k]);
 }
 
 #if STEP_ROWS != 2 && MR == 8 /* the row dots hold no query rows: once per instruction set */
@@ -372,12 +416,6 @@ TARGET void NAMED(qkv_row_dots)(const void *a, const void *b, int64_t n, int64_t
     else row_dots_src(a, b, n, D, out, SRC_F32);
 }
 #endif
-
-/* One forward work item of a call: ROWS query rows of one (b, h). */
-TARGET void NAMED(qkv_forward_item)(const Job *j, int64_t it) {
-    int64_t bh = it / j->tiles, r0 = (it % j->tiles) * ROWS, GR = j->G * j->R;
-    for (int64_t r = r0; r < r0 + ROWS && r < GR; r += MR) row_tile(j, bh / j->H, bh % j->H, r);
-}
 
 /* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
    OUTER_KEYS keys × 32 columns at a time, independent FMA chains that hide the FMA
