@@ -36,7 +36,7 @@ BANDED = (2048, 256)
 #: kernel's lead over torch's shrinks as sequences grow (its row tiles read a longer key
 #: span each), so the pass is of the middle of the lengths it decides: on an Intel Xeon held
 #: to AVX2, 1,024 queries measured 0.90–0.93× torch's time where causal T = 4,096 took
-#: 1.07×; 2,048 measured 0.97–1.01× (2026-11-28)
+#: 1.07×; 2,048 measured 0.96–1.05× (2026-11-28)
 CAUSAL = 2048
 
 #: The probe's paged decode step: (sequences, tokens each, query heads, key/value heads, D),
