@@ -282,11 +282,12 @@ TARGET static void tile_step(const Job *j, int64_t b, int64_t h, const void *kp,
     const int rows = t->rows;
     float S[MR][KT], Pf[MR * KT]; /* scores; float32 P */
     float *O = t->O, *m = t->m, *l = t->l, *lp = t->lp;
+    const size_t pad = (size_t)(MR - rows) * KT; /* padding rows enter ·V as P = 0 */
 #if QKV_BF16
     bf16 Ph[MR * KT], Pl[MR * KT]; /* bfloat16 P: hi, lo */
-    if (rows < MR) memset(Ph, 0, sizeof Ph), memset(Pl, 0, sizeof Pl);
+    memset(Ph + rows * KT, 0, pad * sizeof *Ph), memset(Pl + rows * KT, 0, pad * sizeof *Pl);
 #endif
-    if (rows < MR) memset(Pf, 0, sizeof Pf); /* padding rows enter ·V as P = 0 */
+    memset(Pf + rows * KT, 0, pad * sizeof *Pf);
     /* A 32-key block is live if one of the tile's rows may attend to one of its keys; the
        rest is skipped (-inf scores, no ·V). */
     int live[KT / 32];
