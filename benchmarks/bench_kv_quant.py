@@ -12,8 +12,8 @@ and what the rounding does to a trained model.
 3. Generation at 8K context: a GPT (2 layers, E = 512, 8 heads, bfloat16) prefilled with
    8,192 tokens a sequence, then 32 greedy decode steps through bfloat16, int8 and e4m3 KV
    caches (``GPT.new_caches(kv_dtype=...)``), taken in turn: tokens per second, for one
-   sequence and for 16 decoded together (``--batch``). One sequence's step is mostly the
-   model's weights; 16 sequences' caches (540 MB in bfloat16) are most of theirs.
+   sequence and for 16 and 32 decoded together (``--batch``). One sequence's step is mostly
+   the model's own work; 16 sequences' caches (540 MB in bfloat16) are most of theirs.
 4. A trained model (``cpu-10min``'s, ``--train-steps`` steps on the standard library's
    sources, kept in ``--out``): 256 new greedy tokens through float32, int8 and e4m3
    caches — the largest logit error along the float32 run's tokens (teacher-forced, against
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path("runs/kvq"))
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16],
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32],
                         help="sequences decoded together in the generation part")  # fmt: skip
     parser.add_argument("--only", choices=["bytes", "decode", "generation", "accuracy"], nargs="+")
     args = parser.parse_args()
