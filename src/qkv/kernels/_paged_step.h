@@ -229,6 +229,13 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
     }
 }
 
+/* Asks for `rows` rows of `bytes` bytes, `stride` bytes apart from `at`, a cache line at a
+   time. */
+static inline void prefetch_rows(const char *at, int64_t rows, int64_t stride, int64_t bytes) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t d = 0; d < bytes; d += 64) __builtin_prefetch(at + t * stride + d);
+}
+
 /* Asks for the rows page_step reads next: part (page, t0, n)'s value rows, read after its
    scores, and the key rows of the page's next part. Half-precision and quantized rows are
    widened as they are read, work enough per byte that the loads alone did not keep memory
@@ -239,15 +246,12 @@ page_scores(const Job *j, const void *k, int64_t k0, int64_t kt, int64_t page, i
 TARGET static inline __attribute__((always_inline)) void
 prefetch_part(const Job *j, int64_t page, int64_t t0, int64_t n, int64_t hk, const int SRC) {
     const int64_t size = SRC == SRC_BF16 || SRC == SRC_F16 ? 2 : 1; /* bytes per element */
-    const char *v = (const char *)j->v + size * (page * j->vs[0] + t0 * j->vs[1] + hk * j->vs[2]);
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t d = 0; d < j->D_v * size; d += 64)
-            __builtin_prefetch(v + size * t * j->vs[1] + d);
     const int64_t next = t0 + n, rows = j->P - next < n ? j->P - next : n;
-    const char *k = (const char *)j->k + size * (page * j->ks[0] + next * j->ks[1] + hk * j->ks[2]);
-    for (int64_t t = 0; t < rows; t++)
-        for (int64_t d = 0; d < j->D * size; d += 64)
-            __builtin_prefetch(k + size * t * j->ks[1] + d);
+    const char *v = (const char *)j->v, *k = (const char *)j->k;
+    prefetch_rows(v + size * (page * j->vs[0] + t0 * j->vs[1] + hk * j->vs[2]), n, size * j->vs[1],
+                  size * j->D_v);
+    prefetch_rows(k + size * (page * j->ks[0] + next * j->ks[1] + hk * j->ks[2]), rows,
+                  size * j->ks[1], size * j->D);
 }
 
 /* n keys of a page from slot t0 (a part: page_part) for kv head hk, stored as SRC: the
