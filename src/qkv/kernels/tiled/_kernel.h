@@ -31,6 +31,11 @@
 #define MAX_D 576 /* the widest head dim, of Q and K or of V */
 #define KB 128    /* keys per backward work item (docs/kernels.md: 64 took 1.03–1.05× the time) */
 #define FOLD 512  /* a backward item sums dK and dV over this many live rows, then adds in */
+/* How far ahead the ·K and ·V loops ask for the rows they read next (__builtin_prefetch),
+   in steps of their loops: 16 dims of a packed key block (2 KB), 16 value rows. A step's
+   256 keys and values are 128 KB at D = 64, past the L1 cache: without the requests its
+   loads waited on L2 (docs/kernels.md: 8, 16, 24 and 32 measured, flat from 16). */
+#define AHEAD 16
 /* The floats of scratch a backward work item takes (qkv_key_block): its K and V packed, K's
    rows, and the partial sums of dK and dV of FOLD rows. */
 #define KEY_BLOCK_SCRATCH (5 * KB * MAX_D)

@@ -25,9 +25,9 @@
 #else
 #define NAMED(x) x##_avx512
 #endif
-#define DOT_ROWS 8 /* scores: rows × 32 keys of accumulators (16 zmm) */
-#define PV_ROWS 4  /* P·V: rows × PV_COLS vectors of columns (16 zmm) */
-#define PV_COLS 4
+#define DOT_ROWS 8   /* scores: rows × 32 keys of accumulators (16 zmm) */
+#define PV_ROWS 8    /* P·V: rows × PV_COLS vectors of columns (16 zmm); 8 × 2, not 4 × 4: */
+#define PV_COLS 2    /* the value rows a tile reads from L2 are half as many (docs/kernels.md) */
 #define OUTER_KEYS 4 /* dK, dV: keys × 32 columns (8 zmm) */
 
 typedef __m512 vf;

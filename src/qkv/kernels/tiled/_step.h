@@ -57,6 +57,8 @@ TARGET static inline __attribute__((always_inline)) void dots_rows(int64_t D, co
     vf acc[DOT_ROWS][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = vzero();
     for (int64_t d = 0; d < D; d++) {
+        const float *ahead = kb + (d + AHEAD) * 32; /* past the block: the next one's */
+        __builtin_prefetch(ahead), __builtin_prefetch(ahead + 16);
         for (int i = 0; i < NR; i++) {
             vf qb = vset1(qt[(i0 + i) * qs + d]);
             acc[i][0] = vfma(qb, vload(kb + d * 32), acc[i][0]);
@@ -102,7 +104,8 @@ pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int 
         int64_t stop = last - n32 < 32 ? last - n32 : 32, step = j->vs[2];
         int64_t at = (n0 + n32) * step + c0;
         const float *pr = P + i0 * ps + n32;
-        for (int64_t n = 0; n < stop; n++, at += step)
+        for (int64_t n = 0; n < stop; n++, at += step) {
+            for (int c = 0; c < NV; c++) __builtin_prefetch(vp + at + AHEAD * step + 16 * c);
             for (int i = 0; i < NR; i++) {
                 vf p = vset1(pr[i * ps + n]);
                 for (int c = 0; c < NV; c++) /* V read by each FMA: it needs no register */
@@ -110,6 +113,7 @@ pv_block_f32(const Job *j, const float *vp, int64_t n0, int64_t last, const int 
                         vfma(p, TAIL ? vloadz(in[c], vp + at + 16 * c) : vload(vp + at + 16 * c),
                              acc[i][c]);
             }
+        }
     }
     for (int i = 0; i < NR; i++)
         for (int c = 0; c < NV; c++) {
