@@ -158,6 +158,36 @@ def test_the_causal_choice_keeps_its_stored_value_near_the_threshold(cache, monk
     assert not profile.Probe(1.0, 2.0, 1.5).causal()  # not measured
 
 
+def test_half_precision_causal_is_held_against_the_path_it_takes_otherwise():
+    """A half-precision causal call runs natively where the native pass beats the path half
+    precision takes otherwise: torch's kernel on float32 copies (line CAUSAL_HALF_AT, as
+    float32's time) or, where torch's kernel in the dtype was the faster, that kernel (the
+    line scaled by its time ÷ the copies'). float32 keeps CAUSAL_AT."""
+
+    def timed(native_ms, bf16_ms):  # causal 0.95 of torch's; torch's bfloat16 ÷ copies
+        return profile.Probe(
+            1.0, 2.0, 1.5, sdpa_bfloat16_ms=bf16_ms, sdpa_widened_ms=10.0,
+            sdpa_bfloat16_fwd_ms=bf16_ms, sdpa_widened_fwd_ms=10.0,
+            causal_native_ms=native_ms, causal_sdpa_ms=10.0,
+            causal_native_fwd_ms=native_ms, causal_sdpa_fwd_ms=10.0,
+        )  # fmt: skip
+
+    slow = timed(9.5, 20.0)  # torch's bfloat16 2× its copies: bfloat16 runs on copies
+    assert slow.causal_at(torch.float32) == profile.CAUSAL_AT and not slow.causal()
+    assert slow.causal_at(torch.bfloat16) == profile.CAUSAL_HALF_AT
+    assert slow.causal(True, torch.bfloat16) and slow.causal(False, torch.bfloat16)
+    assert slow.causal(True, torch.float16)  # float16 not measured: as on copies
+    fast = timed(9.5, 6.0)  # torch's bfloat16 0.6× its copies: the native pass must beat it
+    assert fast.causal_at(torch.bfloat16) == pytest.approx(0.6 * profile.CAUSAL_HALF_AT)
+    assert not fast.causal(True, torch.bfloat16) and timed(5.0, 6.0).causal(True, torch.bfloat16)
+    decided = profile._decide(slow, None)  # stored per dtype, forward and with a gradient
+    assert decided.use_causal_bfloat16 and decided.use_causal_float16_fwd
+    assert decided.use_causal is False
+    kept = profile._decide(timed(10.2, 20.0), decided)  # 1.02: within the margin, kept
+    assert kept.use_causal_bfloat16 and kept.use_causal_float16
+    assert not profile._decide(timed(11.5, 20.0), decided).use_causal_bfloat16  # past it
+
+
 @needs_native
 def test_the_steps_blocking_is_measured_kept_near_the_line_and_applied(cache, monkeypatch):
     """The probe times the float32 step in each of its blockings: the faster is stored

@@ -106,8 +106,14 @@ def run_doctor(args: argparse.Namespace) -> int:
             f"forward {found.causal_native_fwd_ms:.2f} / {found.causal_sdpa_fwd_ms:.2f}, "
             f"forward + backward {found.causal_native_ms:.2f} / {found.causal_sdpa_ms:.2f}"
         )
-        runs = [w for b, w in ((False, "forward"), (True, "with a gradient")) if found.causal(b)]
-        print(f"  causal with T_q == T_k natively: {', '.join(runs) or 'never'}")
+        print("  causal with T_q == T_k natively (the native pass ÷ torch's under the line):")
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            runs = [
+                f"{w} ({found.causal_ratio(b):.2f} against {found.causal_at(dtype, b):.2f})"
+                for b, w in ((False, "forward"), (True, "with a gradient"))
+                if found.causal(b, dtype)
+            ]
+            print(f"    {str(dtype).removeprefix('torch.')}: {', '.join(runs) or 'never'}")
         if not math.isnan(found.paged_decode_ratio(False)):
             B, H, T, D = measurement.DECODE
             runs = [

@@ -91,7 +91,9 @@ def native_causal(a: Call) -> bool:
     """Whether this causal call with T_q == T_k runs faster through the native kernel than
     through torch's fused kernel here: on the CPU, from :attr:`qkv.Tuning.native_scores`
     scores on, where the machine's profile runs float32 natively and found its causal pass
-    under :data:`~qkv.kernels.tiled.profile.CAUSAL_AT` × torch's time — forward and backward
+    under its line for the call's dtype × torch's time (float32:
+    :data:`~qkv.kernels.tiled.profile.CAUSAL_AT`; half precision: against the path it takes
+    otherwise, :meth:`~qkv.kernels.tiled.profile.Probe.causal_at`) — forward and backward
     for a call that needs a gradient, the forward for one that does not
     (:meth:`qkv.kernels.tiled.profile.Probe.causal`). Never while tracing, nor with the probe
     off (torch's kernel then, unmeasured)."""
@@ -100,7 +102,7 @@ def native_causal(a: Call) -> bool:
     if a.scores < a.tuning.native_scores:
         return False
     found = profile.probe()
-    return found.float32 and found.causal(backward=needs_grad(a))
+    return found.float32 and found.causal(needs_grad(a), a.q.dtype)
 
 
 def tiled_path(a: Call) -> tuple[str, str]:

@@ -89,6 +89,15 @@ BLOCKING_AT = 1.0
 #: 0.82× (2026-11-27). The pass is now of 2,048 queries, which overstates it less
 CAUSAL_AT = 0.9
 
+#: the native kernel's causal pass ÷ torch's, as a share of the time half precision takes
+#: otherwise (:meth:`Probe.causal_at`), under which a half-precision causal call with
+#: T_q == T_k runs natively. 1.0, not :data:`CAUSAL_AT`: where torch runs half precision on
+#: float32 copies, the native kernel only needs to beat torch's float32 time, copies aside.
+#: On an Intel Xeon (family 6 model 207, 2026-11-29) the pass measured 0.90 forward where
+#: causal T = 4,096 took 0.98× float32 SDPA's time in bfloat16 natively and 1.05–1.07×
+#: through SDPA on copies (float16 through torch's float16 kernel: 0.96–0.99 against 1.07)
+CAUSAL_HALF_AT = 1.0
+
 #: the paged decode step over int8 pages with bfloat16 dot products ÷ with widened keys and
 #: float32 FMAs, under which quantized (int8, float8) keys take the dot products: the faster
 #: (the same sums to float32 rounding). On a Zen 4 they made the int8 step 0.86–0.92× its
@@ -161,6 +170,10 @@ class Probe(NamedTuple):
     use_blocking: int | None = None
     use_causal: bool | None = None
     use_causal_fwd: bool | None = None
+    use_causal_bfloat16: bool | None = None
+    use_causal_bfloat16_fwd: bool | None = None
+    use_causal_float16: bool | None = None
+    use_causal_float16_fwd: bool | None = None
     use_paged_dots: bool | None = None
     use_paged_decode: bool | None = None
     use_paged_decode_gqa: bool | None = None
@@ -189,14 +202,30 @@ class Probe(NamedTuple):
         native_ms = getattr(self, f"causal_native{fwd}_ms")
         return float(native_ms / getattr(self, f"causal_sdpa{fwd}_ms"))
 
-    def causal(self, backward: bool = True) -> bool:
-        """Whether a causal call with T_q == T_k — one that needs a gradient
+    def causal_at(self, dtype: torch.dtype = torch.float32, backward: bool = True) -> float:
+        """The line under which :meth:`causal_ratio` sends a causal call with T_q == T_k in
+        ``dtype`` to the native kernel: :data:`CAUSAL_AT` in float32. In half precision the
+        native kernel runs at about its float32 speed (widened as it loads, or with bfloat16
+        dot products where those won), and what it is held against is the path half precision
+        takes otherwise: torch's kernel on float32 copies, float32's time and the copies'
+        (:meth:`widens`), or torch's kernel in the dtype where that was the faster — its time
+        on copies × :meth:`sdpa_ratio` (nan, not measured: as on copies). So the line is
+        :data:`CAUSAL_HALF_AT` × the smaller of 1 and that ratio."""
+        if dtype == torch.float32:
+            return CAUSAL_AT
+        ratio = self.sdpa_ratio(dtype, backward)
+        other = 1.0 if self.widens(dtype, backward) or math.isnan(ratio) else min(1.0, ratio)
+        return CAUSAL_HALF_AT * other
+
+    def causal(self, backward: bool = True, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether a causal call with T_q == T_k in ``dtype`` — one that needs a gradient
         (``backward``), or another — runs natively here: the native kernel's causal pass
-        took under :data:`CAUSAL_AT` × torch's time (not measured: no)."""
-        stored = self.use_causal if backward else self.use_causal_fwd
+        took under :meth:`causal_at` × torch's time (not measured: no)."""
+        half = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
+        stored = getattr(self, f"use_causal{half}{'' if backward else '_fwd'}")
         if stored is not None:
-            return stored
-        return self.causal_ratio(backward) < CAUSAL_AT
+            return bool(stored)
+        return self.causal_ratio(backward) < self.causal_at(dtype, backward)
 
     def paged_dots_ratio(self) -> float:
         """The paged decode step over int8 pages with bfloat16 dot products ÷ with widened
@@ -368,24 +397,22 @@ def _near(ratio: float, threshold: float) -> bool:
     return abs(ratio - threshold) < threshold * MARGIN
 
 
-def _ratios(p: Probe) -> list[float]:
-    """Each choice's ratio, beside its threshold in :data:`THRESHOLDS`: the float32 step's
-    second blocking ÷ its first, native ÷ torch in float32, native bfloat16 ÷ the path
-    bfloat16 takes otherwise, torch's half precision ÷ float32 copies, the native causal
-    pass ÷ torch's, the paged step over int8 pages with bfloat16 dot products ÷ without, and
+def _lines(p: Probe) -> list[tuple[float, float]]:
+    """Each choice's ratio beside its threshold: the float32 step's second blocking ÷ its
+    first, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes otherwise,
+    torch's half precision ÷ float32 copies, the native causal pass ÷ torch's (against each
+    dtype's line), the paged step over int8 pages with bfloat16 dot products ÷ without, and
     a bfloat16 decode step through the paged kernel ÷ through torch's (without GQA, with
     it)."""
-    widen = [p.sdpa_ratio(d, b) for d in (torch.bfloat16, torch.float16) for b in (True, False)]
-    causal_ = [p.causal_ratio(b) for b in (True, False)]
-    ratios = [p.blocking_ratio(), p.float32_ratio(), p.bfloat16_ratio(), *widen, *causal_]
-    return [*ratios, p.paged_dots_ratio(), p.paged_decode_ratio(False), p.paged_decode_ratio(True)]
-
-
-#: The thresholds of :func:`_ratios`, in its order.
-THRESHOLDS = (
-    *(BLOCKING_AT, FLOAT32_AT, BFLOAT16_AT, *[WIDEN_AT] * 4, CAUSAL_AT, CAUSAL_AT),
-    *(PAGED_DOTS_AT, PAGED_DECODE_AT, PAGED_DECODE_AT),
-)
+    halves = (torch.bfloat16, torch.float16)
+    both = (True, False)
+    lines = [(p.blocking_ratio(), BLOCKING_AT), (p.float32_ratio(), FLOAT32_AT)]
+    lines += [(p.bfloat16_ratio(), BFLOAT16_AT)]
+    lines += [(p.sdpa_ratio(d, b), WIDEN_AT) for d in halves for b in both]
+    dtypes = (torch.float32, *halves)
+    lines += [(p.causal_ratio(b), p.causal_at(d, b)) for d in dtypes for b in both]
+    lines += [(p.paged_dots_ratio(), PAGED_DOTS_AT)]
+    return lines + [(p.paged_decode_ratio(g), PAGED_DECODE_AT) for g in both]
 
 
 def _median(probes: list[Probe]) -> Probe:
@@ -416,12 +443,16 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
             stored = None if old is None else old.widens(dtype, backward)
             ratio = new.sdpa_ratio(dtype, backward)
             widen[name] = _kept(new.widens(dtype, backward), stored, ratio, WIDEN_AT)
+    new = new._replace(**widen)  # the half-precision causal lines below rest on these
     native_causal = {}
-    for backward in (True, False):
-        stored = None if old is None else old.causal(backward)
-        native_causal[f"use_causal{'' if backward else '_fwd'}"] = _kept(
-            new.causal(backward), stored, new.causal_ratio(backward), CAUSAL_AT
-        )
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        half = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
+        for backward in (True, False):
+            stored = None if old is None else old.causal(backward, dtype)
+            line = new.causal_at(dtype, backward)
+            native_causal[f"use_causal{half}{'' if backward else '_fwd'}"] = _kept(
+                new.causal(backward, dtype), stored, new.causal_ratio(backward), line
+            )
     stored = None if old is None else old.paged_dots
     dots = _kept(new.paged_dots, stored, new.paged_dots_ratio(), PAGED_DOTS_AT)
     decode = {}
@@ -433,7 +464,6 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     return new._replace(
         use_float32=float32,
         use_bfloat16=bf16,
-        **widen,
         **native_causal,
         use_paged_dots=dots,
         **decode,
@@ -445,7 +475,7 @@ def _first(stored: Probe | None) -> Probe:
     :data:`MARGIN` of its threshold, the median of three (a first choice near a line is the
     one the machine keeps, so it is measured more before it is made)."""
     new = measure()
-    if stored is None and any(_near(r, t) for r, t in zip(_ratios(new), THRESHOLDS)):
+    if stored is None and any(_near(r, t) for r, t in _lines(new)):
         new = _median([new, measure(), measure()])
     return new
 
