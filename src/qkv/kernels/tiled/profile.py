@@ -112,6 +112,13 @@ PAGED_DOTS_AT = 1.0
 PAGED_DECODE_AT = 1.0
 
 
+def _causal_field(dtype: torch.dtype, backward: bool) -> str:
+    """The field of :class:`Probe` that stores the causal choice for ``dtype``, with a
+    gradient or forward alone: ``use_causal`` (float32), ``use_causal_bfloat16_fwd``, ..."""
+    half = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
+    return f"use_causal{half}{'' if backward else '_fwd'}"
+
+
 class Probe(NamedTuple):
     """One measurement, made once per machine (:func:`load`), medians of 7 interleaved runs each
     (:mod:`qkv.kernels.tiled.measurement`). One forward pass of the tiled kernel over
@@ -221,8 +228,7 @@ class Probe(NamedTuple):
         """Whether a causal call with T_q == T_k in ``dtype`` — one that needs a gradient
         (``backward``), or another — runs natively here: the native kernel's causal pass
         took under :meth:`causal_at` × torch's time (not measured: no)."""
-        half = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
-        stored = getattr(self, f"use_causal{half}{'' if backward else '_fwd'}")
+        stored = getattr(self, _causal_field(dtype, backward))
         if stored is not None:
             return bool(stored)
         return self.causal_ratio(backward) < self.causal_at(dtype, backward)
@@ -446,11 +452,10 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     new = new._replace(**widen)  # the half-precision causal lines below rest on these
     native_causal = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        half = "" if dtype == torch.float32 else "_" + str(dtype).removeprefix("torch.")
         for backward in (True, False):
             stored = None if old is None else old.causal(backward, dtype)
             line = new.causal_at(dtype, backward)
-            native_causal[f"use_causal{half}{'' if backward else '_fwd'}"] = _kept(
+            native_causal[_causal_field(dtype, backward)] = _kept(
                 new.causal(backward, dtype), stored, new.causal_ratio(backward), line
             )
     stored = None if old is None else old.paged_dots
