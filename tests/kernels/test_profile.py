@@ -175,11 +175,11 @@ def test_half_precision_causal_is_held_against_the_path_it_takes_otherwise():
     slow = timed(9.5, 20.0)  # torch's bfloat16 2× its copies: bfloat16 runs on copies
     assert slow.causal_at(torch.float32) == profile.CAUSAL_AT and not slow.causal()
     assert slow.causal_at(torch.bfloat16) == profile.CAUSAL_HALF_AT
-    assert slow.causal(True, torch.bfloat16) and slow.causal(False, torch.bfloat16)
-    assert slow.causal(True, torch.float16)  # float16 not measured: as on copies
+    assert slow.causal(torch.bfloat16, True) and slow.causal(torch.bfloat16, False)
+    assert slow.causal(torch.float16, True)  # float16 not measured: as on copies
     fast = timed(9.5, 6.0)  # torch's bfloat16 0.6× its copies: the native pass must beat it
     assert fast.causal_at(torch.bfloat16) == pytest.approx(0.6 * profile.CAUSAL_HALF_AT)
-    assert not fast.causal(True, torch.bfloat16) and timed(5.0, 6.0).causal(True, torch.bfloat16)
+    assert not fast.causal(torch.bfloat16) and timed(5.0, 6.0).causal(torch.bfloat16)
     decided = profile._decide(slow, None)  # stored per dtype, forward and with a gradient
     assert decided.use_causal_bfloat16 and decided.use_causal_float16_fwd
     assert decided.use_causal is False

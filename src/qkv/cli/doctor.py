@@ -111,7 +111,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             runs = [
                 f"{w} ({found.causal_ratio(b):.2f} against {found.causal_at(dtype, b):.2f})"
                 for b, w in ((False, "forward"), (True, "with a gradient"))
-                if found.causal(b, dtype)
+                if found.causal(dtype, b)
             ]
             print(f"    {str(dtype).removeprefix('torch.')}: {', '.join(runs) or 'never'}")
         if not math.isnan(found.paged_decode_ratio(False)):

@@ -102,7 +102,7 @@ def native_causal(a: Call) -> bool:
     if a.scores < a.tuning.native_scores:
         return False
     found = profile.probe()
-    return found.float32 and found.causal(needs_grad(a), a.q.dtype)
+    return found.float32 and found.causal(a.q.dtype, needs_grad(a))
 
 
 def tiled_path(a: Call) -> tuple[str, str]:

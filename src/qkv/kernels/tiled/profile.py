@@ -224,7 +224,7 @@ class Probe(NamedTuple):
         other = 1.0 if self.widens(dtype, backward) or math.isnan(ratio) else min(1.0, ratio)
         return CAUSAL_HALF_AT * other
 
-    def causal(self, backward: bool = True, dtype: torch.dtype = torch.float32) -> bool:
+    def causal(self, dtype: torch.dtype = torch.float32, backward: bool = True) -> bool:
         """Whether a causal call with T_q == T_k in ``dtype`` — one that needs a gradient
         (``backward``), or another — runs natively here: the native kernel's causal pass
         took under :meth:`causal_at` × torch's time (not measured: no)."""
@@ -453,10 +453,10 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     native_causal = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for backward in (True, False):
-            stored = None if old is None else old.causal(backward, dtype)
+            stored = None if old is None else old.causal(dtype, backward)
             line = new.causal_at(dtype, backward)
             native_causal[_causal_field(dtype, backward)] = _kept(
-                new.causal(backward, dtype), stored, new.causal_ratio(backward), line
+                new.causal(dtype, backward), stored, new.causal_ratio(backward), line
             )
     stored = None if old is None else old.paged_dots
     dots = _kept(new.paged_dots, stored, new.paged_dots_ratio(), PAGED_DOTS_AT)
