@@ -952,9 +952,12 @@ def test_each_steps_two_blockings_give_the_same_bits(name, dtype, isa, monkeypat
                 assert steps.blocking() == n
                 out, lse = qkv.attention(q, k, v, mask=mask, backend="tiled", return_lse=True)
                 runs.append((out, lse, *grads(q, k, v, g, mask, backend="tiled")))
+        with steps.use_blocking(1, backward=True):  # the backward's alone: forward's first
+            assert steps.blocking() == before and steps.blocking(backward=True) == 1
+            runs.append((*runs[0][:2], *grads(q, k, v, g, mask, backend="tiled")))
     assert steps.blocking() == before  # undone after the block
-    for first, second in zip(*runs):
-        assert torch.equal(first, second)
+    for first, *others in zip(*runs):
+        assert all(torch.equal(first, other) for other in others)
     with pytest.raises(ValueError, match="one of"):
         steps.set_blocking(2)
 

@@ -44,8 +44,8 @@ def test_measured_once_then_read_by_every_later_load(cache, monkeypatch):
     measured = profile.Probe(
         1.0, 2.0, 1.5, 5.0, 5.0, 6.0, 2.0, 2.0, 4.0, native_widen_ms=1.6, native32_second_ms=1.8,
         causal_native_ms=3.0, causal_sdpa_ms=4.0, causal_native_fwd_ms=1.0, causal_sdpa_fwd_ms=1.5,
-        paged_dots_ms=0.5, paged_widen_ms=1.0, decode_paged_ms=0.5, decode_sdpa_ms=1.0,
-        decode_paged_gqa_ms=0.5, decode_sdpa_gqa_ms=1.0,
+        causal_native_second_ms=3.5, paged_dots_ms=0.5, paged_widen_ms=1.0, decode_paged_ms=0.5,
+        decode_sdpa_ms=1.0, decode_paged_gqa_ms=0.5, decode_sdpa_gqa_ms=1.0,
     )  # fmt: skip
     calls = counting(monkeypatch, measured)
     found, where = profile.load()
@@ -208,6 +208,35 @@ def test_the_steps_blocking_is_measured_kept_near_the_line_and_applied(cache, mo
     finally:
         profile.probe.cache_clear()
         steps.set_blocking(steps.BLOCKINGS[0])
+
+
+@needs_native
+def test_the_backwards_blocking_is_measured_apart_and_its_time_decides_causal(cache, monkeypatch):
+    """The causal pass is timed with the backward in each blocking: the faster is stored for
+    the backward alone (the forward's is the banded pass's), kept within the margin, and the
+    causal choice with a gradient reads the pass in the blocking chosen."""
+    causal = dict(causal_sdpa_ms=10.0, causal_sdpa_fwd_ms=4.0, causal_native_fwd_ms=6.0)
+    second_faster, near, slower = (
+        profile.Probe(1.0, 2.0, 1.6, native32_second_ms=2.0, causal_native_ms=9.5,
+                      causal_native_second_ms=ms, **causal)
+        for ms in (7.5, 9.9, 11.0)
+    )  # fmt: skip
+    counting(monkeypatch, second_faster, near, slower)
+    found = profile.load()[0]
+    assert found.use_blocking == 0 and found.use_backward_blocking == 1
+    assert found.causal_ratio() == pytest.approx(0.75) and found.use_causal  # 7.5 ÷ 10
+    assert found.causal_ratio(backward=False) == 1.5 and not found.use_causal_fwd
+    assert profile.load(remeasure=True)[0].backward_blocking == 1  # 1.04×: within the margin
+    assert profile.load(remeasure=True)[0].backward_blocking == 0  # 1.16×: past it
+    assert profile.Probe(1.0, 2.0, 1.5).backward_blocking == 0  # not measured: the first
+    monkeypatch.setattr(profile, "load", lambda: (second_faster, "stored"))
+    profile.probe.cache_clear()
+    try:
+        assert profile.probe().backward_blocking == 1
+        assert steps.blocking(backward=True) == 1 and steps.blocking() == 0
+    finally:
+        profile.probe.cache_clear()
+        steps.set_blocking(steps.BLOCKINGS[0], backward=True)
 
 
 @needs_native

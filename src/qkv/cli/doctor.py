@@ -89,6 +89,14 @@ def run_doctor(args: argparse.Namespace) -> int:
                 f"{found.native32_second_ms:.2f} ms ({found.blocking_ratio():.2f}×): it takes "
                 f"{steps.blocking_name(step, found.blocking)}"
             )
+        if not math.isnan(found.backward_blocking_ratio()):
+            step = steps.isa(torch.float32)
+            print(
+                f"  its backward (causal over {measurement.CAUSAL:,} queries, forward + backward): "
+                f"in {steps.blocking_name(step, 1)} {found.backward_blocking_ratio():.2f}× the "
+                f"time in {steps.blocking_name(step, 0)}: it takes "
+                f"{steps.blocking_name(step, found.backward_blocking)}"
+            )
         print("  torch's fused kernel, causal over 512 queries, ms (bfloat16 / float16 / copies):")
         widened = []
         for backward, what in ((False, "forward"), (True, "forward + backward")):

@@ -471,19 +471,20 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     return before;
 }
 
-/* The steps' blocking (use_blocking, step_of): 0, the first, or 1, the second. */
-static int step_blocking = 0;
+/* The steps' blocking (use_blocking, step_of) forward [0] and backward [1]: 0, the first,
+   or 1, the second. */
+static int step_blocking[2] = {0, 0};
 
-/* Sets the steps' blocking (0 or 1); returns the setting before. */
+/* Sets the forward's blocking, or the backward's (0 or 1); returns the setting before. */
 static PyObject *use_blocking(PyObject *self, PyObject *args) {
-    int blocking;
-    if (!PyArg_ParseTuple(args, "i", &blocking)) return NULL;
+    int blocking, backward = 0;
+    if (!PyArg_ParseTuple(args, "i|p", &blocking, &backward)) return NULL;
     if (blocking != 0 && blocking != 1) {
         PyErr_Format(PyExc_ValueError, "use_blocking: 0 or 1, not %d", blocking);
         return NULL;
     }
-    int before = step_blocking;
-    step_blocking = blocking;
+    int before = step_blocking[backward];
+    step_blocking[backward] = blocking;
     return PyLong_FromLong(before);
 }
 
@@ -492,7 +493,7 @@ static PyObject *use_blocking(PyObject *self, PyObject *args) {
 static int call_sizes(Job *j, const char *name, long long B, long long H, long long G, long long R,
                       long long D, long long Dv, double scale, double cap, int f32, int threads) {
     j->isa = cpu_isa(f32);
-    j->blocking = step_blocking;
+    j->blocking = step_blocking[0]; /* the backward's: set by its caller */
     if (j->isa == ISA_NONE) {
         PyErr_SetString(PyExc_RuntimeError,
                         f32 ? "this CPU runs no native step (AVX-512, AVX2 + FMA or NEON)"
@@ -698,6 +699,7 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     }
     j->begin = keys.begin, j->lead = keys.lead, j->N = keys.N, j->src = src;
     j->slopes = (const float *)(uintptr_t)slopes, j->qpos = qpos;
+    j->blocking = step_blocking[1];
     j->q = (const void *)(uintptr_t)q;
     j->vp = (const void *)(uintptr_t)k; /* float32 reads K's rows in place for dS K */
     j->bias = (const float *)(uintptr_t)bias;
@@ -801,10 +803,11 @@ static PyMethodDef methods[] = {
      "it); \"neon\" runs the NEON step where the CPU has SVE; \"\" lets the CPU choose. "
      "Returns the setting before."},
     {"use_blocking", use_blocking, METH_VARARGS,
-     "use_blocking(blocking): each step's first blocking (0) or its second (1): AVX-512 tiles "
-     "of 8 query rows or 16, AVX2, NEON and SVE 3 rows in registers or 2 (the same bits "
-     "either way; the machine's profile measures which is faster). Returns the setting "
-     "before."},
+     "use_blocking(blocking, backward=False): the forward's steps (or, with backward, the "
+     "backward's) in their first blocking (0) or their second (1): AVX-512 tiles of 8 query "
+     "rows or 16, AVX2, NEON and SVE 3 rows in registers or 2 (the same bits either way; the "
+     "machine's profile measures which is faster, forward and backward apart). Returns the "
+     "setting before."},
     {"row_dots", (PyCFunction)(void (*)(void))row_dots, METH_VARARGS | METH_KEYWORDS,
      "row_dots(*, a, b, out, n, D, source): out[r] = sum of a[r] * b[r] over n contiguous "
      "rows of D values of the dtype `source` names, widened as read, into float32 out; one "

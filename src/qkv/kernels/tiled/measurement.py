@@ -82,6 +82,9 @@ def times() -> dict[str, float]:
         calls[f"causal_sdpa{fwd}"] = _sdpa_step(torch.float32, False, backward, CAUSAL)
         if steps.available(torch.float32):
             calls[f"causal_native{fwd}"] = _in_blocking(0, _causal_pass(backward))
+    if steps.available(torch.float32):  # the backward in its second blocking
+        second = _in_blocking(1, _causal_pass(True), backward=True)
+        calls["causal_native_second"] = _in_blocking(0, second)
     if paged.available():
         for groups, gqa in ((1, ""), (4, "_gqa")):
             calls[f"decode_paged{gqa}"] = _decode_step(True, groups)
@@ -190,11 +193,14 @@ def _decode_step(native: bool, groups: int) -> Callable[[], object]:
     return step
 
 
-def _in_blocking(n: int, call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` with the steps in blocking ``n`` (:data:`steps.BLOCKINGS`)."""
+def _in_blocking(
+    n: int, call: Callable[[], object], backward: bool | None = None
+) -> Callable[[], object]:
+    """``call`` with the steps in blocking ``n`` (:data:`steps.BLOCKINGS`): the forward's
+    (``backward`` False), the backward's (True) or both (None)."""
 
     def timed() -> object:
-        with steps.use_blocking(n):
+        with steps.use_blocking(n, backward):
             return call()
 
     return timed

@@ -50,8 +50,10 @@ FILE = "native-profile.json"
 #: 8 the paged decode step over int8 pages with and without bfloat16 dot products, 9 a
 #: bfloat16 decode step through the paged kernel and through torch's, 10 the AVX-512 step's
 #: second blocking too (``native32_second_ms``, ``use_blocking``), 11 the causal pass over
-#: 2,048 queries, not 1,024 (a file of an older format is measured again, silently)
-FORMAT = 11
+#: 2,048 queries, not 1,024, 12 the backward's blocking apart from the forward's
+#: (``causal_native_second_ms``, ``use_backward_blocking``) (a file of an older format is
+#: measured again, silently)
+FORMAT = 12
 
 
 #: torch's half-precision kernel ÷ its time on float32 copies past which half precision runs
@@ -77,7 +79,10 @@ BFLOAT16_AT = 1.05
 
 #: the float32 step in its second blocking ÷ in its first (:data:`steps.BLOCKINGS`), under
 #: which the steps run the second: the faster (the two give the same bits; near the line, as
-#: :data:`BFLOAT16_AT`)
+#: :data:`BFLOAT16_AT`). The forward's and the backward's apart: on an Intel Xeon (family 6
+#: model 207, 2026-11-29) tiles of 16 rows took 1.03× the forward's time of tiles of 8 and
+#: 0.97–0.99× the backward's (causal T = 4,096; held to AVX2, its 2 rows in registers
+#: 1.06–1.12× the backward's time of 3)
 BLOCKING_AT = 1.0
 
 #: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
@@ -138,7 +143,8 @@ class Probe(NamedTuple):
     :data:`~qkv.kernels.tiled.measurement.CAUSAL` queries (4 heads, D = 64, float32) through the
     native kernel (``causal_native_ms``; nan where this CPU cannot run it) and through torch's
     fused kernel with is_causal (``causal_sdpa_ms``), forward and backward, and forward alone
-    (``causal_*_fwd_ms``). And the paged decode kernel's step over int8 pages with bfloat16
+    (``causal_*_fwd_ms``), and forward and backward with the backward in its second blocking
+    (``causal_native_second_ms``). And the paged decode kernel's step over int8 pages with bfloat16
     queries (:data:`~qkv.kernels.tiled.measurement.PAGED`), the keys scored by bfloat16 dot
     products (``paged_dots_ms``) and widened for float32 FMAs (``paged_widen_ms``; both nan
     where the CPU has no AVX512-BF16). And a bfloat16 decode step over a cache's rows
@@ -161,6 +167,7 @@ class Probe(NamedTuple):
     causal_sdpa_ms: float = float("nan")
     causal_native_fwd_ms: float = float("nan")
     causal_sdpa_fwd_ms: float = float("nan")
+    causal_native_second_ms: float = float("nan")
     paged_dots_ms: float = float("nan")
     paged_widen_ms: float = float("nan")
     decode_paged_ms: float = float("nan")
@@ -175,6 +182,7 @@ class Probe(NamedTuple):
     widen_bfloat16_fwd: bool | None = None
     widen_float16_fwd: bool | None = None
     use_blocking: int | None = None
+    use_backward_blocking: int | None = None
     use_causal: bool | None = None
     use_causal_fwd: bool | None = None
     use_causal_bfloat16: bool | None = None
@@ -204,10 +212,14 @@ class Probe(NamedTuple):
 
     def causal_ratio(self, backward: bool = True) -> float:
         """The native kernel's causal pass ÷ torch's fused kernel's with is_causal, forward
-        and backward or forward alone (nan: not measured)."""
-        fwd = "" if backward else "_fwd"
-        native_ms = getattr(self, f"causal_native{fwd}_ms")
-        return float(native_ms / getattr(self, f"causal_sdpa{fwd}_ms"))
+        and backward (the backward in its :attr:`backward_blocking`) or forward alone (nan:
+        not measured)."""
+        if backward:
+            second = self.backward_blocking
+            return (self.causal_native_second_ms if second else self.causal_native_ms) / (
+                self.causal_sdpa_ms
+            )
+        return self.causal_native_fwd_ms / self.causal_sdpa_fwd_ms
 
     def causal_at(self, dtype: torch.dtype = torch.float32, backward: bool = True) -> float:
         """The line under which :meth:`causal_ratio` sends a causal call with T_q == T_k in
@@ -285,11 +297,23 @@ class Probe(NamedTuple):
 
     @property
     def blocking(self) -> int:
-        """The steps' blocking here (:data:`steps.BLOCKINGS`): the second (1) where it ran
+        """The forward's blocking here (:data:`steps.BLOCKINGS`): the second (1) where it ran
         under :data:`BLOCKING_AT` × the first's time, else the first (0)."""
         if self.use_blocking is not None:
             return self.use_blocking
         return 1 if self.blocking_ratio() < BLOCKING_AT else 0
+
+    def backward_blocking_ratio(self) -> float:
+        """The causal pass forward and backward with the backward in its second blocking ÷
+        in its first (nan: not measured)."""
+        return self.causal_native_second_ms / self.causal_native_ms
+
+    @property
+    def backward_blocking(self) -> int:
+        """The backward's blocking here, as :attr:`blocking` is the forward's."""
+        if self.use_backward_blocking is not None:
+            return self.use_backward_blocking
+        return 1 if self.backward_blocking_ratio() < BLOCKING_AT else 0
 
     def bfloat16_ratio(self, float32: bool | None = None) -> float:
         """The native bfloat16 step's time ÷ that of the path bfloat16 takes otherwise:
@@ -405,14 +429,15 @@ def _near(ratio: float, threshold: float) -> bool:
 
 def _lines(p: Probe) -> list[tuple[float, float]]:
     """Each choice's ratio beside its threshold: the float32 step's second blocking ÷ its
-    first, native ÷ torch in float32, native bfloat16 ÷ the path bfloat16 takes otherwise,
-    torch's half precision ÷ float32 copies, the native causal pass ÷ torch's (against each
-    dtype's line), the paged step over int8 pages with bfloat16 dot products ÷ without, and
-    a bfloat16 decode step through the paged kernel ÷ through torch's (without GQA, with
-    it)."""
+    first (forward, backward), native ÷ torch in float32, native bfloat16 ÷ the path
+    bfloat16 takes otherwise, torch's half precision ÷ float32 copies, the native causal
+    pass ÷ torch's (against each dtype's line), the paged step over int8 pages with
+    bfloat16 dot products ÷ without, and a bfloat16 decode step through the paged kernel ÷
+    through torch's (without GQA, with it)."""
     halves = (torch.bfloat16, torch.float16)
     both = (True, False)
-    lines = [(p.blocking_ratio(), BLOCKING_AT), (p.float32_ratio(), FLOAT32_AT)]
+    lines = [(p.blocking_ratio(), BLOCKING_AT), (p.backward_blocking_ratio(), BLOCKING_AT)]
+    lines += [(p.float32_ratio(), FLOAT32_AT)]
     lines += [(p.bfloat16_ratio(), BFLOAT16_AT)]
     lines += [(p.sdpa_ratio(d, b), WIDEN_AT) for d in halves for b in both]
     dtypes = (torch.float32, *halves)
@@ -438,6 +463,10 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     stored_blocking = None if old is None else old.blocking
     blocking = _kept(new.blocking, stored_blocking, new.blocking_ratio(), BLOCKING_AT)
     new = new._replace(use_blocking=blocking)  # float32's time below is in this blocking
+    stored_blocking = None if old is None else old.backward_blocking
+    ratio = new.backward_blocking_ratio()
+    blocking = _kept(new.backward_blocking, stored_blocking, ratio, BLOCKING_AT)
+    new = new._replace(use_backward_blocking=blocking)  # and the causal pass's backward
     stored = None if old is None else old.float32
     float32 = _kept(new.float32, stored, new.float32_ratio(), FLOAT32_AT)
     r16 = new.bfloat16_ratio(float32)
@@ -521,7 +550,8 @@ def load(remeasure: bool = False) -> tuple[Probe, str]:
 @functools.cache
 def probe() -> Probe:
     """This machine's profile (:func:`load`), read once per process; the steps run in the
-    blocking it chose from then on."""
+    blockings it chose from then on, the forward's and the backward's."""
     found = load()[0]
     steps.set_blocking(found.blocking)
+    steps.set_blocking(found.backward_blocking, backward=True)
     return found

@@ -88,18 +88,20 @@ def use_isa(name: str) -> Iterator[None]:
 
 #: each step's blockings, compiled both ways: 0, the first (the default), and 1, the second —
 #: AVX-512 tiles of 8 query rows or 16 (each key block a tile loads serving twice the rows);
-#: AVX2, NEON and SVE 3 query rows in registers or 2. Which runs faster depends on the core:
-#: the machine's profile measures (docs/kernels.md). The same bits either way: no two rows
-#: share a sum, and a row's sums run in the same order.
+#: AVX2, NEON and SVE 3 query rows in registers or 2. Which runs faster depends on the core,
+#: and differs between the forward and the backward: the machine's profile measures each
+#: (docs/kernels.md). The same bits either way: no two rows share a sum, and a row's sums
+#: run in the same order.
 BLOCKINGS = (0, 1)
 
 
-def blocking() -> int:
-    """The blocking the steps run in this process (:data:`BLOCKINGS`)."""
+def blocking(backward: bool = False) -> int:
+    """The blocking the forward's steps (or the backward's) run in this process
+    (:data:`BLOCKINGS`)."""
     if _native is None:
         return BLOCKINGS[0]
-    before = _native.use_blocking(BLOCKINGS[0])
-    _native.use_blocking(before)
+    before = _native.use_blocking(BLOCKINGS[0], backward)
+    _native.use_blocking(before, backward)
     return int(before)
 
 
@@ -110,25 +112,29 @@ def blocking_name(isa_name: str, n: int) -> str:
     return f"{(3, 2)[n]} query rows in registers"
 
 
-def set_blocking(n: int) -> None:
-    """Runs the steps in blocking ``n`` (:data:`BLOCKINGS`) in this process, as the machine's
-    profile chose."""
+def set_blocking(n: int, backward: bool = False) -> None:
+    """Runs the forward's steps (or the backward's) in blocking ``n`` (:data:`BLOCKINGS`) in
+    this process, as the machine's profile chose."""
     if n not in BLOCKINGS:
         raise ValueError(f"set_blocking: one of {BLOCKINGS}, not {n!r}")
     if _native is not None:
-        _native.use_blocking(n)
+        _native.use_blocking(n, backward)
 
 
 @contextlib.contextmanager
-def use_blocking(n: int) -> Iterator[None]:
-    """Within the block, the steps run in blocking ``n``: to test and measure each.
-    Process-wide, as :func:`use_isa`."""
-    before = blocking()
-    set_blocking(n)
+def use_blocking(n: int, backward: bool | None = None) -> Iterator[None]:
+    """Within the block, the steps run in blocking ``n`` — the forward's (``backward``
+    False), the backward's (True) or both (None): to test and measure each. Process-wide, as
+    :func:`use_isa`."""
+    sides = (False, True) if backward is None else (backward,)
+    before = [blocking(side) for side in sides]
+    for side in sides:
+        set_blocking(n, side)
     try:
         yield
     finally:
-        set_blocking(before)
+        for side, n_before in zip(sides, before, strict=True):
+            set_blocking(n_before, side)
 
 
 @functools.cache
