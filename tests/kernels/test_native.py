@@ -979,23 +979,33 @@ def test_float32_reads_values_in_place_at_any_row_stride():
     np.testing.assert_allclose(lse[:, :, 0].double().numpy(), want_lse, atol=4e-6, rtol=0)
 
 
-@BOTH
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("at", [0, 16383, 16384, 40000 - 1])
-def test_the_one_thread_finiteness_check_finds_nan_and_inf_anywhere(dtype, value, at):
-    """native.finite (the dispatch's check of Q, K and V, in one thread) against
-    all_finite: the first and last elements, either side of its 16,384-value chunks; large
-    finite values are finite; a non-contiguous tensor takes all_finite."""
+@pytest.mark.parametrize("at", [0, 16383, 16384, 40000 - 1, 40006])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "neon", "sve"])
+def test_the_one_thread_finiteness_check_finds_nan_and_inf_anywhere(dtype, value, at, isa):
+    """native.finite (the dispatch's check of Q, K and V, in one thread, on each step's
+    vectors) against all_finite: the first and last elements, either side of its
+    16,384-value chunks, in the last whole 64 values and in the part-vector tail after them;
+    the largest finite values are finite; a non-contiguous tensor takes all_finite."""
     from qkv.kernels.reference import all_finite
 
-    x = (
-        torch.randn(40000).to(dtype) * 1e30
-        if dtype == torch.float32
-        else torch.randn(40000).to(dtype)
-    )
-    assert native.finite(x) and all_finite(x)
-    x[at] = value
-    assert not native.finite(x) and not all_finite(x)
+    if isa not in steps.isas():
+        pytest.skip(f"this CPU cannot run the {isa} step")
+    big = torch.finfo(dtype).max
+    x = torch.randn(40007).clamp(-1, 1).to(dtype) * big
+    with steps.use_isa("" if isa in ("avx512", "sve") else isa):
+        assert steps.isa(torch.float32) == isa
+        assert native.finite(x) and all_finite(x)
+        for n in (1, 15, 17, 64, 40000):  # whole vectors, part ones
+            assert native.finite(x[:n])
+        x[at] = value
+        assert not native.finite(x) and not all_finite(x)
+        assert native.finite(x[:at]) and not native.finite(x[: at + 1])
+    y = torch.randn(200, 200).to(dtype).t()
+    y[3, 7] = value
+    assert not y.is_contiguous() and not native.finite(y)
+    assert native.finite(torch.zeros(0, dtype=dtype))
     y = torch.randn(200, 200).to(dtype).t()
     y[3, 7] = value
     assert not y.is_contiguous() and not native.finite(y)

@@ -80,13 +80,14 @@ typedef struct {
     void (*key_block)(const BJob *, int64_t, int64_t, int64_t, DqOut *, float *, float *, void *);
     void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
     void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
+    int (*finite)(const void *, int64_t, int);
 } StepFns;
 
 /* The entry points of the unit for instruction set ISA (a name's suffix) and blocking
    BLOCK (_rows2 or _rows16, or empty); its row dots and packing are the same in both. */
 #define STEP_FNS(ISA, BLOCK)                                                                       \
     ((StepFns){qkv_forward_item_##ISA##BLOCK, qkv_key_block_##ISA##BLOCK, qkv_row_dots_##ISA,      \
-               qkv_pack32_half_##ISA})
+               qkv_pack32_half_##ISA, qkv_finite_##ISA})
 
 /* The step of instruction set isa (not ISA_NONE) in its first blocking (0) or its second
    (1): AVX-512 tiles of 8 query rows or 16; AVX2, NEON and SVE 3 rows in registers or 2. */
@@ -335,8 +336,14 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
 
 /* Whether the n values at x (SRC_*) are all finite (no exponent all ones): one thread, no
    parallel region, so that on a busy machine no descheduled thread holds the check up;
-   chunk by chunk, stopping at the first chunk that holds NaN or inf. */
+   chunk by chunk, stopping at the first chunk that holds NaN or inf. On the step's vectors
+   where the CPU runs one (the loop below, SSE2's 4 lanes, took 4 ms over 33 MB of float32:
+   13% of a window(256) forward at T = 16,384, docs/benchmarks.md). */
 static int all_finite(const void *x, int64_t n, int src) {
+#ifdef QKV_STEP
+    const int isa = cpu_isa(1);
+    if (isa != ISA_NONE) return step_of(isa, 0).finite(x, n, src);
+#endif
     const uint16_t ones = src == SRC_F16 ? 0x7c00u : 0x7f80u; /* a half's exponent bits */
     const int64_t chunk = 1 << 14;
     for (int64_t i0 = 0; i0 < n; i0 += chunk) {

@@ -420,6 +420,35 @@ TARGET void NAMED(qkv_row_dots)(const void *a, const void *b, int64_t n, int64_t
     else if (src == SRC_F16) row_dots_src(a, b, n, D, out, SRC_F16);
     else row_dots_src(a, b, n, D, out, SRC_F32);
 }
+
+/* Whether the n values at x, held as SRC, are all finite: each widened as it is loaded and
+   multiplied by 0 into four sums, which stay 0 unless a value is NaN or ±inf (0 · inf is
+   NaN), looked at every 16,384 values so that the first chunk with one ends the pass. */
+TARGET static inline __attribute__((always_inline)) int finite_src(const void *x, int64_t n,
+                                                                   const int SRC) {
+    const vf zero = vzero();
+    for (int64_t i0 = 0; i0 < n; i0 += 1 << 14) {
+        const int64_t i1 = n - i0 < 1 << 14 ? n : i0 + (1 << 14);
+        vf acc[4] = {zero, zero, zero, zero};
+        int64_t i = i0;
+        for (; i + 64 <= i1; i += 64)
+            for (int e = 0; e < 4; e++) acc[e] = vfma(vload_src(x, i + 16 * e, SRC), zero, acc[e]);
+        for (; i < i1; i += 16) {
+            const lanemask in = lanes(i, 0, i1);
+            acc[0] = vfma(vloadz_src(in, x, i, SRC), zero, acc[0]);
+        }
+        if (!(vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3]))) == 0.0f)) return 0;
+    }
+    return 1;
+}
+
+/* The dispatch's check that Q, K and V hold no NaN or inf (finite_src) for any source, on
+   the step's vectors: one thread, as row dots. */
+TARGET int NAMED(qkv_finite)(const void *x, int64_t n, int src) {
+    if (src == SRC_BF16) return finite_src(x, n, SRC_BF16);
+    if (src == SRC_F16) return finite_src(x, n, SRC_F16);
+    return finite_src(x, n, SRC_F32);
+}
 #endif
 
 /* acc[n] += Σ_i w[i][n] · x[i] over the tile's rows, for the nk keys of the live blocks:
