@@ -119,15 +119,19 @@ def parts(T: int) -> dict[str, object]:
     """The native window forward's pieces, float32 and bfloat16, each timed alone: the whole
     ``qkv.attention`` call, the dispatch, packing K (and V), the kernel's one call over the
     prepared jobs, and bfloat16's rounding of the output."""
-    from qkv.kernels.tiled import flash, native
+    from qkv.kernels.tiled import flash, native, scratch
     from qkv.kernels.tiled.plan import _blocked
+
+    def transient_pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> object:
+        scratch.start()  # in the thread's scratch buffer, as the call packs
+        return native.pack(k, v, dtype, transient=True)
 
     window, out = qkv.masks.sliding_window(256), {}
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (torch.randn(1, H, T, D).to(dtype) for _ in range(3))
         seen = []
         real = flash.fused_forward
-        flash.fused_forward = lambda c, *, native: seen.append(c) or real(c, native=native)
+        flash.fused_forward = lambda c, **kw: seen.append(c) or real(c, **kw)
         try:
             qkv.attention(q, k, v, mask=window)
         finally:
@@ -135,10 +139,11 @@ def parts(T: int) -> dict[str, object]:
         c = seen[0]
         q5, o, lse = _blocked(c.q, H), torch.empty(1, H, 1, T, D), torch.empty(1, H, 1, T)
         jobs = flash.native_jobs(c.plan, q5, o, lse, c.tiles, {})
-        packed, name = native.pack(c.k, c.v), str(dtype).removeprefix("torch.")
+        computed = torch.float32 if c.path == "tiled-native-widen" else dtype  # as the call
+        packed, name = native.pack(c.k, c.v, computed), str(dtype).removeprefix("torch.")
         out[f"{name} attention"] = lambda q=q, k=k, v=v: qkv.attention(q, k, v, mask=window)
         out[f"{name} dispatch"] = lambda q=q, k=k, v=v: qkv.dispatch(q, k, v, mask=window)
-        out[f"{name} pack"] = lambda c=c: native.pack(c.k, c.v)
+        out[f"{name} pack"] = lambda c=c, d=computed: transient_pack(c.k, c.v, d)
         out[f"{name} kernel"] = lambda j=jobs, p=packed, c=c: native.attend_many(j, p, c.scale)
         if dtype != torch.float32:
             out[f"{name} output rounding"] = lambda o=o, d=dtype: o.to(d)

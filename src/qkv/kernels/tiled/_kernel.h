@@ -204,8 +204,8 @@ static inline float *dq_row(const DqOut *dq, int64_t R, int64_t row) {
 #define ISA_DECLS(S)                                                                               \
     void qkv_row_dots_##S(const void *a, const void *b, int64_t n, int64_t D, int src,             \
                           float *out);                                                             \
-    void qkv_pack32_half_##S(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,           \
-                             float *dst);                                                          \
+    void qkv_pack32_float_##S(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,          \
+                              float *dst);                                                         \
     int qkv_finite_##S(const void *x, int64_t n, int src);
 #pragma GCC visibility push(hidden)
 #ifdef QKV_X86

@@ -79,7 +79,7 @@ typedef struct {
     void (*forward_item)(const Job *, int64_t);
     void (*key_block)(const BJob *, int64_t, int64_t, int64_t, DqOut *, float *, float *, void *);
     void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
-    void (*pack32_half)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
+    void (*pack32_float)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
     int (*finite)(const void *, int64_t, int);
 } StepFns;
 
@@ -87,7 +87,7 @@ typedef struct {
    BLOCK (_rows2 or _rows16, or empty); its row dots and packing are the same in both. */
 #define STEP_FNS(ISA, BLOCK)                                                                       \
     ((StepFns){qkv_forward_item_##ISA##BLOCK, qkv_key_block_##ISA##BLOCK, qkv_row_dots_##ISA,      \
-               qkv_pack32_half_##ISA, qkv_finite_##ISA})
+               qkv_pack32_float_##ISA, qkv_finite_##ISA})
 
 /* The step of instruction set isa (not ISA_NONE) in its first blocking (0) or its second
    (1): AVX-512 tiles of 8 query rows or 16; AVX2, NEON and SVE 3 rows in registers or 2. */
@@ -252,16 +252,16 @@ static void head_worker(Pass *ps) {
 }
 #endif /* QKV_STEP */
 
-/* Packs block `it` of B·H·(Nt/32): 32 keys of one head, by pack32, or, half-precision keys
-   in float32's layout (f32), by the step of isa where one runs here (its vector loads
-   widen them: pack32 widens value by value). */
+/* Packs block `it` of B·H·(Nt/32): 32 keys of one head, by pack32, or, in float32's layout
+   (f32), by the step of isa where one runs here (its vector loads, which widen half
+   precision, and a transposition in L1: pack32 goes value by value). */
 static void pack_block(const Pack *p, int64_t it, int64_t H, int64_t T, int64_t Nt, int f32,
                        int isa) {
     int64_t bh = it / (Nt / 32), nb = it % (Nt / 32);
     void *dst = (char *)p->dst + it * 32 * p->D * (f32 ? 4 : 2);
 #ifdef QKV_STEP
-    if (f32 && p->src != SRC_F32 && isa != ISA_NONE) {
-        step_of(isa, 0).pack32_half(p, bh / H, bh % H, nb * 32, T, dst);
+    if (f32 && isa != ISA_NONE) {
+        step_of(isa, 0).pack32_float(p, bh / H, bh % H, nb * 32, T, dst);
         return;
     }
 #endif

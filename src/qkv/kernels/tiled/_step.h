@@ -484,42 +484,49 @@ TARGET static void fold(float *acc, float *part, int64_t n) {
     }
 }
 
-/* Keys n0..n0+31 of head (b, h) of p, held in half precision (SRC), packed at dst in
-   float32's layout (D, 32) as pack32 does, each row widened by the vector loads first (pack32
-   widens value by value); the widened rows also kept at rows, D apart, if given (for dQ's
-   ·K). */
+/* Keys n0..n0+31 of head (b, h) of p, held as SRC (float32 or half precision), packed at
+   dst in float32's layout (D, 32) as pack32 does, 16 dims at a time: each key's 16 values
+   loaded as one vector (half precision widened by it) into a 32 × 16 block that stays in
+   L1, which is then written out transposed, a row of 32 keys a dim. (pack32 goes value by
+   value, each store 32 floats past the last: at T = 16,384, H = 8, D = 64 the forward's pack
+   took 8 ms of an 87 ms window(256) call, docs/benchmarks.md.) The widened rows are also
+   kept at rows, D apart, if given (for dQ's ·K). */
 TARGET static inline __attribute__((always_inline)) void
-pack32_widened(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, float *dst,
-               float *rows, const int SRC) {
-    float buf[MAX_D];
-    for (int64_t kk = 0; kk < 32; kk++) {
-        const int64_t n = n0 + kk;
-        const bf16 *xr = (const bf16 *)p->x + b * p->xs[0] + h * p->xs[1] + n * p->xs[2];
-        float *row = rows ? rows + kk * D : buf;
-        if (n >= T) memset(row, 0, sizeof(float) * D);
-        for (int64_t d = 0; n < T && d < D; d += 16) {
-            const lanemask in = lanes(d, 0, D);
-            if (in == 0xffff) vstore(row + d, vload_src(xr, d, SRC));
-            else
-                for (int64_t e = d; e < D; e++) row[e] = widened(xr, e, SRC);
+pack32_floats(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, float *dst,
+              float *rows, const int SRC) {
+    const int64_t unit = SRC == SRC_F32 ? 4 : 2;
+    float block[32][16];
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const lanemask in = lanes(d0, 0, D);
+        const int64_t nd = D - d0 < 16 ? D - d0 : 16;
+        for (int64_t kk = 0; kk < 32; kk++) {
+            const int64_t n = n0 + kk;
+            const char *xr =
+                (const char *)p->x + (b * p->xs[0] + h * p->xs[1] + n * p->xs[2]) * unit;
+            vf x = vzero();
+            if (n < T) x = in == 0xffff ? vload_src(xr, d0, SRC) : vloadz_src(in, xr, d0, SRC);
+            vstore(block[kk], x);
+            if (rows) memcpy(rows + kk * D + d0, block[kk], sizeof(float) * nd);
         }
-        for (int64_t d = 0; d < D; d++) dst[d * 32 + kk] = row[d];
+        for (int64_t dd = 0; dd < nd; dd++)
+            for (int64_t kk = 0; kk < 32; kk++) dst[(d0 + dd) * 32 + kk] = block[kk][dd];
     }
 }
 
-/* pack32_widened for the half-precision source src (SRC_F16 or SRC_BF16), each a constant
+/* pack32_floats for the source src (SRC_F32, SRC_F16 or SRC_BF16), each a constant
    inside. */
-TARGET static void pack32_half(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
-                               int64_t D, float *dst, float *rows, int src) {
-    if (src == SRC_F16) pack32_widened(p, b, h, n0, T, D, dst, rows, SRC_F16);
-    else pack32_widened(p, b, h, n0, T, D, dst, rows, SRC_BF16);
+TARGET static void pack32_float(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
+                                int64_t D, float *dst, float *rows, int src) {
+    if (src == SRC_F16) pack32_floats(p, b, h, n0, T, D, dst, rows, SRC_F16);
+    else if (src == SRC_BF16) pack32_floats(p, b, h, n0, T, D, dst, rows, SRC_BF16);
+    else pack32_floats(p, b, h, n0, T, D, dst, rows, SRC_F32);
 }
 
-/* The forward's pack of one key block of half-precision keys in float32's layout
-   (_native.c's pack_block): pack32_half. */
-TARGET void NAMED(qkv_pack32_half)(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
-                                   float *dst) {
-    pack32_half(p, b, h, n0, T, p->D, dst, NULL, p->src);
+/* The forward's pack of one key block in float32's layout (_native.c's pack_block):
+   pack32_float. */
+TARGET void NAMED(qkv_pack32_float)(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,
+                                    float *dst) {
+    pack32_float(p, b, h, n0, T, p->D, dst, NULL, p->src);
 }
 
 /* One backward work item: the key block of KB keys from n0 (of the call's, counted from
@@ -542,15 +549,16 @@ TARGET void NAMED(qkv_key_block)(const BJob *bj, int64_t b, int64_t h, int64_t n
     size_t size = j->f32 ? 4 : 2;
     char *kp = scratch, *vk = kp + KB * D * size, *kvb = vk + KB * Dv * size;
     float *dKc = (float *)scratch + 3 * KB * MAX_D, *dVc = dKc + KB * MAX_D; /* later rows' sums */
-    /* half precision widened: K's and V's rows widened 16 values at a time, and K's rows
-       kept in float32 (kvb) for dQ's ·K, which then reads them as they are */
+    /* float32: K's and V's rows loaded 16 values at a time (half precision widened), and
+       half-precision K's rows kept in float32 (kvb) for dQ's ·K, which then reads them as
+       they are */
     const int widen = j->f32 && j->src != SRC_F32;
     for (int64_t s = 0; s < nk; s += 32) { /* K and V from key begin + n0, zero past T */
         const int64_t at = j->begin + n0 + s;
-        if (widen) { /* K's widened rows kept at kvb */
-            pack32_half(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D, (float *)kvb + s * D,
-                        j->src);
-            pack32_half(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, j->src);
+        if (j->f32) { /* widened K's rows kept at kvb */
+            pack32_float(&bj->k, b, h, at, bj->T, D, (float *)kp + s * D,
+                         widen ? (float *)kvb + s * D : NULL, j->src);
+            pack32_float(&bj->v, b, h, at, bj->T, Dv, (float *)vk + s * Dv, NULL, j->src);
         } else {
             pack32(&bj->k, b, h, at, bj->T, D, j->f32, kp + s * D * size);
             pack32(&bj->v, b, h, at, bj->T, Dv, j->f32, vk + s * Dv * size);
