@@ -80,9 +80,9 @@ BFLOAT16_AT = 1.05
 #: the float32 step in its second blocking ÷ in its first (:data:`steps.BLOCKINGS`), under
 #: which the steps run the second: the faster (the two give the same bits; near the line, as
 #: :data:`BFLOAT16_AT`). The forward's and the backward's apart: on an Intel Xeon (family 6
-#: model 207, 2026-11-29) tiles of 16 rows took 1.03× the forward's time of tiles of 8 and
-#: 0.97–0.99× the backward's (causal T = 4,096; held to AVX2, its 2 rows in registers
-#: 1.06–1.12× the backward's time of 3)
+#: model 207, 2026-11-29) tiles of 16 rows took 1.03–1.05× the forward's time of tiles of 8
+#: and 0.93–0.995× the backward's (median 0.97; causal T = 4,096; held to AVX2, its 2 rows
+#: in registers 1.06–1.12× the backward's time of 3)
 BLOCKING_AT = 1.0
 
 #: the native kernel's causal pass ÷ torch's fused kernel's with is_causal (over
@@ -214,12 +214,10 @@ class Probe(NamedTuple):
         """The native kernel's causal pass ÷ torch's fused kernel's with is_causal, forward
         and backward (the backward in its :attr:`backward_blocking`) or forward alone (nan:
         not measured)."""
-        if backward:
-            second = self.backward_blocking
-            return (self.causal_native_second_ms if second else self.causal_native_ms) / (
-                self.causal_sdpa_ms
-            )
-        return self.causal_native_fwd_ms / self.causal_sdpa_fwd_ms
+        if not backward:
+            return self.causal_native_fwd_ms / self.causal_sdpa_fwd_ms
+        native = self.causal_native_second_ms if self.backward_blocking else self.causal_native_ms
+        return native / self.causal_sdpa_ms
 
     def causal_at(self, dtype: torch.dtype = torch.float32, backward: bool = True) -> float:
         """The line under which :meth:`causal_ratio` sends a causal call with T_q == T_k in
@@ -463,10 +461,10 @@ def _decide(new: Probe, old: Probe | None) -> Probe:
     stored_blocking = None if old is None else old.blocking
     blocking = _kept(new.blocking, stored_blocking, new.blocking_ratio(), BLOCKING_AT)
     new = new._replace(use_blocking=blocking)  # float32's time below is in this blocking
-    stored_blocking = None if old is None else old.backward_blocking
+    stored_backward = None if old is None else old.backward_blocking
     ratio = new.backward_blocking_ratio()
-    blocking = _kept(new.backward_blocking, stored_blocking, ratio, BLOCKING_AT)
-    new = new._replace(use_backward_blocking=blocking)  # and the causal pass's backward
+    backward = _kept(new.backward_blocking, stored_backward, ratio, BLOCKING_AT)
+    new = new._replace(use_backward_blocking=backward)  # the causal pass's backward: in it
     stored = None if old is None else old.float32
     float32 = _kept(new.float32, stored, new.float32_ratio(), FLOAT32_AT)
     r16 = new.bfloat16_ratio(float32)
