@@ -384,3 +384,24 @@ def test_qkv_doctor_prints_the_machine_and_its_choices(cache, capsys):
     if steps.available(torch.float32):
         assert "profile: measured and stored" in out
         assert main(["doctor"]) == 0 and "profile: stored in" in capsys.readouterr().out
+
+
+def test_a_call_the_native_kernel_cannot_run_never_measures_the_profile(cache, monkeypatch, tune):
+    """The dispatch asks what reads no values (the dtype, head dims, strides) before the
+    machine's profile: a float64 call under a mask never measures it (the context-parallel
+    ranks, all float64, measured it mid-ring once the profile came first)."""
+
+    def measure():
+        raise AssertionError("measured the profile for a float64 call")
+
+    monkeypatch.setattr(profile, "measure", measure)
+    profile.probe.cache_clear()
+    tune(native_probe=True)
+    try:
+        q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
+        window = masks.sliding_window(4)
+        assert qkv.dispatch(q, k, v, mask=window, backend="tiled").path == "tiled-flash"
+        qkv.attention(q, k, v, mask=window, backend="tiled")
+        assert not cache.exists()
+    finally:
+        profile.probe.cache_clear()

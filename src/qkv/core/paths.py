@@ -125,17 +125,21 @@ def tiled_path(a: Call) -> tuple[str, str]:
     capped = "" if mod is None else f", {mod} applied in it"
     if a.tuning.native and a.key_finite:
         name = str(a.q.dtype).removeprefix("torch.")
-        # whether the native kernel wins first: supports reads Q and V, and a half-precision
-        # call that reads them for its dtype's step and then for the widened one paid two
-        # more passes over them (bfloat16 at T = 16,384, H = 8, D = 64: 2.5 ms each, 6% of
-        # the window(256) forward)
-        if native_wins(a, a.q.dtype) and native.supports(a.q, a.k, a.v):
+        # what reads nothing first, then whether the native kernel wins (the machine's
+        # profile: measured once), then supports, which reads Q and V: a half-precision call
+        # that read them for its dtype's step and then for the widened one paid two more
+        # passes over them (bfloat16 at T = 16,384, H = 8, D = 64: 2.5 ms each, 6% of the
+        # window(256) forward)
+        fits = native.fits(a.q, a.k, a.v)
+        if fits and native_wins(a, a.q.dtype) and native.supports(a.q, a.k, a.v):
             on = steps.isa(a.q.dtype)
             return "tiled-native", (
                 f"qkv's native {name} kernel ({on}) runs the plan in one call{capped}"
             )
         half = a.q.dtype in (torch.bfloat16, torch.float16)
-        if half and native_wins(a, torch.float32) and native.supports(a.q, a.k, a.v, torch.float32):
+        f32 = torch.float32
+        widen = half and native.fits(a.q, a.k, a.v, f32)
+        if widen and native_wins(a, f32) and native.supports(a.q, a.k, a.v, f32):
             return "tiled-native-widen", (
                 f"qkv's native float32 kernel ({steps.isa()}) runs the plan in one call, "
                 f"widening {name} as it loads it{capped}"

@@ -43,6 +43,14 @@ def supports(
     V (the dispatch has checked K) — the kernel's max would pass over a NaN score, and
     0 · inf in ·V would reach rows that mask the key out. Reads Q and V: the dispatch asks
     once per call."""
+    return fits(q, k, v, dtype) and finite(q) and finite(v)
+
+
+def fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None
+) -> bool:
+    """The part of :func:`supports` that reads no values: the dtypes, head dims and strides
+    (the dispatch asks it before anything that measures or reads)."""
     dtype = q.dtype if dtype is None else dtype
     widen = dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)
     return (
@@ -50,8 +58,6 @@ def supports(
         and shapes_fit(dtype, q.device, q.shape[-1], v.shape[-1])
         and q.dtype == k.dtype == v.dtype
         and all(x.stride(-1) == 1 for x in (q, k, v))
-        and finite(q)
-        and finite(v)
     )
 
 
