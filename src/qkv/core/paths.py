@@ -128,8 +128,7 @@ def tiled_path(a: Call) -> tuple[str, str]:
         # what reads nothing first, then whether the native kernel wins (the machine's
         # profile: measured once), then supports, which reads Q and V: a half-precision call
         # that read them for its dtype's step and then for the widened one paid two more
-        # passes over them (bfloat16 at T = 16,384, H = 8, D = 64: 2.5 ms each, 6% of the
-        # window(256) forward)
+        # passes over them (timed in docs/benchmarks.md, "measurements behind code choices")
         fits = native.fits(a.q, a.k, a.v)
         if fits and native_wins(a, a.q.dtype) and native.supports(a.q, a.k, a.v):
             on = steps.isa(a.q.dtype)

@@ -337,8 +337,8 @@ static PyObject *pack_py(PyObject *self, PyObject *args, PyObject *kwargs) {
 /* Whether the n values at x (SRC_*) are all finite (no exponent all ones): one thread, no
    parallel region, so that on a busy machine no descheduled thread holds the check up;
    chunk by chunk, stopping at the first chunk that holds NaN or inf. On the step's vectors
-   where the CPU runs one (the loop below, SSE2's 4 lanes, took 4 ms over 33 MB of float32:
-   13% of a window(256) forward at T = 16,384, docs/benchmarks.md). */
+   where the CPU runs one (the loop below runs SSE2's 4 lanes: its cost, docs/benchmarks.md,
+   "measurements behind code choices"). */
 static int all_finite(const void *x, int64_t n, int src) {
 #ifdef QKV_STEP
     const int isa = cpu_isa(1);

@@ -488,8 +488,8 @@ TARGET static void fold(float *acc, float *part, int64_t n) {
    dst in float32's layout (D, 32) as pack32 does, 16 dims at a time: each key's 16 values
    loaded as one vector (half precision widened by it) into a 32 × 16 block that stays in
    L1, which is then written out transposed, a row of 32 keys a dim. (pack32 goes value by
-   value, each store 32 floats past the last: at T = 16,384, H = 8, D = 64 the forward's pack
-   took 8 ms of an 87 ms window(256) call, docs/benchmarks.md.) The widened rows are also
+   value, each store 32 floats past the last: the two timed in docs/benchmarks.md,
+   "measurements behind code choices".) The widened rows are also
    kept at rows, D apart, if given (for dQ's ·K). */
 TARGET static inline __attribute__((always_inline)) void
 pack32_floats(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T, int64_t D, float *dst,
