@@ -116,6 +116,10 @@ typedef struct {
     float *dk, *dv; /* (B, H, N, D): the call's keys, D contiguous */
     int64_t dks[3], dvs[3];
     int64_t blocks; /* key blocks per head */
+    /* Where the pass rounds its gradients itself (dq, dk and dv NULL): its dQ, dK and dV
+       rows' offsets in a head's float32 sums (Rounded, _native.c), and the strides above
+       those of the sums' layout. */
+    int64_t at[3];
 } BJob;
 
 /* Element i of x (SRC_*) as float32. */
@@ -206,7 +210,9 @@ static inline float *dq_row(const DqOut *dq, int64_t R, int64_t row) {
                           float *out);                                                             \
     void qkv_pack32_float_##S(const Pack *p, int64_t b, int64_t h, int64_t n0, int64_t T,          \
                               float *dst);                                                         \
-    int qkv_finite_##S(const void *x, int64_t n, int src);
+    int qkv_finite_##S(const void *x, int64_t n, int src);                                         \
+    void qkv_narrow_rows_##S(const float *x, int64_t xs, int64_t n, int64_t D, uint16_t *to,       \
+                             int64_t ts, int kind);
 #pragma GCC visibility push(hidden)
 #ifdef QKV_X86
 STEP_DECLS(avx512)

@@ -81,13 +81,14 @@ typedef struct {
     void (*row_dots)(const void *, const void *, int64_t, int64_t, int, float *);
     void (*pack32_float)(const Pack *, int64_t, int64_t, int64_t, int64_t, float *);
     int (*finite)(const void *, int64_t, int);
+    void (*narrow_rows)(const float *, int64_t, int64_t, int64_t, uint16_t *, int64_t, int);
 } StepFns;
 
 /* The entry points of the unit for instruction set ISA (a name's suffix) and blocking
    BLOCK (_rows2 or _rows16, or empty); its row dots and packing are the same in both. */
 #define STEP_FNS(ISA, BLOCK)                                                                       \
     ((StepFns){qkv_forward_item_##ISA##BLOCK, qkv_key_block_##ISA##BLOCK, qkv_row_dots_##ISA,      \
-               qkv_pack32_float_##ISA, qkv_finite_##ISA})
+               qkv_pack32_float_##ISA, qkv_finite_##ISA, qkv_narrow_rows_##ISA})
 
 /* The step of instruction set isa (not ISA_NONE) in its first blocking (0) or its second
    (1): AVX-512 tiles of 8 query rows or 16; AVX2, NEON and SVE 3 rows in registers or 2. */
@@ -120,28 +121,69 @@ static StepFns step_of(int isa, int blocking) {
    took 6–9% of a causal backward's time (docs/kernels.md) */
 #define HEADS_PER_THREAD 4
 
+/* A backward pass's gradients rounded by the pass itself to the inputs' half precision
+   (dst), instead of summed into float32 tensors that torch then rounds: each head's dQ, dK
+   and dV summed in float32 in a buffer of the head's own (`sums`: dQ (G, Tq, pad32(D)), dK
+   (Tk, pad32(D)), dV (Tk, pad32(Dv)), zero-filled), each call's rows at its offsets
+   (BJob.at), and rounded into dq, dk and dv as the head's last share is added: the same
+   sums in the same order, each rounded once as torch's .to() would, with no float32
+   gradients of the whole pass in memory and no pass over them after. */
+typedef struct {
+    uint16_t *dq, *dk, *dv; /* (B, H, G, Tq, D), (B, H, Tk, D), (B, H, Tk, Dv), D contiguous */
+    int64_t dqs[4], dks[3], dvs[3];
+    int64_t G, Tq, Tk, D, Dv;
+    int dst; /* SRC_BF16 or SRC_F16 */
+    int isa; /* the step whose vectors round them */
+} Rounded;
+
+/* The floats of one head's sums. */
+static int64_t head_floats(const Rounded *o) {
+    return (o->G * o->Tq + o->Tk) * pad32(o->D) + o->Tk * pad32(o->Dv);
+}
+
 #ifdef QKV_STEP
+/* Row 0 of call bj's float32 dQ (x = 0), dK (1) or dV (2) of head (b, h): in its own
+   tensors, or in the head's sums where the pass rounds them (Rounded). */
+static float *grads_of(const BJob *bj, int x, int64_t b, int64_t h, float *sums) {
+    if (sums) return sums + bj->at[x];
+    if (x == 0) return bj->dq + b * bj->dqs[0] + h * bj->dqs[1];
+    if (x == 1) return bj->dk + b * bj->dks[0] + h * bj->dks[1];
+    return bj->dv + b * bj->dvs[0] + h * bj->dvs[1];
+}
+
 /* An item's shares (dK and dV of its key block; dQ of its rows, unless it added them in
-   itself) added to the call's dk, dv and dq. */
+   itself) added to the call's dk, dv and dq (or to the head's sums: grads_of). */
 static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const DqOut *dq,
-                      const float *dKa, const float *dVa) {
+                      const float *dKa, const float *dVa, float *sums) {
     const Job *j = &bj->f;
     int64_t D = j->D, Dv = j->Dv, Dp = pad32(D), Dvp = pad32(Dv);
     int64_t lead = j->lead, end = lead + j->N, Np = (end + 31) / 32 * 32;
     int64_t nk = Np - n0 < KB ? Np - n0 : KB;
     int64_t first = lead > n0 ? lead - n0 : 0, last = end - n0 < nk ? end - n0 : nk;
+    float *dq0 = grads_of(bj, 0, b, h, sums), *dk0 = grads_of(bj, 1, b, h, sums);
+    float *dv0 = grads_of(bj, 2, b, h, sums);
     for (int64_t row = dq->span[0]; !dq->add && row < dq->span[1]; row++) { /* as written */
-        int64_t g = row / j->R, r = row % j->R;
-        float *dqr = bj->dq + b * bj->dqs[0] + h * bj->dqs[1] + g * bj->dqs[2] + r * bj->dqs[3];
+        float *dqr = dq0 + row / j->R * bj->dqs[2] + row % j->R * bj->dqs[3];
         const float *share = dq_row(dq, j->R, row);
         for (int64_t d = 0; d < D; d++) dqr[d] += share[d];
     }
     for (int64_t n = first; n < last; n++) { /* the call's key n - lead */
-        float *dk = bj->dk + b * bj->dks[0] + h * bj->dks[1] + (n0 + n - lead) * bj->dks[2];
-        float *dv = bj->dv + b * bj->dvs[0] + h * bj->dvs[1] + (n0 + n - lead) * bj->dvs[2];
+        float *dk = dk0 + (n0 + n - lead) * bj->dks[2], *dv = dv0 + (n0 + n - lead) * bj->dvs[2];
         for (int64_t d = 0; d < D; d++) dk[d] += dKa[n * Dp + d];
         for (int64_t d = 0; d < Dv; d++) dv[d] += dVa[n * Dvp + d];
     }
+}
+
+/* Head bh's sums rounded into the pass's outputs (Rounded). */
+static void round_head(const Rounded *o, int64_t H, int64_t bh, const float *sums) {
+    const StepFns f = step_of(o->isa, 0);
+    const int64_t b = bh / H, h = bh % H, Dp = pad32(o->D), Dvp = pad32(o->Dv);
+    const float *dk = sums + o->G * o->Tq * Dp, *dv = dk + o->Tk * Dp;
+    for (int64_t g = 0; g < o->G; g++)
+        f.narrow_rows(sums + g * o->Tq * Dp, Dp, o->Tq, o->D,
+                      o->dq + b * o->dqs[0] + h * o->dqs[1] + g * o->dqs[2], o->dqs[3], o->dst);
+    f.narrow_rows(dk, Dp, o->Tk, o->D, o->dk + b * o->dks[0] + h * o->dks[1], o->dks[2], o->dst);
+    f.narrow_rows(dv, Dvp, o->Tk, o->Dv, o->dv + b * o->dvs[0] + h * o->dvs[1], o->dvs[2], o->dst);
 }
 
 /* A backward pass: every call's work items (one key block of one (b, h) each) dealt from
@@ -166,24 +208,41 @@ typedef struct {
     int64_t *committed; /* per (b, h): the places added so far */
     qkv_lock lock;
     int64_t next, done;
+    const Rounded *rounded; /* NULL: the calls' gradients go to their float32 tensors */
+    float **sums;           /* per (b, h) where rounded: its sums from its first share on */
+    int nomem;              /* a head's sums found no memory */
 } Pass;
 
 /* The floats of an item's dK and dV shares (KB·pad32(D), KB·pad32(D_v)): each row on a
    64-byte line, and the dQ share (if it has one) after them. */
 static int64_t kv_floats(const BJob *bj) { return KB * pad32(bj->f.D) + KB * pad32(bj->f.Dv); }
 
+/* Where the pass rounds its gradients, a head's sums are made as its first share comes in,
+   and rounded (outside the lock: no other share of the head is left) and freed by the
+   thread that adds its last. */
 static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
+    float *ended = NULL;
     LOCK(&ps->lock);
     ps->pending[bh * ps->chain + place] = share;
     for (Share *s; ps->committed[bh] < ps->chain &&
                    (s = &ps->pending[bh * ps->chain + ps->committed[bh]])->mem;) {
         const BJob *bj = &ps->calls[s->call];
-        add_share(bj, bh / ps->H, bh % ps->H, s->n0, &s->dq, s->mem, s->mem + KB * pad32(bj->f.D));
+        if (ps->rounded && ps->committed[bh] == 0 &&
+            !(ps->sums[bh] = calloc((size_t)head_floats(ps->rounded), sizeof(float))))
+            ps->nomem = 1;
+        if (!ps->rounded || ps->sums[bh])
+            add_share(bj, bh / ps->H, bh % ps->H, s->n0, &s->dq, s->mem,
+                      s->mem + KB * pad32(bj->f.D), ps->sums ? ps->sums[bh] : NULL);
         free(s->mem);
         s->mem = NULL;
-        ps->committed[bh]++;
+        if (++ps->committed[bh] == ps->chain && ps->rounded) ended = ps->sums[bh];
     }
     UNLOCK(&ps->lock);
+    if (ended) {
+        round_head(ps->rounded, ps->H, bh, ended);
+        free(ended);
+        ps->sums[bh] = NULL;
+    }
 }
 
 /* Key block kb of head bh of call bj computed into dq and its shares of dK and dV at mem. */
@@ -228,8 +287,12 @@ static void head_worker(Pass *ps) {
     float *mem = NULL;
     int64_t held = 0; /* mem's floats */
     const int64_t heads = ps->B * ps->H;
-    for (int64_t bh;
-         scratch && (bh = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < heads;) {
+    /* where the pass rounds its gradients: this thread's sums, one head's at a time */
+    size_t sized = ps->rounded ? (size_t)head_floats(ps->rounded) * sizeof(float) : 0;
+    float *sums = ps->rounded ? malloc(sized) : NULL;
+    for (int64_t bh; scratch && (!ps->rounded || sums) &&
+                     (bh = __atomic_fetch_add(&ps->next, 1, __ATOMIC_RELAXED)) < heads;) {
+        if (sums) memset(sums, 0, sized);
         for (int64_t c = 0; c < ps->n; c++) {
             const BJob *bj = &ps->calls[c];
             if (kv_floats(bj) > held) {
@@ -237,16 +300,18 @@ static void head_worker(Pass *ps) {
                 mem = aligned_alloc(64, (size_t)kv_floats(bj) * sizeof(float));
                 held = mem ? kv_floats(bj) : 0;
             }
-            float *dq = bj->dq + bh / ps->H * bj->dqs[0] + bh % ps->H * bj->dqs[1];
+            float *dq = grads_of(bj, 0, bh / ps->H, bh % ps->H, sums);
             for (int64_t kb = 0; mem && kb < bj->blocks; kb++) {
                 DqOut out = {dq, bj->dqs[2], bj->dqs[3], 1, {0, 0}};
                 key_block(ps, bj, bh, kb, &out, mem, scratch);
-                add_share(bj, bh / ps->H, bh % ps->H, kb * KB, &out, mem,
-                          mem + KB * pad32(bj->f.D));
+                add_share(bj, bh / ps->H, bh % ps->H, kb * KB, &out, mem, mem + KB * pad32(bj->f.D),
+                          sums);
                 __atomic_fetch_add(&ps->done, 1, __ATOMIC_RELAXED); /* (an item: a key block) */
             }
         }
+        if (sums && mem) round_head(ps->rounded, ps->H, bh, sums);
     }
+    free(sums);
     free(mem);
     free(scratch);
 }
@@ -652,48 +717,55 @@ static PyObject *run_calls(PyObject *list, int threads) {
     Py_RETURN_NONE;
 }
 
-typedef PyObject *(*Runner)(PyObject *list, int threads);
-
 /* A list of calls (each a dict of named fields) and a thread count, run. */
-static PyObject *many(PyObject *args, PyObject *kwargs, Runner run) {
+static PyObject *attend_many(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *list;
     int threads;
     static char *names[] = {"calls", "threads", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$O!i", names, &PyList_Type, &list, &threads))
         return NULL;
-    return run(list, threads);
+    return run_calls(list, threads);
 }
 
-static PyObject *attend_many(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return many(args, kwargs, run_calls);
-}
-
-/* One backward call's arguments (backward's, less the thread count) into bj; 0 with a
-   Python error set if they do not parse or fit. */
-static int parse_backward(BJob *bj, PyObject *args, int threads) {
+/* One backward call's arguments (backward's, less the thread count) into bj, its
+   gradients' rows in a head's sums where the pass rounds them (o); 0 with a Python error
+   set if they do not parse or fit. */
+static int parse_backward(BJob *bj, PyObject *args, int threads, const Rounded *o) {
     unsigned long long q, dout, k, v, bias, bounds, lse, delta, dq, dk, dv;
     long long qs[4], dos[4], kst[3], vst[3], bs[3], bnb, ls[4], des[4], dqs[4], dks[3], dvs[3];
-    long long B, H, G, R, D, Dv, T, k0, N;
+    long long B, H, G, R, D, Dv, T, k0, N, q0;
     double scale, cap;
     unsigned long long slopes;
     long long qpos;
     int f32, src;
     const char *source;
-    static char *names[] = {"q",       "dout",  "k",       "v",      "bias",  "bounds", "lse",
-                            "delta",   "dq",    "dk",      "dv",     "sizes", "keys",   "scale",
-                            "softcap", "alibi", "float32", "source", NULL};
+    static char *names[] = {"q",     "dout",    "k",     "v",       "bias",   "bounds", "lse",
+                            "delta", "dq",      "dk",    "dv",      "sizes",  "keys",   "q0",
+                            "scale", "softcap", "alibi", "float32", "source", NULL};
     if (!parse_fields(args, "backward",
                       "$(KLLLL)(KLLLL)(KLLL)(KLLL)(KLLL)(KL)(KLLLL)(KLLLL)(KLLLL)(KLLL)"
-                      "(KLLL)(LLLLLL)(LLL)dd(KL)ps",
+                      "(KLLL)(LLLLLL)(LLL)Ldd(KL)ps",
                       names, &q, &qs[0], &qs[1], &qs[2], &qs[3], &dout, &dos[0], &dos[1], &dos[2],
                       &dos[3], &k, &kst[0], &kst[1], &kst[2], &v, &vst[0], &vst[1], &vst[2], &bias,
                       &bs[0], &bs[1], &bs[2], &bounds, &bnb, &lse, &ls[0], &ls[1], &ls[2], &ls[3],
                       &delta, &des[0], &des[1], &des[2], &des[3], &dq, &dqs[0], &dqs[1], &dqs[2],
                       &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv, &dvs[0], &dvs[1], &dvs[2], &B,
-                      &H, &G, &R, &D, &Dv, &T, &k0, &N, &scale, &cap, &slopes, &qpos, &f32,
+                      &H, &G, &R, &D, &Dv, &T, &k0, &N, &q0, &scale, &cap, &slopes, &qpos, &f32,
                       &source) ||
         !source_of(source, f32, "backward", &src))
         return 0;
+    if (o ? dq || dk || dv : !dq || !dk || !dv) {
+        PyErr_SetString(PyExc_ValueError,
+                        o ? "backward: a pass that rounds its gradients (grads) takes no call's "
+                            "dq, dk or dv (0)"
+                          : "backward: each call needs dq, dk and dv (or the pass, grads)");
+        return 0;
+    }
+    if (o && (G != o->G || D != o->D || Dv != o->Dv || T != o->Tk || q0 < 0 || q0 + R > o->Tq)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "backward: a call's G, D, D_v, T or rows q0..q0+R do not fit grads");
+        return 0;
+    }
     memset(bj, 0, sizeof *bj);
     Job *j = &bj->f;
     Seg keys;
@@ -727,13 +799,19 @@ static int parse_backward(BJob *bj, PyObject *args, int threads) {
     }
     for (int x = 0; x < 3; x++)
         j->bs[x] = bs[x], bj->dks[x] = dks[x], bj->dvs[x] = dvs[x], j->vs[x] = kst[x];
+    if (o) { /* the call's rows of the head's sums, and their layout's strides */
+        int64_t Dp = pad32(D), Dvp = pad32(Dv), kv = G * o->Tq * Dp;
+        bj->at[0] = q0 * Dp, bj->at[1] = kv + k0 * Dp, bj->at[2] = kv + o->Tk * Dp + k0 * Dvp;
+        bj->dqs[2] = o->Tq * Dp, bj->dqs[3] = Dp, bj->dks[2] = Dp, bj->dvs[2] = Dvp;
+    }
     j->parts = 2;
     bj->blocks = ((j->lead + N + 31) / 32 * 32 + KB - 1) / KB;
     return 1;
 }
 
-/* Every call of a backward pass (one B, H) in one parallel region; see Pass. */
-static PyObject *run_backward(PyObject *list, int threads) {
+/* Every call of a backward pass (one B, H) in one parallel region, its gradients rounded
+   by the pass where o is not NULL (Rounded); see Pass. */
+static PyObject *run_backward(PyObject *list, int threads, Rounded *o) {
     Py_ssize_t n = PyList_GET_SIZE(list);
     if (threads < 1) {
         PyErr_SetString(PyExc_ValueError, "backward: threads must be >= 1");
@@ -748,7 +826,7 @@ static PyObject *run_backward(PyObject *list, int threads) {
     if (!ps.calls || !ps.start || !ps.chain0) failed = PyErr_NoMemory();
     for (Py_ssize_t c = 0; !failed && c < n; c++) {
         PyObject *one = PyList_GET_ITEM(list, c);
-        if (!parse_backward(&ps.calls[c], one, threads)) {
+        if (!parse_backward(&ps.calls[c], one, threads, o)) {
             failed = Py_None;
             break;
         }
@@ -767,7 +845,9 @@ static PyObject *run_backward(PyObject *list, int threads) {
         ps.pending = calloc((size_t)(ps.B * ps.H * ps.chain > 0 ? ps.B * ps.H * ps.chain : 1),
                             sizeof(Share));
         ps.committed = calloc((size_t)(ps.B * ps.H > 0 ? ps.B * ps.H : 1), sizeof(int64_t));
-        if (!ps.pending || !ps.committed) failed = PyErr_NoMemory();
+        ps.sums = calloc((size_t)(ps.B * ps.H > 0 ? ps.B * ps.H : 1), sizeof(float *));
+        if (!ps.pending || !ps.committed || !ps.sums) failed = PyErr_NoMemory();
+        if (o && n > 0) o->isa = ps.calls[0].f.isa, ps.rounded = o;
     }
     if (!failed) {
 #ifdef QKV_STEP
@@ -783,16 +863,52 @@ static PyObject *run_backward(PyObject *list, int threads) {
         }
         Py_END_ALLOW_THREADS LOCK_FREE(&ps.lock);
         for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
-        if (ps.done != items) failed = PyErr_NoMemory(); /* an item found no memory */
+        for (int64_t i = 0; i < ps.B * ps.H; i++) free(ps.sums[i]);
+        if (ps.done != items || ps.nomem) failed = PyErr_NoMemory(); /* none for an item */
 #endif
     }
     free(ps.calls), free(ps.start), free(ps.chain0), free(ps.pending), free(ps.committed);
+    free(ps.sums);
     if (failed) return NULL;
     Py_RETURN_NONE;
 }
 
+/* backward_many's `grads` (a dict; None: each call's dq, dk and dv) into o; 0 with a
+   Python error set if it does not parse. */
+static int parse_grads(PyObject *grads, Rounded *o) {
+    unsigned long long dq, dk, dv;
+    long long dqs[4], dks[3], dvs[3], G, Tq, Tk, D, Dv;
+    const char *dtype;
+    static char *names[] = {"dq", "dk", "dv", "sizes", "dtype", NULL};
+    if (!parse_fields(grads, "backward_many: grads", "$(KLLLL)(KLLL)(KLLL)(LLLLL)s", names, &dq,
+                      &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv,
+                      &dvs[0], &dvs[1], &dvs[2], &G, &Tq, &Tk, &D, &Dv, &dtype))
+        return 0;
+    *o = (Rounded){(uint16_t *)(uintptr_t)dq, (uint16_t *)(uintptr_t)dk, (uint16_t *)(uintptr_t)dv};
+    o->dst = !strcmp(dtype, "bfloat16") ? SRC_BF16 : !strcmp(dtype, "float16") ? SRC_F16 : -1;
+    if (o->dst < 0 || G < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "backward_many: grads in \"bfloat16\" or \"float16\" (not \"%s\"), "
+                     "sizes (G, Tq, Tk, D, D_v) with G, D and D_v at least 1",
+                     dtype);
+        return 0;
+    }
+    memcpy(o->dqs, dqs, sizeof dqs), memcpy(o->dks, dks, sizeof dks),
+        memcpy(o->dvs, dvs, sizeof dvs);
+    o->G = G, o->Tq = Tq, o->Tk = Tk, o->D = D, o->Dv = Dv;
+    return 1;
+}
+
 static PyObject *backward_many(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return many(args, kwargs, run_backward);
+    PyObject *list, *grads = Py_None;
+    int threads;
+    Rounded o;
+    static char *names[] = {"calls", "threads", "grads", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!i|$O", names, &PyList_Type, &list, &threads,
+                                     &grads))
+        return NULL;
+    if (grads != Py_None && !parse_grads(grads, &o)) return NULL;
+    return run_backward(list, threads, grads != Py_None ? &o : NULL);
 }
 
 static PyMethodDef methods[] = {
@@ -823,15 +939,20 @@ static PyMethodDef methods[] = {
      "finite(*, x, n, source): whether n contiguous values at x, of the dtype `source` "
      "names (\"float32\", \"bfloat16\", \"float16\"), are all finite, in one thread."},
     {"backward_many", (PyCFunction)(void (*)(void))backward_many, METH_VARARGS | METH_KEYWORDS,
-     "backward_many(*, calls, threads): every call (one B and H) in one parallel region, "
-     "the gradients added in one fixed order. A call is a dict: q=(ptr, *4 strides), "
+     "backward_many(calls, threads, *, grads=None): every call (one B and H) in one parallel "
+     "region, the gradients added in one fixed order. A call is a dict: q=(ptr, *4 strides), "
      "dout=(ptr, *4), k=(ptr, *3), v=(ptr, *3), bias=(ptr|0, *3), bounds=(ptr|0, *1), "
      "lse=(ptr, *4), delta=(ptr, *4), dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), "
-     "sizes=(B, H, G, R, D, D_v), keys=(T, k0, N), scale, softcap, alibi=(slopes|0, qpos), "
-     "float32, source: its gradients added to dq (in key-block order), dk and dv; K "
+     "sizes=(B, H, G, R, D, D_v), keys=(T, k0, N), q0, scale, softcap, alibi=(slopes|0, qpos), "
+     "float32, source: its gradients added in float32 to dq (in key-block order), dk and dv; K "
      "(B, H, T, D) and V (B, H, T, D_v) as they are. float32: computed in float32 (else "
      "bfloat16 dot products); source: what q, dout, k and v hold (\"float32\", "
-     "\"bfloat16\", \"float16\"; widened to float32 as they are loaded)."},
+     "\"bfloat16\", \"float16\"; widened to float32 as they are loaded). grads, a dict "
+     "dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), sizes=(G, Tq, Tk, D, D_v), dtype "
+     "(\"bfloat16\" or \"float16\"): the pass's gradients of every head, (B, H, G, Tq, D), "
+     "(B, H, Tk, D), (B, H, Tk, D_v), summed per head in float32 and written rounded to "
+     "dtype; each call's dq, dk and dv are then 0, and its rows q0.. of dq, keys k0.. of dk "
+     "and dv its share."},
     {"pack", (PyCFunction)(void (*)(void))pack_py, METH_VARARGS | METH_KEYWORDS,
      "pack(*, packs, sizes=(B, H, T, Nt), threads, float32, source): tensors holding "
      "`source` into the kernel's score layout (values 0; float32's, widened, or "

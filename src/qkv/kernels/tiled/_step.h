@@ -442,6 +442,14 @@ TARGET static inline __attribute__((always_inline)) int finite_src(const void *x
     return 1;
 }
 
+/* n rows of x (float32, xs apart, each read in whole vectors: pad32(D) readable) rounded
+   to bfloat16 or float16 (kind) into the rows of `to`, ts apart, D values each: a backward
+   pass's gradients in the inputs' dtype, from each head's float32 sums as the head ends. */
+TARGET void NAMED(qkv_narrow_rows)(const float *x, int64_t xs, int64_t n, int64_t D, uint16_t *to,
+                                   int64_t ts, int kind) {
+    for (int64_t i = 0; i < n; i++) narrowed_row(x + i * xs, 1.0f, D, to + i * ts, kind);
+}
+
 /* The dispatch's check that Q, K and V hold no NaN or inf (finite_src) for any source, on
    the step's vectors: one thread, as row dots. */
 TARGET int NAMED(qkv_finite)(const void *x, int64_t n, int src) {

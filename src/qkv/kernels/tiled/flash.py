@@ -237,8 +237,9 @@ def fused_backward(
     whole rows' out and lse (dQ of its queries, dK and dV of its keys) summed in the
     accumulation dtype. Used where the forward was fused and nothing reaches the
     log-sum-exp. With ``native`` (a dtype, as for :func:`fused_forward`) the calls run in
-    one call of qkv's native kernel. Otherwise half precision is computed in float32
-    (:func:`_working`). The gradients come back in the inputs' dtypes.
+    one call of qkv's native kernel, which rounds half-precision gradients itself, head by
+    head (``native.backward_many``'s ``grads``). Otherwise half precision is computed in
+    float32 (:func:`_working`). The gradients come back in the inputs' dtypes.
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
     kernel needs it, unless given."""
     q, k, v, plan, mask_tile, scale = call.q, call.k, call.v, call.plan, call.tiles, call.scale
@@ -253,12 +254,17 @@ def fused_backward(
     q5 = _blocked(q, H_kv)
     dout = dout.to(q.dtype).contiguous()  # (a sum's dout is expanded; Delta reads it too)
     do5 = _blocked(dout, H_kv)
-    # One zero fill for the three (one parallel region, not three); from the scratch
-    # buffer where they are rounded to the inputs' dtype below (nothing holds them after)
-    rounded = all(d != acc for d in dtypes)
-    if not rounded:  # returned as they are: the scratch buffer would sit beside them idle
-        scratch.release()
-    dq5, dk, dv = _zeros([(B, H_kv, G, T_q, D), k.shape, v.shape], acc, q.device, rounded)
+    shapes = [(B, H_kv, G, T_q, D), k.shape, v.shape]
+    grads = None
+    if natively and q.dtype != acc:  # rounded by the kernel, head by head: no float32 ones
+        dq5, dk, dv = (torch.empty(s, dtype=q.dtype, device=q.device) for s in shapes)
+        grads = dq5, dk, dv
+    else:  # one zero fill for the three (one parallel region, not three); from the scratch
+        # buffer where they are rounded to the inputs' dtype below (nothing holds them after)
+        rounded = all(d != acc for d in dtypes)
+        if not rounded:  # returned as they are: the scratch buffer would sit beside them idle
+            scratch.release()
+        dq5, dk, dv = _zeros(shapes, acc, q.device, rounded)
     if natively:  # reads Delta, and lse -inf as "no key"
         lse5 = _blocked(lse.to(acc)[..., None], H_kv)[..., 0]
         delta = row_dot(dout, out, acc) if delta is None else delta
@@ -284,11 +290,12 @@ def fused_backward(
                         bias,
                         lse5[..., at],
                         delta5[..., at],
-                        dq5[:, :, :, at],
-                        dk[:, :, c.k0 : c.k1],
-                        dv[:, :, c.k0 : c.k1],
+                        None if grads else dq5[:, :, :, at],
+                        None if grads else dk[:, :, c.k0 : c.k1],
+                        None if grads else dv[:, :, c.k0 : c.k1],
                         bounds,
                         call.q_offset + c.q0,
+                        c.q0,
                     )
                 )
                 continue
@@ -308,7 +315,7 @@ def fused_backward(
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
     if natively:
-        _native.backward_many(jobs, k, v, scale, **mod, dtype=native)
+        _native.backward_many(jobs, k, v, scale, **mod, dtype=native, grads=grads)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 

@@ -1,7 +1,8 @@
 """One buffer per thread for what a kernel call makes and drops before it returns, kept
 from call to call where it is large: the packed K and V of a native forward, a
-half-precision forward's float32 output before it is rounded, a half-precision backward's
-float32 gradients before they are.
+half-precision forward's float32 output before it is rounded, the float32 gradients of a
+half-precision backward on torch's kernel before they are (the native backward rounds its
+own).
 
 Why: glibc's malloc hands every block of :data:`SCRATCH_BYTES` or more fresh pages from
 the system (its largest mmap threshold) and gives them back on free, so each call faulted
