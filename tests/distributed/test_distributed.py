@@ -70,14 +70,20 @@ def check_case(rank, world, mask_name, layout_kind, schedule):
     (out * layout.shard(w, 2, rank)).sum().backward()
     what = f"rank {rank}/{world}, {mask_name}, {layout_kind}, {schedule}"
     torch.testing.assert_close(
-        out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0, msg=what
+        out, layout.shard(want.detach(), 2, rank), atol=1e-10, rtol=0, msg=lambda m: f"{what}: {m}"
     )
     for name, mine, ref in zip("qkv", local, full):
         torch.testing.assert_close(
-            mine.grad, layout.shard(ref.grad, 2, rank), atol=1e-10, rtol=0, msg=f"d{name}: {what}"
+            mine.grad,
+            layout.shard(ref.grad, 2, rank),
+            atol=1e-10,
+            rtol=0,
+            msg=lambda m, name=name: f"d{name}: {what}: {m}",
         )
     back = layout.gather(out.detach(), dim=2)
-    torch.testing.assert_close(back, want.detach(), atol=1e-10, rtol=0, msg=f"gather: {what}")
+    torch.testing.assert_close(
+        back, want.detach(), atol=1e-10, rtol=0, msg=lambda m: f"gather: {what}: {m}"
+    )
 
 
 def worker(rank, world, port):

@@ -4,6 +4,9 @@ and returns a result. They are ``reference`` (materialised, the seeds' math), ``
 calls and native kernel) and ``flex`` (torch's FlexAttention). Which runs is decided in
 :mod:`qkv.core.dispatch`."""
 
+from . import mkl
 from .contract import PATHS, Lowered, MaskTiles, ModTiles, Result
+
+mkl.settle()  # before any kernel runs: MKL's first call of a function can race (mkl.py)
 
 __all__ = ["PATHS", "Lowered", "MaskTiles", "ModTiles", "Result"]
