@@ -130,8 +130,17 @@ def test_rounded_gradients_are_checked():
         native.backward_many([job()], k, v, 0.3)
 
 
+def test_a_pass_with_no_call_writes_zero_gradients():
+    """No call (a plan whose mask leaves nothing): grads all zero, not the memory
+    torch.empty handed over."""
+    q5, _, k, v, *_ = pass_inputs(2, 2, 2, 50, 40, 32, 32, torch.bfloat16)
+    out = tuple(torch.full(s, float("nan"), dtype=k.dtype) for s in (q5.shape, k.shape, v.shape))
+    native.backward_many([], k, v, 0.3, dtype=torch.float32, grads=out)
+    assert all(not x.any() for x in out)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "document"])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "padding"])
 def test_half_precision_training_gets_the_kernels_rounded_gradients(dtype, name, monkeypatch):
     """Through ``qkv.attention``: the native backward of half-precision inputs is given
     grads (no float32 gradients of the pass), and they come back in the inputs' dtype, near

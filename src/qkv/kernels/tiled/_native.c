@@ -131,7 +131,7 @@ static StepFns step_of(int isa, int blocking) {
 typedef struct {
     uint16_t *dq, *dk, *dv; /* (B, H, G, Tq, D), (B, H, Tk, D), (B, H, Tk, Dv), D contiguous */
     int64_t dqs[4], dks[3], dvs[3];
-    int64_t G, Tq, Tk, D, Dv;
+    int64_t B, H, G, Tq, Tk, D, Dv;
     int dst; /* SRC_BF16 or SRC_F16 */
     int isa; /* the step whose vectors round them */
 } Rounded;
@@ -172,6 +172,21 @@ static void add_share(const BJob *bj, int64_t b, int64_t h, int64_t n0, const Dq
         for (int64_t d = 0; d < D; d++) dk[d] += dKa[n * Dp + d];
         for (int64_t d = 0; d < Dv; d++) dv[d] += dVa[n * Dvp + d];
     }
+}
+
+/* The pass's outputs all zero: a pass with no work item (no call, or none with a key). */
+static void zero_grads(const Rounded *o) {
+    for (int64_t b = 0; b < o->B; b++)
+        for (int64_t h = 0; h < o->H; h++) {
+            for (int64_t g = 0; g < o->G; g++)
+                for (int64_t t = 0; t < o->Tq; t++)
+                    memset(o->dq + b * o->dqs[0] + h * o->dqs[1] + g * o->dqs[2] + t * o->dqs[3], 0,
+                           (size_t)o->D * 2);
+            for (int64_t t = 0; t < o->Tk; t++) {
+                memset(o->dk + b * o->dks[0] + h * o->dks[1] + t * o->dks[2], 0, (size_t)o->D * 2);
+                memset(o->dv + b * o->dvs[0] + h * o->dvs[1] + t * o->dvs[2], 0, (size_t)o->Dv * 2);
+            }
+        }
 }
 
 /* Head bh's sums rounded into the pass's outputs (Rounded). */
@@ -232,7 +247,7 @@ static void commit(Pass *ps, int64_t bh, int64_t place, Share share) {
             ps->nomem = 1;
         if (!ps->rounded || ps->sums[bh])
             add_share(bj, bh / ps->H, bh % ps->H, s->n0, &s->dq, s->mem,
-                      s->mem + KB * pad32(bj->f.D), ps->sums ? ps->sums[bh] : NULL);
+                      s->mem + KB * pad32(bj->f.D), ps->rounded ? ps->sums[bh] : NULL);
         free(s->mem);
         s->mem = NULL;
         if (++ps->committed[bh] == ps->chain && ps->rounded) ended = ps->sums[bh];
@@ -761,9 +776,10 @@ static int parse_backward(BJob *bj, PyObject *args, int threads, const Rounded *
                           : "backward: each call needs dq, dk and dv (or the pass, grads)");
         return 0;
     }
-    if (o && (G != o->G || D != o->D || Dv != o->Dv || T != o->Tk || q0 < 0 || q0 + R > o->Tq)) {
+    if (o && (B != o->B || H != o->H || G != o->G || D != o->D || Dv != o->Dv || T != o->Tk ||
+              q0 < 0 || q0 + R > o->Tq)) {
         PyErr_SetString(PyExc_ValueError,
-                        "backward: a call's G, D, D_v, T or rows q0..q0+R do not fit grads");
+                        "backward: a call's B, H, G, D, D_v, T or rows q0..q0+R do not fit grads");
         return 0;
     }
     memset(bj, 0, sizeof *bj);
@@ -865,6 +881,7 @@ static PyObject *run_backward(PyObject *list, int threads, Rounded *o) {
         for (int64_t i = 0; i < ps.B * ps.H * ps.chain; i++) free(ps.pending[i].mem);
         for (int64_t i = 0; i < ps.B * ps.H; i++) free(ps.sums[i]);
         if (ps.done != items || ps.nomem) failed = PyErr_NoMemory(); /* none for an item */
+        if (o && items == 0) zero_grads(o); /* (else every head was rounded) */
 #endif
     }
     free(ps.calls), free(ps.start), free(ps.chain0), free(ps.pending), free(ps.committed);
@@ -877,25 +894,25 @@ static PyObject *run_backward(PyObject *list, int threads, Rounded *o) {
    Python error set if it does not parse. */
 static int parse_grads(PyObject *grads, Rounded *o) {
     unsigned long long dq, dk, dv;
-    long long dqs[4], dks[3], dvs[3], G, Tq, Tk, D, Dv;
+    long long dqs[4], dks[3], dvs[3], B, H, G, Tq, Tk, D, Dv;
     const char *dtype;
     static char *names[] = {"dq", "dk", "dv", "sizes", "dtype", NULL};
-    if (!parse_fields(grads, "backward_many: grads", "$(KLLLL)(KLLL)(KLLL)(LLLLL)s", names, &dq,
+    if (!parse_fields(grads, "backward_many: grads", "$(KLLLL)(KLLL)(KLLL)(LLLLLLL)s", names, &dq,
                       &dqs[0], &dqs[1], &dqs[2], &dqs[3], &dk, &dks[0], &dks[1], &dks[2], &dv,
-                      &dvs[0], &dvs[1], &dvs[2], &G, &Tq, &Tk, &D, &Dv, &dtype))
+                      &dvs[0], &dvs[1], &dvs[2], &B, &H, &G, &Tq, &Tk, &D, &Dv, &dtype))
         return 0;
     *o = (Rounded){(uint16_t *)(uintptr_t)dq, (uint16_t *)(uintptr_t)dk, (uint16_t *)(uintptr_t)dv};
     o->dst = !strcmp(dtype, "bfloat16") ? SRC_BF16 : !strcmp(dtype, "float16") ? SRC_F16 : -1;
-    if (o->dst < 0 || G < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1) {
+    if (o->dst < 0 || B < 0 || H < 0 || G < 1 || Tq < 0 || Tk < 0 || D < 1 || Dv < 1) {
         PyErr_Format(PyExc_ValueError,
                      "backward_many: grads in \"bfloat16\" or \"float16\" (not \"%s\"), "
-                     "sizes (G, Tq, Tk, D, D_v) with G, D and D_v at least 1",
+                     "sizes (B, H, G, Tq, Tk, D, D_v) with G, D and D_v at least 1",
                      dtype);
         return 0;
     }
     memcpy(o->dqs, dqs, sizeof dqs), memcpy(o->dks, dks, sizeof dks),
         memcpy(o->dvs, dvs, sizeof dvs);
-    o->G = G, o->Tq = Tq, o->Tk = Tk, o->D = D, o->Dv = Dv;
+    o->B = B, o->H = H, o->G = G, o->Tq = Tq, o->Tk = Tk, o->D = D, o->Dv = Dv;
     return 1;
 }
 
@@ -948,7 +965,7 @@ static PyMethodDef methods[] = {
      "(B, H, T, D) and V (B, H, T, D_v) as they are. float32: computed in float32 (else "
      "bfloat16 dot products); source: what q, dout, k and v hold (\"float32\", "
      "\"bfloat16\", \"float16\"; widened to float32 as they are loaded). grads, a dict "
-     "dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), sizes=(G, Tq, Tk, D, D_v), dtype "
+     "dq=(ptr, *4), dk=(ptr, *3), dv=(ptr, *3), sizes=(B, H, G, Tq, Tk, D, D_v), dtype "
      "(\"bfloat16\" or \"float16\"): the pass's gradients of every head, (B, H, G, Tq, D), "
      "(B, H, Tk, D), (B, H, Tk, D_v), summed per head in float32 and written rounded to "
      "dtype; each call's dq, dk and dv are then 0, and its rows q0.. of dq, keys k0.. of dk "

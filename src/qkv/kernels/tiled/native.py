@@ -500,6 +500,6 @@ def _rounded(
         dq=_pointer(dq, 4),
         dk=_pointer(dk, 3),
         dv=_pointer(dv, 3),
-        sizes=(dq.shape[2], dq.shape[3], T_k, D, v.shape[-1]),
+        sizes=(B, H_kv, dq.shape[2], dq.shape[3], T_k, D, v.shape[-1]),
         dtype=source(k.dtype),
     )
