@@ -23,7 +23,7 @@ from qkv.core.call import Call
 from qkv.core.dispatch import choose
 from qkv.core.lowering import lower
 from qkv.kernels import paged as paged_kernel
-from qkv.kernels.tiled import flash, native, profile, steps
+from qkv.kernels.tiled import flash, native, native_backward, profile, steps
 from tests.helpers import grads, make_qkv, mask_zoo, oracle_with_lse, small_tiles
 from tests.tolerances import LOW_PRECISION, rounding_tolerance
 
@@ -195,10 +195,15 @@ def test_one_call_equals_the_oracle(
 def calls(monkeypatch):
     """Record the native calls ``qkv.attention`` makes, forward and backward."""
     seen = []
-    for name in ("attend", "attend_many", "backward", "backward_many"):
-        real = getattr(native, name)
+    for module, name in (
+        (native, "attend"),
+        (native, "attend_many"),
+        (native_backward, "backward"),
+        (native_backward, "backward_many"),
+    ):
+        real = getattr(module, name)
         monkeypatch.setattr(
-            native, name, lambda *a, real=real, **kw: seen.append(1) or real(*a, **kw)
+            module, name, lambda *a, real=real, **kw: seen.append(1) or real(*a, **kw)
         )
     return seen
 
@@ -359,7 +364,7 @@ def test_one_backward_call_equals_float64_autograd(
         lse, delta = lse.detach(), (dout * out).sum(-1)
     dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D_v)
     dq = torch.zeros(B, H_kv, G, R, D)
-    native.backward(
+    native_backward.backward(
         q5,
         do5,
         k,
@@ -507,9 +512,9 @@ def test_gradients_run_natively(name, small, dtype, monkeypatch, tune):
     q, k, v = make_qkv(2, 4, 2, T_q, T_k, 32, 32, dtype=dtype, seed=12)
     g = torch.randn(2, 4, T_q, 32, generator=torch.Generator().manual_seed(13)).to(dtype)
     seen = []
-    real = native.backward_many
+    real = native_backward.backward_many
     monkeypatch.setattr(
-        native, "backward_many", lambda *a, **kw: seen.append(len(a[0])) or real(*a, **kw)
+        native_backward, "backward_many", lambda *a, **kw: seen.append(len(a[0])) or real(*a, **kw)
     )
     got = grads(q, k, v, g, mask, backend="tiled")
     assert seen == [seen[0]], "the backward did not run natively, in one call"
@@ -641,7 +646,11 @@ def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, mo
     mask = mask_zoo(2, T_k, T_q)[name]
     intervals = isinstance(mask, qkv.masks.Mask) and mask.intervals(np.arange(T_q)) is not None
     tiles, masked = [], []
-    real_bias, real_fwd, real_bwd = flash._call_bias, native.attend_many, native.backward_many
+    real_bias, real_fwd, real_bwd = (
+        flash._call_bias,
+        native.attend_many,
+        native_backward.backward_many,
+    )
     monkeypatch.setattr(flash, "_call_bias", lambda *a: tiles.append(1) or real_bias(*a))
     monkeypatch.setattr(
         native,
@@ -649,7 +658,7 @@ def test_interval_masks_reach_the_kernel_as_row_bounds_not_tiles(name, small, mo
         lambda jobs, *a: masked.extend(r[2:] for j in jobs for r in j.ranges) or real_fwd(jobs, *a),
     )
     monkeypatch.setattr(
-        native,
+        native_backward,
         "backward_many",
         lambda jobs, *a, **kw: (
             masked.extend((j.bias, j.bounds) for j in jobs) or real_bwd(jobs, *a, **kw)
@@ -780,7 +789,7 @@ def test_half_precision_is_widened_as_it_is_loaded_with_float32s_bits(
             delta = (out * x[1].float()).sum(-1)
             dq = torch.zeros(B, H_kv, G, R, D)
             dk, dv = torch.zeros(B, H_kv, N, D), torch.zeros(B, H_kv, N, D_v)
-            native.backward(
+            native_backward.backward(
                 x[0],
                 x[1],
                 x[2],
@@ -909,14 +918,14 @@ def test_half_precision_reaches_the_kernel_as_it_is(monkeypatch, tune):
     backward."""
     tune(native=True, native_probe=False)
     seen = []
-    real_pack, real_backward = native.pack, native.backward_many
+    real_pack, real_backward = native.pack, native_backward.backward_many
     monkeypatch.setattr(
         native,
         "pack",
         lambda k, v, dtype=None, **kw: seen.append(k.dtype) or real_pack(k, v, dtype, **kw),
     )
     monkeypatch.setattr(
-        native,
+        native_backward,
         "backward_many",
         lambda jobs, k, *a, **kw: seen.append(k.dtype) or real_backward(jobs, k, *a, **kw),
     )
@@ -1033,7 +1042,7 @@ def test_mismatched_shapes_raise_instead_of_reading_past_the_tensors():
         native.pack(k, k[:, :, :39])
     rows, dq, dkv = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8, 32), torch.zeros(1, 2, 41, 32)
     with pytest.raises(ValueError, match="past T_k"):  # the backward reads K and V as they are
-        native.backward(
+        native_backward.backward(
             q5.float(), q5.float(), k.float(), k.float(), 0, 41, None, rows, rows, 1.0, dq, dkv, dkv
         )
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.kernels.tiled import native, steps
+from qkv.kernels.tiled import native_backward, steps
 from tests.helpers import grads, make_qkv, mask_zoo
 
 pytestmark = pytest.mark.skipif(
@@ -62,7 +62,7 @@ def run_pass(inputs, step, rounded, scale=0.3):
         rows = bias[..., :, k0:k1].view(1, 1, G, T_q, k1 - k0)[:, :, :, q0:q1]
         own = (out[0][:, :, :, q0:q1], out[1][:, :, k0:k1], out[2][:, :, k0:k1])
         jobs.append(
-            native.BackwardJob(
+            native_backward.BackwardJob(
                 q5[:, :, :, q0:q1],
                 do5[:, :, :, q0:q1],
                 k0,
@@ -75,7 +75,9 @@ def run_pass(inputs, step, rounded, scale=0.3):
                 q0=q0,
             )
         )
-    native.backward_many(jobs, k, v, scale, dtype=step, grads=tuple(out) if rounded else None)
+    native_backward.backward_many(
+        jobs, k, v, scale, dtype=step, grads=tuple(out) if rounded else None
+    )
     return out if rounded else [x.to(k.dtype) for x in out]
 
 
@@ -116,18 +118,20 @@ def test_rounded_gradients_are_checked():
         fields = dict(
             q5=q5, do5=do5, k0=0, k1=300, bias=None, lse=lse, delta=delta, dq=None, dk=None
         )
-        return native.BackwardJob(**{**fields, "dv": None, **kw})
+        return native_backward.BackwardJob(**{**fields, "dv": None, **kw})
 
     with pytest.raises(ValueError, match="None"):
-        native.backward_many([job(dq=torch.zeros(q5.shape))], k, v, 0.3, grads=grads_)
+        native_backward.backward_many([job(dq=torch.zeros(q5.shape))], k, v, 0.3, grads=grads_)
     with pytest.raises(ValueError, match="past grads"):
-        native.backward_many([job(q0=1)], k, v, 0.3, grads=grads_)
+        native_backward.backward_many([job(q0=1)], k, v, 0.3, grads=grads_)
     with pytest.raises(ValueError, match="do not fit"):
-        native.backward_many([job()], k, v, 0.3, grads=tuple(x.float() for x in grads_))
+        native_backward.backward_many([job()], k, v, 0.3, grads=tuple(x.float() for x in grads_))
     with pytest.raises(ValueError, match="do not fit"):
-        native.backward_many([job()], k, v, 0.3, grads=(grads_[0], grads_[1][:, :, 1:], grads_[2]))
+        native_backward.backward_many(
+            [job()], k, v, 0.3, grads=(grads_[0], grads_[1][:, :, 1:], grads_[2])
+        )
     with pytest.raises(ValueError, match="needs dq"):
-        native.backward_many([job()], k, v, 0.3)
+        native_backward.backward_many([job()], k, v, 0.3)
 
 
 def test_a_pass_with_no_call_writes_zero_gradients():
@@ -135,7 +139,7 @@ def test_a_pass_with_no_call_writes_zero_gradients():
     torch.empty handed over."""
     q5, _, k, v, *_ = pass_inputs(2, 2, 2, 50, 40, 32, 32, torch.bfloat16)
     out = tuple(torch.full(s, float("nan"), dtype=k.dtype) for s in (q5.shape, k.shape, v.shape))
-    native.backward_many([], k, v, 0.3, dtype=torch.float32, grads=out)
+    native_backward.backward_many([], k, v, 0.3, dtype=torch.float32, grads=out)
     assert all(not x.any() for x in out)
 
 
@@ -148,13 +152,13 @@ def test_half_precision_training_gets_the_kernels_rounded_gradients(dtype, name,
     q, k, v = make_qkv(2, 4, 2, 61, 75, 32, 32, dtype=dtype, seed=4)
     g = torch.randn(2, 4, 61, 32, generator=torch.Generator().manual_seed(5)).to(dtype)
     mask = mask_zoo(2, 75, 61)[name]
-    real, seen = native.backward_many, []
+    real, seen = native_backward.backward_many, []
 
     def spy(*a, grads=None, **kw):
         seen.append(grads is not None)
         return real(*a, grads=grads, **kw)
 
-    monkeypatch.setattr(native, "backward_many", spy)
+    monkeypatch.setattr(native_backward, "backward_many", spy)
     got = grads(q, k, v, g, mask, backend="tiled")
     assert seen == [True], "the native backward did not round its gradients"
     assert qkv.dispatch(q, k, v, mask=mask, backend="tiled").path.startswith("tiled-native")

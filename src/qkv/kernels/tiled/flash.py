@@ -20,7 +20,7 @@ import torch
 from ..contract import Lowered, MaskTiles
 from ..reference import accumulation_dtype, all_finite
 from . import native as _native
-from . import scratch
+from . import native_backward, scratch
 from .calls import Call, backward_pieces, calls
 from .plan import Chunk, Plan, _blocked, _fit, _rows, row_dot
 from .torch_ops import FLASH, FLASH_BACKWARD
@@ -238,7 +238,7 @@ def fused_backward(
     accumulation dtype. Used where the forward was fused and nothing reaches the
     log-sum-exp. With ``native`` (a dtype, as for :func:`fused_forward`) the calls run in
     one call of qkv's native kernel, which rounds half-precision gradients itself, head by
-    head (``native.backward_many``'s ``grads``). Otherwise half precision is computed in
+    head (``native_backward.backward_many``'s ``grads``). Otherwise half precision is computed in
     float32 (:func:`_working`). The gradients come back in the inputs' dtypes.
     ``delta`` (rowsum(dout ∘ out), accumulation dtype) is computed here where the native
     kernel needs it, unless given."""
@@ -274,7 +274,7 @@ def fused_backward(
         lse5 = _blocked(lse.to(acc).masked_fill(lse == float("-inf"), 0.0)[..., None], H_kv)
     cache: dict | None = {} if mask_tile is not None and mask_tile.shift_invariant else None
     span = call.tuning.backward_span
-    jobs: list[_native.BackwardJob] = []
+    jobs: list[native_backward.BackwardJob] = []
     for _, _, group in calls(plan, call.tuning):
         for c in (piece for one in group for piece in backward_pieces(one, span)):
             bounds = _bounds(mask_tile, c.q0, c.q1, c.k0, c.k1, cache) if natively else None
@@ -282,7 +282,7 @@ def fused_backward(
             if natively:  # run at the end, every call at once
                 at = slice(c.q0, c.q1)
                 jobs.append(
-                    _native.BackwardJob(
+                    native_backward.BackwardJob(
                         q5[:, :, :, at],
                         do5[:, :, :, at],
                         c.k0,
@@ -315,7 +315,7 @@ def fused_backward(
             dk[:, :, c.k0 : c.k1] += dkc
             dv[:, :, c.k0 : c.k1] += dvc
     if natively:
-        _native.backward_many(jobs, k, v, scale, **mod, dtype=native, grads=grads)
+        native_backward.backward_many(jobs, k, v, scale, **mod, dtype=native, grads=grads)
     return dq5.view(q.shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
 
 
