@@ -14,7 +14,7 @@ import torch
 
 import qkv
 from qkv import masks
-from qkv.kernels.tiled import native, profile, steps
+from qkv.kernels.tiled import choices, native, profile, steps
 
 needs_native = pytest.mark.skipif(
     not steps.available(torch.float32), reason="the native kernel is not built here"
@@ -173,12 +173,12 @@ def test_half_precision_causal_is_held_against_the_path_it_takes_otherwise():
         )  # fmt: skip
 
     slow = timed(9.5, 20.0)  # torch's bfloat16 2× its copies: bfloat16 runs on copies
-    assert slow.causal_at(torch.float32) == profile.CAUSAL_AT and not slow.causal()
-    assert slow.causal_at(torch.bfloat16) == profile.CAUSAL_HALF_AT
+    assert slow.causal_at(torch.float32) == choices.CAUSAL_AT and not slow.causal()
+    assert slow.causal_at(torch.bfloat16) == choices.CAUSAL_HALF_AT
     assert slow.causal(torch.bfloat16, True) and slow.causal(torch.bfloat16, False)
     assert slow.causal(torch.float16, True)  # float16 not measured: as on copies
     fast = timed(9.5, 6.0)  # torch's bfloat16 0.6× its copies: the native pass must beat it
-    assert fast.causal_at(torch.bfloat16) == pytest.approx(0.6 * profile.CAUSAL_HALF_AT)
+    assert fast.causal_at(torch.bfloat16) == pytest.approx(0.6 * choices.CAUSAL_HALF_AT)
     assert not fast.causal(torch.bfloat16) and timed(5.0, 6.0).causal(torch.bfloat16)
     decided = profile._decide(slow, None)  # stored per dtype, forward and with a gradient
     assert decided.use_causal_bfloat16 and decided.use_causal_float16_fwd

@@ -47,7 +47,7 @@ For ``backend="auto"``, in order:
 12. ``causal square`` goes to ``sdpa`` with ``is_causal`` (T_q == T_k, no offset) —
     or, on the CPU, from :attr:`qkv.Tuning.native_scores` scores on, to ``tiled`` on
     qkv's native kernel where the machine's profile measured its causal pass under
-    :data:`qkv.kernels.tiled.profile.CAUSAL_AT` × torch's time (half precision: under
+    :data:`qkv.kernels.tiled.choices.CAUSAL_AT` × torch's time (half precision: under
     the time of the path it takes otherwise, ``Probe.causal_at``; with a gradient, or
     forward alone, as the call needs; never with the probe off).
 13. ``small`` (eager): fewer than :attr:`qkv.Tuning.small_scores` scores go to ``sdpa``

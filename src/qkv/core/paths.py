@@ -92,7 +92,7 @@ def native_causal(a: Call) -> bool:
     through torch's fused kernel here: on the CPU, from :attr:`qkv.Tuning.native_scores`
     scores on, where the machine's profile runs float32 natively and found its causal pass
     under its line for the call's dtype × torch's time (float32:
-    :data:`~qkv.kernels.tiled.profile.CAUSAL_AT`; half precision: against the path it takes
+    :data:`~qkv.kernels.tiled.choices.CAUSAL_AT`; half precision: against the path it takes
     otherwise, :meth:`~qkv.kernels.tiled.profile.Probe.causal_at`) — forward and backward
     for a call that needs a gradient, the forward for one that does not
     (:meth:`qkv.kernels.tiled.profile.Probe.causal`). Never while tracing, nor with the probe
