@@ -282,9 +282,9 @@ def test_shared_prefixes_nested_are_read_once_and_equal_each_alone(monkeypatch, 
             history[i] = [prompt, more, x] if i < 2 else [prompt, x]
         step = torch.randn(4, T, 16, generator=g, dtype=torch.float64).to(dtype)
         read = []
-        real = qkv.serving.paged._shared
+        real = qkv.serving.batch._shared
         monkeypatch.setattr(
-            qkv.serving.paged,
+            qkv.serving.batch,
             "_shared",
             lambda q, pool, pages: read.append(len(pages)) or real(q, pool, pages),
         )

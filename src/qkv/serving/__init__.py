@@ -8,9 +8,10 @@ are the caches attention reads. :class:`Batcher` is the scheduler of continuous 
 and :func:`sample` draws the next token.
 """
 
+from .batch import PagedBatch, PagedCaches
 from .latent import PagedLatentBatch, PagedLatentCache
 from .packed import PackedBatch
-from .paged import PagedBatch, PagedCaches, PagedKVCache
+from .paged import PagedKVCache
 from .pages import PageAllocator
 from .sampling import sample
 from .scheduler import Batcher, Decoder

@@ -22,7 +22,8 @@ from ..kernels.quant import check_finite, check_no_grad, dequantize, is_quantize
 from ..masks import Mask
 from ..masks.library import with_causal
 from ..varlen import paged_attention
-from .paged import _ragged_mask, _raw
+from .batch import _ragged_mask
+from .paged import _raw
 from .pages import PageAllocator, Pass
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .paged import PagedCaches
+from .batch import PagedCaches
 from .sampling import sample
 
 
