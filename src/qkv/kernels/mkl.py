@@ -13,8 +13,8 @@ these functions, so a context-parallel test that holds float64 ranks to one proc
 1e-10 failed about one run in ten.
 
 :func:`settle` calls each function once on one value of each dtype: one thread, so MKL's
-choice is made before any call can race. ``import qkv`` runs it: 1.0 ms in a fresh
-process here (MKL's own first-call setup), 21 µs once settled."""
+choice is made before any call can race. ``import qkv`` runs it (its cost:
+docs/benchmarks.md, "measurements behind code choices")."""
 
 from __future__ import annotations
 
