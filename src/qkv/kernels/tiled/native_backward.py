@@ -15,11 +15,7 @@ from typing import NamedTuple
 import torch
 
 from .args import alibi_at, bias_at, bounds_at, check_call, check_keys, source
-
-try:
-    from . import _native  # type: ignore[attr-defined]
-except ImportError:  # not built: the flash steps never call here (native.supports is False)
-    _native = None
+from .native import _native  # the built module (None where not built: never called then)
 
 
 def backward(
